@@ -1,0 +1,94 @@
+"""The one exception tree of elasticps.
+
+Every error elasticps raises on purpose derives from :class:`ElasticPSError`.
+Errors are translated at boundaries (``raise X from exc``): gRPC status codes
+in the master service, error frames on the tensor plane, and a one-line
+message with a non-zero exit code in the CLI.
+
+``UserError`` and its subclasses are mistakes a user can fix (a missing file,
+a bad flag, a model file that breaks the contract). The CLI prints them as one
+line, without a traceback, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+
+class ElasticPSError(Exception):
+    """Base class of every error raised by elasticps."""
+
+
+# --- user mistakes: one line, no traceback, exit status 2 -------------------
+
+
+class UserError(ElasticPSError):
+    """A mistake the user can fix; reported as one line without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is invalid (for example ``--trainers 0``)."""
+
+
+class DataError(UserError):
+    """A dataset is missing, unreadable, or does not have the expected columns."""
+
+
+class ModelContractError(UserError):
+    """A model file does not follow the contract documented in the README."""
+
+
+class PortInUseError(UserError):
+    """A port the user asked for is already bound by another process."""
+
+
+# --- protocol and coordination -------------------------------------------
+
+
+class ProtocolError(ElasticPSError):
+    """A message on the wire is malformed; the connection that sent it is closed."""
+
+
+class FrameError(ProtocolError):
+    """A tensor-plane frame header or body failed validation."""
+
+
+class RemoteError(ElasticPSError):
+    """A server answered a request with an error.
+
+    Attributes:
+        code: a short machine-readable error code sent by the server.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class CoordinationError(ElasticPSError):
+    """etcd could not be reached, or a lease, lock or slot claim failed."""
+
+
+class ServiceUnavailableError(ElasticPSError):
+    """A peer (master or parameter server) did not answer before a deadline."""
+
+
+# --- task dispatch and updates ----------------------------------------------
+
+
+class StaleTaskError(ElasticPSError):
+    """A report names a task attempt that is no longer current.
+
+    The attempt timed out and was re-dispatched, or belongs to an earlier pass.
+    The report is rejected so that a task is never counted twice.
+    """
+
+
+class UnknownTaskError(ElasticPSError):
+    """A report names a task id the master never created."""
+
+
+class LayoutMismatchError(ElasticPSError):
+    """A trainer's parameter layout differs from the one a parameter server holds."""
+
+
+class JobFailedError(ElasticPSError):
+    """A process of the job (master, parameter server or trainer) failed."""

@@ -1,0 +1,40 @@
+"""Small socket helpers shared by the servers and the launcher."""
+
+from __future__ import annotations
+
+import socket
+
+from elasticps.errors import PortInUseError
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """Return a TCP port on ``host`` that was free at the time of the call.
+
+    The port is released before returning, so another process may take it; the
+    caller binds it promptly and treats ``EADDRINUSE`` as a retryable race.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def check_port_free(port: int, host: str = LOOPBACK, *, what: str = "port") -> None:
+    """Raise :class:`PortInUseError` if ``host:port`` cannot be bound now.
+
+    Args:
+        port: TCP port number, 1..65535.
+        host: interface address to test.
+        what: what the port is for, used in the error message (e.g. "--etcd-port").
+
+    Raises:
+        PortInUseError: the port is bound by another process.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers bind: a port in TIME_WAIT from our own last run is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(f"{what} {host}:{port} is already in use") from exc
