@@ -1,0 +1,581 @@
+"""Tests of the master's pure task queue (``elasticps.master.taskqueue``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+)
+
+from elasticps.errors import ConfigError, StaleTaskError, UnknownTaskError
+from elasticps.master.taskqueue import (
+    MAX_RETRY_AFTER_S,
+    DataRange,
+    Dispatch,
+    EventKind,
+    Finished,
+    QueueConfig,
+    QueueStats,
+    TaskEvent,
+    TaskQueue,
+    TaskState,
+    Wait,
+    split_into_tasks,
+)
+
+TIMEOUT_S = 10.0
+
+
+def make_queue(
+    num_tasks: int = 3,
+    *,
+    max_task_timeouts: int = 2,
+    num_passes: int = 1,
+) -> TaskQueue:
+    ranges = [DataRange("data.parquet", 10 * i, 10 * i + 10) for i in range(num_tasks)]
+    config = QueueConfig(
+        task_timeout_s=TIMEOUT_S, max_task_timeouts=max_task_timeouts, num_passes=num_passes
+    )
+    return TaskQueue(ranges, config)
+
+
+def dispatch(queue: TaskQueue, trainer_id: str = "t0", now: float = 0.0) -> Dispatch:
+    result, _ = queue.get_task(trainer_id, now)
+    assert isinstance(result, Dispatch)
+    return result
+
+
+def succeed(queue: TaskQueue, d: Dispatch, now: float = 0.0) -> list[TaskEvent]:
+    return queue.report_task(d.task_id, d.pass_id, d.attempt, success=True, now=now)
+
+
+def kinds(events: list[TaskEvent]) -> list[EventKind]:
+    return [e.kind for e in events]
+
+
+# --- DataRange and split_into_tasks --------------------------------------------
+
+
+def test_data_range_rejects_empty_or_negative_ranges() -> None:
+    with pytest.raises(ValueError, match="start < end"):
+        DataRange("f", 5, 5)
+    with pytest.raises(ValueError, match="start < end"):
+        DataRange("f", -1, 3)
+    assert DataRange("f", 2, 7).num_rows == 5
+
+
+def test_split_cuts_files_into_contiguous_ranges_in_file_order() -> None:
+    ranges = split_into_tasks([("a", 25), ("b", 10)], records_per_task=10)
+    assert ranges == [
+        DataRange("a", 0, 10),
+        DataRange("a", 10, 20),
+        DataRange("a", 20, 25),
+        DataRange("b", 0, 10),
+    ]
+
+
+def test_split_skips_empty_files() -> None:
+    assert split_into_tasks([("a", 0), ("b", 3), ("c", 0)], records_per_task=5) == [
+        DataRange("b", 0, 3)
+    ]
+    assert split_into_tasks([], records_per_task=5) == []
+
+
+def test_split_rejects_non_positive_records_per_task() -> None:
+    with pytest.raises(ConfigError, match="records_per_task"):
+        split_into_tasks([("a", 10)], records_per_task=0)
+
+
+def test_split_rejects_negative_row_counts() -> None:
+    with pytest.raises(ConfigError, match="negative"):
+        split_into_tasks([("a", -1)], records_per_task=1)
+
+
+# --- configuration ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"task_timeout_s": 0.0},
+        {"task_timeout_s": -1.0},
+        {"task_timeout_s": float("nan")},
+        {"max_task_timeouts": 0},
+        {"num_passes": 0},
+    ],
+)
+def test_queue_config_rejects_out_of_range_values(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        QueueConfig(**kwargs)
+
+
+def test_queue_needs_at_least_one_range() -> None:
+    with pytest.raises(ConfigError, match="at least one"):
+        TaskQueue([], QueueConfig())
+
+
+# --- dispatch and reports -------------------------------------------------------
+
+
+def test_tasks_are_dispatched_in_range_order_with_a_deadline() -> None:
+    queue = make_queue(3)
+    first, events = queue.get_task("t0", now=100.0)
+    assert first == Dispatch(
+        task_id=0, pass_id=0, attempt=1, data=DataRange("data.parquet", 0, 10), deadline=110.0
+    )
+    assert events == [
+        TaskEvent(EventKind.DISPATCHED, 0, pass_id=0, attempt=1, timeout_count=0, trainer_id="t0")
+    ]
+    assert [dispatch(queue, "t1").task_id, dispatch(queue, "t0").task_id] == [1, 2]
+    assert queue.state_of(0) is TaskState.PENDING
+    assert [d.task_id for d in queue.pending_of("t0")] == [0, 2]
+
+
+def test_successful_report_marks_the_task_done() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue)
+    events = succeed(queue, d)
+    assert events == [
+        TaskEvent(EventKind.DONE, 0, pass_id=0, attempt=1, timeout_count=0, trainer_id="t0")
+    ]
+    assert queue.state_of(0) is TaskState.DONE
+    assert queue.pending_of("t0") == []
+
+
+def test_timeout_requeues_the_task_at_the_end_with_its_count_raised() -> None:
+    queue = make_queue(3)
+    d0 = dispatch(queue, now=0.0)
+    assert queue.expire(now=TIMEOUT_S - 0.001) == []
+    events = queue.expire(now=TIMEOUT_S)
+    assert events == [
+        TaskEvent(
+            EventKind.REQUEUED,
+            0,
+            pass_id=0,
+            attempt=1,
+            timeout_count=1,
+            trainer_id="t0",
+            reason="timeout",
+        )
+    ]
+    assert queue.state_of(0) is TaskState.TODO
+    redispatched = [dispatch(queue, now=TIMEOUT_S) for _ in range(3)]
+    assert [d.task_id for d in redispatched] == [1, 2, 0]
+    assert redispatched[-1].attempt == d0.attempt + 1
+
+
+def test_task_fails_once_its_timeouts_exceed_the_limit() -> None:
+    queue = make_queue(1, max_task_timeouts=2)
+    now = 0.0
+    for expected_count in (1, 2):
+        dispatch(queue, now=now)
+        now += TIMEOUT_S
+        [event] = queue.expire(now)
+        assert (event.kind, event.timeout_count) == (EventKind.REQUEUED, expected_count)
+    dispatch(queue, now=now)
+    events = queue.expire(now + TIMEOUT_S)
+    assert kinds(events) == [EventKind.FAILED, EventKind.JOB_FINISHED]
+    assert (events[0].timeout_count, events[0].attempt, events[0].reason) == (3, 3, "timeout")
+    assert queue.state_of(0) is TaskState.FAILED
+
+
+def test_reported_failure_counts_like_a_timeout() -> None:
+    queue = make_queue(2, max_task_timeouts=1)
+    d = dispatch(queue)
+    [event] = queue.report_task(d.task_id, 0, d.attempt, success=False, now=1.0, error="OOM")
+    assert (event.kind, event.timeout_count) == (EventKind.REQUEUED, 1)
+    assert event.reason == "reported failure: OOM"
+    dispatch(queue)  # task 1
+    d = dispatch(queue)  # task 0 again
+    [event] = queue.report_task(d.task_id, 0, d.attempt, success=False, now=2.0, error="OOM")
+    assert (event.kind, event.timeout_count) == (EventKind.FAILED, 2)
+    assert queue.state_of(0) is TaskState.FAILED
+
+
+def test_report_for_old_attempt_is_rejected_after_timeout() -> None:
+    queue = make_queue(2)
+    old = dispatch(queue, "slow", now=0.0)
+    queue.expire(now=TIMEOUT_S)
+    dispatch(queue, "t1", now=TIMEOUT_S)  # task 1
+    new = dispatch(queue, "t2", now=TIMEOUT_S)  # task 0, attempt 2
+    before = (queue.stats(), queue.state_of(0), queue.pending_of("t2"), queue.next_deadline())
+
+    with pytest.raises(StaleTaskError, match=r"task 0: .*attempt 1 .*attempt 2"):
+        succeed(queue, old)
+    with pytest.raises(StaleTaskError):
+        queue.report_task(0, 0, old.attempt, success=False, now=TIMEOUT_S, error="late")
+
+    after = (queue.stats(), queue.state_of(0), queue.pending_of("t2"), queue.next_deadline())
+    assert after == before
+    assert kinds(succeed(queue, new)) == [EventKind.DONE]
+
+
+def test_second_report_for_a_done_task_is_rejected() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue)
+    succeed(queue, d)
+    before = queue.stats()
+    with pytest.raises(StaleTaskError):
+        succeed(queue, d)
+    assert queue.stats() == before
+
+
+def test_report_from_an_earlier_pass_is_rejected() -> None:
+    queue = make_queue(1, num_passes=2)
+    d = dispatch(queue)
+    succeed(queue, d)  # finishes pass 0
+    assert queue.stats().pass_id == 1
+    current = dispatch(queue)
+    assert (current.pass_id, current.attempt) == (1, 2)
+    with pytest.raises(StaleTaskError, match="pass 0"):
+        succeed(queue, d)
+    # Right attempt number, wrong pass: still stale.
+    with pytest.raises(StaleTaskError):
+        queue.report_task(0, 0, current.attempt, success=True, now=0.0)
+    assert queue.state_of(0) is TaskState.PENDING
+
+
+def test_late_timeout_of_a_reported_attempt_is_ignored() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue, now=0.0)
+    succeed(queue, d, now=1.0)
+    assert queue.expire(now=2 * TIMEOUT_S) == []
+    assert queue.state_of(0) is TaskState.DONE
+
+
+def test_report_after_the_deadline_but_before_expire_is_accepted() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue, now=0.0)
+    assert kinds(succeed(queue, d, now=2 * TIMEOUT_S)) == [EventKind.DONE]
+    assert queue.expire(now=2 * TIMEOUT_S) == []
+
+
+def test_unknown_task_ids_are_rejected() -> None:
+    queue = make_queue(2)
+    with pytest.raises(UnknownTaskError, match="task 2"):
+        queue.report_task(2, 0, 1, success=True, now=0.0)
+    with pytest.raises(UnknownTaskError):
+        queue.report_task(-1, 0, 1, success=True, now=0.0)
+    with pytest.raises(UnknownTaskError):
+        queue.state_of(5)
+
+
+def test_trainer_lost_requeues_its_tasks_without_raising_their_count() -> None:
+    queue = make_queue(3, max_task_timeouts=1)
+    dispatch(queue, "dead")
+    dispatch(queue, "alive")
+    dispatch(queue, "dead")
+    events = queue.trainer_lost("dead", now=1.0)
+    assert [(e.kind, e.task_id, e.timeout_count, e.reason) for e in events] == [
+        (EventKind.REQUEUED, 0, 0, "trainer lost"),
+        (EventKind.REQUEUED, 2, 0, "trainer lost"),
+    ]
+    assert queue.pending_of("dead") == []
+    assert queue.trainer_lost("dead", now=1.0) == []
+    assert queue.trainer_lost("never-seen", now=1.0) == []
+    # Losing a trainer many times never fails a task.
+    for _ in range(3):
+        d = dispatch(queue, "flaky")
+        queue.trainer_lost("flaky", now=1.0)
+        assert queue.state_of(d.task_id) is TaskState.TODO
+    assert queue.stats().failed == 0
+
+
+# --- passes and the end of the job ---------------------------------------------
+
+
+def test_next_pass_starts_with_all_tasks_todo_and_counts_reset() -> None:
+    queue = make_queue(2, max_task_timeouts=1, num_passes=2)
+    now = 0.0
+    dispatch(queue, now=now)  # task 0 times out twice and fails
+    now += TIMEOUT_S
+    queue.expire(now)
+    d1 = dispatch(queue, now=now)
+    d0 = dispatch(queue, now=now)
+    assert d0.task_id == 0
+    queue.report_task(0, 0, d0.attempt, success=False, now=now, error="bad")
+    assert queue.state_of(0) is TaskState.FAILED
+
+    events = succeed(queue, d1, now=now)
+    assert kinds(events) == [EventKind.DONE, EventKind.PASS_STARTED]
+    assert events[1] == TaskEvent(EventKind.PASS_STARTED, None, 1, 0, 0, None)
+    assert queue.stats() == QueueStats(
+        pass_id=1, num_passes=2, total=2, todo=2, pending=0, done=0, failed=0, finished=False
+    )
+    assert [queue.state_of(i) for i in (0, 1)] == [TaskState.TODO, TaskState.TODO]
+
+    result, dispatched = queue.get_task("t0", now)
+    assert isinstance(result, Dispatch)
+    assert (result.task_id, result.pass_id, result.attempt) == (0, 1, 3)
+    assert dispatched[0].timeout_count == 0
+    # The count was reset: one timeout no longer fails task 0.
+    [event] = queue.expire(now + TIMEOUT_S)
+    assert (event.kind, event.timeout_count) == (EventKind.REQUEUED, 1)
+
+
+def test_get_task_returns_finished_after_the_last_pass() -> None:
+    queue = make_queue(2, num_passes=2)
+    all_events: list[TaskEvent] = []
+    for _ in range(4):
+        all_events += succeed(queue, dispatch(queue))
+    assert kinds(all_events).count(EventKind.PASS_STARTED) == 1
+    assert kinds(all_events)[-1] is EventKind.JOB_FINISHED
+    assert kinds(all_events).count(EventKind.JOB_FINISHED) == 1
+    assert queue.get_task("t0", now=1.0) == (Finished(), [])
+    assert queue.expire(now=1e9) == []
+    assert queue.trainer_lost("t0", now=1e9) == []
+    assert queue.stats().finished
+    assert queue.stats().pass_id == 1
+
+
+def test_get_task_says_wait_when_everything_is_pending() -> None:
+    queue = make_queue(1)
+    dispatch(queue, "t0", now=0.0)
+    result, events = queue.get_task("t1", now=0.0)
+    assert result == Wait(retry_after_s=MAX_RETRY_AFTER_S)
+    assert events == []
+    # Close to the deadline, the hint shrinks to the time left, but stays > 0.
+    result, _ = queue.get_task("t1", now=TIMEOUT_S - 0.25)
+    assert isinstance(result, Wait)
+    assert result.retry_after_s == pytest.approx(0.25)
+    result, _ = queue.get_task("t1", now=TIMEOUT_S + 5.0)
+    assert isinstance(result, Wait)
+    assert result.retry_after_s > 0
+
+
+def test_stats_count_tasks_in_each_state() -> None:
+    queue = make_queue(5, max_task_timeouts=1, num_passes=3)
+    assert queue.stats() == QueueStats(
+        pass_id=0, num_passes=3, total=5, todo=5, pending=0, done=0, failed=0, finished=False
+    )
+    d0 = dispatch(queue, now=0.0)
+    d1 = dispatch(queue, now=0.0)
+    dispatch(queue, now=0.0)
+    succeed(queue, d0)
+    queue.report_task(d1.task_id, 0, d1.attempt, success=False, now=0.0)
+    stats = queue.stats()
+    assert (stats.todo, stats.pending, stats.done, stats.failed) == (3, 1, 1, 0)
+    d1 = dispatch(queue, now=0.0)
+    while d1.task_id != 1:
+        d1 = dispatch(queue, now=0.0)
+    queue.report_task(1, 0, d1.attempt, success=False, now=0.0)
+    stats = queue.stats()
+    assert (stats.todo, stats.pending, stats.done, stats.failed) == (0, 3, 1, 1)
+    assert stats.todo + stats.pending + stats.done + stats.failed == stats.total
+
+
+def test_next_deadline_is_the_earliest_pending_deadline() -> None:
+    queue = make_queue(3)
+    assert queue.next_deadline() is None
+    d0 = dispatch(queue, now=1.0)
+    d1 = dispatch(queue, now=2.0)
+    assert queue.next_deadline() == 1.0 + TIMEOUT_S
+    succeed(queue, d0)
+    assert queue.next_deadline() == 2.0 + TIMEOUT_S
+    queue.trainer_lost("t0", now=3.0)
+    assert queue.next_deadline() is None
+    assert d1.task_id == 1
+
+
+def test_deadlines_stay_correct_when_reports_outpace_expire() -> None:
+    # One slow attempt holds the earliest deadline while many others are
+    # dispatched and reported without expire() running, so the deadline heap
+    # fills with dead entries and is compacted; the slow one must still time out.
+    queue = make_queue(100)
+    slow = dispatch(queue, "slow", now=0.0)
+    for i in range(1, 100):
+        d = dispatch(queue, "fast", now=float(i) / 100)
+        assert d.task_id == i
+        succeed(queue, d)
+    assert queue.next_deadline() == slow.deadline
+    assert queue.expire(slow.deadline - 0.001) == []
+    [event] = queue.expire(slow.deadline)
+    assert (event.kind, event.task_id, event.reason) == (EventKind.REQUEUED, 0, "timeout")
+    assert queue.next_deadline() is None
+    assert kinds(succeed(queue, dispatch(queue))) == [EventKind.DONE, EventKind.JOB_FINISHED]
+
+
+# --- invariant: every task ends DONE or FAILED exactly once per pass ------------
+
+TRAINERS = ("a", "b", "c")
+
+
+class TaskQueueMachine(RuleBasedStateMachine):
+    """Random interleavings of dispatch, reports, expiry and trainer loss."""
+
+    dispatches = Bundle("dispatches")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.outcomes: Counter[tuple[int, int]] = Counter()
+        self.passes_started = 0
+        self.jobs_finished = 0
+        self.attempts_seen: set[tuple[int, int]] = set()
+        # Model of each task's timeout count, keyed by (pass, task).
+        self.timeout_counts: Counter[tuple[int, int]] = Counter()
+
+    @initialize(
+        num_tasks=st.integers(1, 5),
+        max_task_timeouts=st.integers(1, 3),
+        num_passes=st.integers(1, 3),
+    )
+    def create(self, num_tasks: int, max_task_timeouts: int, num_passes: int) -> None:
+        self.num_tasks = num_tasks
+        self.num_passes = num_passes
+        self.max_task_timeouts = max_task_timeouts
+        self.queue = make_queue(
+            num_tasks, max_task_timeouts=max_task_timeouts, num_passes=num_passes
+        )
+
+    def record(self, events: list[TaskEvent]) -> None:
+        for event in events:
+            self.check_timeout_count(event)
+            if event.kind in (EventKind.DONE, EventKind.FAILED):
+                assert event.task_id is not None
+                key = (event.pass_id, event.task_id)
+                assert self.outcomes[key] == 0, f"task ended twice in a pass: {key}"
+                self.outcomes[key] += 1
+            elif event.kind is EventKind.PASS_STARTED:
+                self.passes_started += 1
+                self.check_pass_complete(event.pass_id - 1)
+            elif event.kind is EventKind.JOB_FINISHED:
+                self.jobs_finished += 1
+                self.check_pass_complete(event.pass_id)
+
+    def check_timeout_count(self, event: TaskEvent) -> None:
+        if event.task_id is None:
+            return
+        key = (event.pass_id, event.task_id)
+        counted = event.kind is EventKind.FAILED or (
+            event.kind is EventKind.REQUEUED and event.reason != "trainer lost"
+        )
+        if counted:
+            self.timeout_counts[key] += 1
+        assert event.timeout_count == self.timeout_counts[key], event
+        if event.kind is EventKind.FAILED:
+            assert event.timeout_count > self.max_task_timeouts, event
+        if event.kind is EventKind.REQUEUED:
+            assert event.timeout_count <= self.max_task_timeouts, event
+
+    def check_pass_complete(self, pass_id: int) -> None:
+        for task_id in range(self.num_tasks):
+            assert self.outcomes[(pass_id, task_id)] == 1, (pass_id, task_id)
+
+    @rule(target=dispatches, trainer=st.sampled_from(TRAINERS))
+    def get_task(self, trainer: str) -> Dispatch | None:
+        result, events = self.queue.get_task(trainer, self.now)
+        self.record(events)
+        if isinstance(result, Dispatch):
+            key = (result.task_id, result.attempt)
+            assert key not in self.attempts_seen, "attempt number reused"
+            self.attempts_seen.add(key)
+            assert result.deadline == self.now + TIMEOUT_S
+            return result
+        if isinstance(result, Wait):
+            assert 0 < result.retry_after_s <= MAX_RETRY_AFTER_S
+            assert self.queue.stats().pending > 0
+        else:
+            assert self.queue.stats().finished
+        return None
+
+    @rule(d=dispatches, success=st.booleans())
+    def report(self, d: Dispatch | None, success: bool) -> None:
+        if d is None:
+            return
+        holders = [t for t in TRAINERS if d in self.queue.pending_of(t)]
+        before = self.snapshot()
+        try:
+            events = self.queue.report_task(
+                d.task_id, d.pass_id, d.attempt, success=success, now=self.now, error="boom"
+            )
+        except StaleTaskError:
+            assert holders == [], "current attempt rejected as stale"
+            assert self.snapshot() == before, "rejected report changed the queue"
+            return
+        assert len(holders) == 1, "stale attempt accepted"
+        self.record(events)
+
+    @rule(seconds=st.sampled_from([0.0, 0.5, TIMEOUT_S / 2, TIMEOUT_S, 3 * TIMEOUT_S]))
+    def advance_clock_and_expire(self, seconds: float) -> None:
+        self.now += seconds
+        self.record(self.queue.expire(self.now))
+        deadline = self.queue.next_deadline()
+        assert deadline is None or deadline > self.now
+
+    @rule(seconds=st.sampled_from([0.5, TIMEOUT_S]))
+    def advance_clock_only(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(trainer=st.sampled_from(TRAINERS))
+    def lose_trainer(self, trainer: str) -> None:
+        held = self.queue.pending_of(trainer)
+        events = self.queue.trainer_lost(trainer, self.now)
+        assert [e.task_id for e in events if e.kind is EventKind.REQUEUED] == [
+            d.task_id for d in held
+        ]
+        assert EventKind.FAILED not in kinds(events)
+        self.record(events)
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (
+            self.queue.stats(),
+            tuple(self.queue.state_of(i) for i in range(self.num_tasks)),
+            tuple(tuple(self.queue.pending_of(t)) for t in TRAINERS),
+            self.queue.next_deadline(),
+        )
+
+    @invariant()
+    def counters_add_up(self) -> None:
+        stats = self.queue.stats()
+        states = Counter(self.queue.state_of(i) for i in range(self.num_tasks))
+        assert stats.todo == states[TaskState.TODO]
+        assert stats.pending == states[TaskState.PENDING]
+        assert stats.done == states[TaskState.DONE]
+        assert stats.failed == states[TaskState.FAILED]
+        assert stats.pending == sum(len(self.queue.pending_of(t)) for t in TRAINERS)
+        assert stats.finished or stats.todo + stats.pending > 0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "queue"):
+            return
+        # Drive the job to completion: one diligent trainer takes every task
+        # and succeeds; tasks held by others are reclaimed by timeouts.
+        for _ in range(10 * self.num_tasks * self.num_passes + 10):
+            result, events = self.queue.get_task("finisher", self.now)
+            self.record(events)
+            if isinstance(result, Finished):
+                break
+            if isinstance(result, Wait):
+                self.now += TIMEOUT_S
+                self.record(self.queue.expire(self.now))
+            else:
+                assert isinstance(result, Dispatch)
+                self.record(succeed(self.queue, result, self.now))
+        else:
+            pytest.fail("job did not finish")
+        assert self.jobs_finished == 1
+        assert self.passes_started == self.num_passes - 1
+        for pass_id in range(self.num_passes):
+            self.check_pass_complete(pass_id)
+        assert set(self.outcomes) == {
+            (p, t) for p in range(self.num_passes) for t in range(self.num_tasks)
+        }
+
+
+TaskQueueMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_every_task_ends_done_or_failed_exactly_once_per_pass = TaskQueueMachine.TestCase
