@@ -1,0 +1,243 @@
+"""Row counts, column checks and row-range reads of Parquet files.
+
+A task names a row range ``[start, end)`` of one Parquet file. The files are
+written with small row groups, and :class:`RangeReader` decodes only the row
+groups that overlap the range, found from the cumulative ``num_rows`` of the
+row-group metadata. Every failure is reported as a one-line
+:class:`~elasticps.errors.DataError` naming the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elasticps.errors import DataError
+
+
+def _one_line(exc: BaseException) -> str:
+    """Return ``exc`` as a single line of text for an error message."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _open_metadata(path: Path) -> pq.FileMetaData:
+    """Read the footer of a Parquet file, translating failures to :class:`DataError`."""
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    try:
+        return pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"not a readable Parquet file: {path} ({_one_line(exc)})") from exc
+
+
+def count_rows(path: str | Path) -> int:
+    """Return the number of rows of a Parquet file, from its footer only.
+
+    Args:
+        path: a Parquet file.
+
+    Returns:
+        Total rows over all row groups.
+
+    Raises:
+        DataError: the file is missing or is not Parquet.
+    """
+    return int(_open_metadata(Path(path)).num_rows)
+
+
+def column_names(path: str | Path) -> list[str]:
+    """Return the top-level column names of a Parquet file, from its footer only.
+
+    Raises:
+        DataError: the file is missing or is not Parquet.
+    """
+    return list(_open_metadata(Path(path)).schema.to_arrow_schema().names)
+
+
+def _missing_columns_error(path: Path, missing: Sequence[str], present: Sequence[str]) -> DataError:
+    return DataError(
+        f"data file {path} lacks column(s) {', '.join(repr(c) for c in missing)}; "
+        f"it has: {', '.join(repr(c) for c in present) or '(no columns)'}"
+    )
+
+
+def check_columns(path: str | Path, required: Sequence[str]) -> None:
+    """Check that a Parquet file has every column in ``required``.
+
+    Args:
+        path: a Parquet file.
+        required: column names the caller will read (e.g. a model file's ``COLUMNS``).
+
+    Raises:
+        DataError: the file is missing or is not Parquet, or columns are
+            missing; the message names the missing columns, the file and the
+            columns the file does have.
+    """
+    present = column_names(path)
+    missing = [name for name in required if name not in present]
+    if missing:
+        raise _missing_columns_error(Path(path), missing, present)
+
+
+def resolve_dataset(data: str | Path, split: str = "train") -> Path:
+    """Return the Parquet file named by ``data``.
+
+    Args:
+        data: a Parquet file, or a directory holding ``<split>.parquet`` (as
+            written by :func:`elasticps.data.mnist.prepare_mnist`).
+        split: split name used when ``data`` is a directory, e.g. ``"train"``
+            or ``"test"``.
+
+    Returns:
+        The path of the Parquet file.
+
+    Raises:
+        DataError: the file does not exist.
+    """
+    path = Path(data)
+    if path.is_dir():
+        path = path / f"{split}.parquet"
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    return path
+
+
+@dataclass(frozen=True)
+class _OpenFile:
+    """An opened Parquet file and the first row of each of its row groups."""
+
+    file: pq.ParquetFile
+    # group_starts[g] is the first row of row group g; group_starts[-1] is the
+    # total row count, so group g spans [group_starts[g], group_starts[g + 1]).
+    group_starts: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return self.group_starts[-1]
+
+
+class RangeReader:
+    """Reads row ranges of Parquet files, decoding only the overlapping row groups.
+
+    Opened files (and their row-group offsets) are cached per path, so the
+    footer of a file is parsed once however many tasks read from it. The cache
+    is safe to share between threads, but a ``pyarrow.parquet.ParquetFile`` is
+    not documented as thread-safe: give each reading thread its own reader.
+
+    Example::
+
+        reader = RangeReader()
+        table = reader.read_rows("data/train.parquet", 1000, 1100, ["pixels", "label"])
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[Path, _OpenFile] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, path: Path) -> _OpenFile:
+        with self._lock:
+            cached = self._files.get(path)
+        if cached is not None:
+            return cached
+        metadata = _open_metadata(path)
+        try:
+            parquet_file = pq.ParquetFile(path, metadata=metadata)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"not a readable Parquet file: {path} ({_one_line(exc)})") from exc
+        starts = [0]
+        for group in range(metadata.num_row_groups):
+            starts.append(starts[-1] + metadata.row_group(group).num_rows)
+        opened = _OpenFile(
+            file=parquet_file,
+            group_starts=tuple(starts),
+            names=tuple(parquet_file.schema_arrow.names),
+        )
+        with self._lock:
+            return self._files.setdefault(path, opened)
+
+    def num_rows(self, path: str | Path) -> int:
+        """Return the row count of ``path`` (cached after the first call).
+
+        Raises:
+            DataError: the file is missing or is not Parquet.
+        """
+        return self._open(Path(path)).num_rows
+
+    def read_rows(
+        self,
+        path: str | Path,
+        start: int,
+        end: int,
+        columns: Sequence[str] | None = None,
+    ) -> pa.Table:
+        """Return rows ``[start, end)`` of a Parquet file.
+
+        Only the row groups that overlap the range are read and decoded; the
+        result is then sliced to the exact range.
+
+        Args:
+            path: a Parquet file.
+            start: first row, 0-based, inclusive.
+            end: last row, exclusive; ``start <= end <= num_rows``. An empty
+                range returns an empty table with the requested columns.
+            columns: columns to read; ``None`` reads every column.
+
+        Returns:
+            A table with ``end - start`` rows (possibly several chunks).
+
+        Raises:
+            DataError: the file is missing or is not Parquet, the range is out
+                of bounds, a requested column is missing, or decoding fails.
+        """
+        path = Path(path)
+        opened = self._open(path)
+        if not 0 <= start <= end <= opened.num_rows:
+            raise DataError(
+                f"row range [{start}, {end}) is out of bounds for {path}, "
+                f"which has {opened.num_rows} rows"
+            )
+        names = None if columns is None else list(columns)
+        if names is not None:
+            missing = [name for name in names if name not in opened.names]
+            if missing:
+                raise _missing_columns_error(path, missing, opened.names)
+        if start == end:
+            schema = opened.file.schema_arrow
+            if names is not None:
+                schema = pa.schema([schema.field(name) for name in names])
+            return schema.empty_table()
+
+        starts = opened.group_starts
+        # Last group starting at or before `start` (skips empty groups), and the
+        # last group starting before `end`.
+        first_group = bisect.bisect_right(starts, start) - 1
+        last_group = bisect.bisect_left(starts, end) - 1
+        try:
+            table = opened.file.read_row_groups(
+                list(range(first_group, last_group + 1)), columns=names
+            )
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(
+                f"cannot read rows [{start}, {end}) of {path}: {_one_line(exc)}"
+            ) from exc
+        return table.slice(start - starts[first_group], end - start)
+
+    def close(self) -> None:
+        """Close every cached file; the reader can still be used afterwards."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for opened in files.values():
+            opened.file.close()
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,127 @@
+"""Evaluate trained parameters on a Parquet dataset: accuracy and mean loss.
+
+Used by ``elasticps evaluate`` on a checkpoint, and by the examples' tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from elasticps.data.parquet import RangeReader, check_columns, count_rows
+from elasticps.errors import ConfigError, DataError, ModelContractError
+from elasticps.model_file import ModelSpec
+
+
+def _shape(values: torch.Size) -> str:
+    return "[" + ", ".join(str(size) for size in values) + "]"
+
+
+def load_parameters(model: nn.Module, tensors: Mapping[str, Tensor], *, what: str) -> None:
+    """Load ``tensors`` into ``model`` with ``strict=True`` semantics.
+
+    Names and shapes are compared first so that a mismatch is reported as one
+    readable line rather than PyTorch's multi-line error.
+
+    Args:
+        model: the freshly built model.
+        tensors: name -> tensor, names as in ``model.state_dict()``.
+        what: how to name the model in error messages.
+
+    Raises:
+        ModelContractError: names or shapes differ from ``model.state_dict()``.
+    """
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong_shape = [
+        f"{name} {_shape(tensors[name].shape)} vs model {_shape(expected[name].shape)}"
+        for name in sorted(set(expected) & set(tensors))
+        if tensors[name].shape != expected[name].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
+        problems.append(f"unexpected {shown}")
+    if wrong_shape:
+        shown = "; ".join(wrong_shape[:3]) + ("; ..." if len(wrong_shape) > 3 else "")
+        problems.append(f"shape mismatch {shown}")
+    if problems:
+        raise ModelContractError(f"parameters do not match {what}: {'; '.join(problems)}")
+    try:
+        model.load_state_dict(dict(tensors), strict=True)
+    except RuntimeError as exc:  # e.g. a dtype that cannot be copied
+        message = " ".join(str(exc).split())
+        raise ModelContractError(f"cannot load parameters into {what}: {message}") from exc
+
+
+def evaluate(
+    spec: ModelSpec,
+    tensors: Mapping[str, Tensor],
+    data_path: Path,
+    *,
+    batch_size: int = 500,
+) -> dict[str, float]:
+    """Compute the accuracy and mean loss of a model on a Parquet file.
+
+    The model is built with ``spec.build()`` and loaded with ``tensors``; the
+    file is read in row ranges of ``batch_size`` rows with a
+    :class:`~elasticps.data.parquet.RangeReader`, under ``torch.no_grad()``
+    and ``model.eval()``.
+
+    Args:
+        spec: the loaded model file.
+        tensors: name -> tensor, the model's full ``state_dict`` (e.g. from
+            :func:`elasticps.checkpoint.load_checkpoint`).
+        data_path: a Parquet file with the columns ``spec.columns``.
+        batch_size: rows per forward pass (>= 1).
+
+    Returns:
+        ``{"accuracy": ..., "loss": ..., "samples": ...}``: the fraction of
+        rows where ``argmax(outputs, dim=1) == targets``; the sample-weighted
+        mean of ``spec.loss`` over the batches; and the row count (a float).
+
+    Raises:
+        ConfigError: ``batch_size`` < 1.
+        DataError: the file is missing, not Parquet, lacks a column, or is empty.
+        ModelContractError: ``tensors`` do not match the model, or the model's
+            outputs are not [B, classes] with int64 [B] targets.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    what = f"{spec.model_class} from {spec.path.name}"
+    check_columns(data_path, spec.columns)
+    total_rows = count_rows(data_path)
+    if total_rows == 0:
+        raise DataError(f"data file {data_path} has no rows to evaluate")
+
+    model = spec.build()
+    load_parameters(model, tensors, what=what)
+    model.eval()
+
+    correct = 0
+    loss_sum = 0.0
+    with RangeReader() as reader, torch.no_grad():
+        for start in range(0, total_rows, batch_size):
+            end = min(start + batch_size, total_rows)
+            batch = reader.read_rows(data_path, start, end, spec.columns)
+            inputs, targets = spec.batch_to_tensors(batch)
+            outputs = model(inputs)
+            if outputs.dim() != 2 or targets.shape != (end - start,):
+                raise ModelContractError(
+                    f"{what}: evaluation needs outputs [B, classes] and targets [B] "
+                    f"with B={end - start}; got outputs {_shape(outputs.shape)}, "
+                    f"targets {_shape(targets.shape)}"
+                )
+            loss_sum += float(spec.loss(outputs, targets)) * (end - start)
+            correct += int((outputs.argmax(dim=1) == targets).sum())
+    return {
+        "accuracy": correct / total_rows,
+        "loss": loss_sum / total_rows,
+        "samples": float(total_rows),
+    }

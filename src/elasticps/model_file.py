@@ -1,0 +1,273 @@
+"""Load a user's model file and check that it follows the model-file contract.
+
+A model file is a plain Python file (see ``examples/mnist_mlp.py``) that defines::
+
+    COLUMNS = ("pixels", "label")      # Parquet columns it reads
+
+    class Model(torch.nn.Module):      # name chosen by --model-class (default "Model");
+        ...                            # constructed with no arguments
+
+    def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        ...                            # scalar mean loss over the mini-batch
+
+    def batch_to_tensors(batch: pyarrow.Table) -> tuple[Tensor, Tensor]:
+        ...                            # (inputs, targets) of one mini-batch
+
+Every trainer loads the same file and calls :meth:`ModelSpec.instantiate` with
+the job's seed, so all trainers start from identical parameters. Parameters
+must be float32 (the tensor plane carries float32 only), see :func:`check_model`.
+
+Every violation is reported as a one-line
+:class:`~elasticps.errors.ModelContractError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import cast
+
+import pyarrow as pa
+import torch
+from torch import Tensor, nn
+
+from elasticps.errors import ModelContractError
+
+__all__ = ["ModelSpec", "check_model", "load_model_file"]
+
+_module_counter = itertools.count()
+
+
+def _one_line(exc: BaseException) -> str:
+    """Return ``"Type: message"`` on one line."""
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model file provides, after validation.
+
+    Attributes:
+        path: absolute path of the model file.
+        model_class: name of the ``nn.Module`` subclass in the file.
+        columns: Parquet columns that ``batch_to_tensors`` reads.
+        build: constructs a fresh model (the class, called with no arguments).
+            Raises :class:`ModelContractError` if the constructor fails.
+        loss: ``loss(outputs, targets) -> Tensor``, a scalar mean loss over the
+            mini-batch.
+        batch_to_tensors: ``batch_to_tensors(batch) -> (inputs, targets)`` for
+            one mini-batch given as a ``pyarrow.Table`` with (at least)
+            ``columns``.
+    """
+
+    path: Path
+    model_class: str
+    columns: tuple[str, ...]
+    build: Callable[[], nn.Module]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    batch_to_tensors: Callable[[pa.Table], tuple[Tensor, Tensor]]
+
+    def instantiate(self, seed: int) -> nn.Module:
+        """Build the model with parameters initialised from ``seed``.
+
+        The constructor runs under ``torch.manual_seed(seed)`` inside
+        ``torch.random.fork_rng``, so equal seeds give bit-identical initial
+        parameters on every trainer, and the caller's global RNG state is left
+        untouched.
+
+        Args:
+            seed: seed of the parameter initialisation.
+
+        Returns:
+            A fresh model that passed :func:`check_model`.
+
+        Raises:
+            ModelContractError: the constructor fails, or the model has
+                non-float32 or no trainable parameters.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self.build()
+        check_model(model, what=f"{self.model_class} from {self.path.name}")
+        return model
+
+
+def check_model(model: nn.Module, *, what: str = "model") -> None:
+    """Check that ``model`` can be trained by elasticps.
+
+    Args:
+        model: the module to check.
+        what: how to name the model in error messages.
+
+    Raises:
+        ModelContractError: a parameter is not float32 (the tensor plane
+            carries float32 only), or the model has no trainable parameters.
+    """
+    wrong_dtype = [
+        f"{name} ({str(param.dtype).removeprefix('torch.')})"
+        for name, param in model.named_parameters()
+        if param.dtype != torch.float32
+    ]
+    if wrong_dtype:
+        shown = ", ".join(wrong_dtype[:5]) + (", ..." if len(wrong_dtype) > 5 else "")
+        raise ModelContractError(f"{what}: parameters must be float32; found {shown}")
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ModelContractError(f"{what} has no trainable parameters")
+
+
+def _unique_module_name(path: Path) -> str:
+    """Return a module name that no other import uses, derived from ``path``."""
+    digest = hashlib.sha1(str(path).encode(), usedforsecurity=False).hexdigest()[:12]
+    return f"_elasticps_model_file_{digest}_{next(_module_counter)}"
+
+
+def _error_line(exc: BaseException, path: Path) -> int | None:
+    """Return the line of ``path`` where ``exc`` was raised, if it was raised there."""
+    if isinstance(exc, SyntaxError) and exc.filename == str(path):
+        return exc.lineno
+    frames = [
+        frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == str(path)
+    ]
+    return frames[-1].lineno if frames else None
+
+
+def _import_file(path: Path, shown: str) -> ModuleType:
+    """Execute a model file as a fresh module under a unique name."""
+    name = _unique_module_name(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelContractError(f"cannot import model file {shown}: not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    # Registered under its unique name while it runs, so that code in the file
+    # that looks itself up (dataclasses, typing.get_type_hints) works.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        del sys.modules[name]
+        line = _error_line(exc, path)
+        where = f"{shown}, line {line}" if line is not None else shown
+        raise ModelContractError(f"error in model file {where}: {_one_line(exc)}") from exc
+    return module
+
+
+def _module_subclasses(module: ModuleType) -> list[str]:
+    """Names of the ``nn.Module`` subclasses defined in (not imported into) ``module``."""
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if inspect.isclass(value)
+        and issubclass(value, nn.Module)
+        and value.__module__ == module.__name__
+    )
+
+
+def _model_class(module: ModuleType, model_class: str, shown: str) -> type[nn.Module]:
+    value = getattr(module, model_class, None)
+    if value is None:
+        defined = ", ".join(_module_subclasses(module)) or "(none)"
+        raise ModelContractError(
+            f"model file {shown} has no class {model_class!r}; "
+            f"torch.nn.Module subclasses it defines: {defined} (choose one with --model-class)"
+        )
+    if not inspect.isclass(value) or not issubclass(value, nn.Module):
+        kind = "a class" if inspect.isclass(value) else type(value).__name__
+        raise ModelContractError(
+            f"{model_class!r} in model file {shown} is not a torch.nn.Module subclass "
+            f"(it is {kind})"
+        )
+    return value
+
+
+def _callable(module: ModuleType, name: str, signature: str, shown: str) -> Callable[..., object]:
+    value = getattr(module, name, None)
+    if value is None:
+        raise ModelContractError(f"model file {shown} does not define {signature}")
+    if not callable(value):
+        raise ModelContractError(
+            f"{name!r} in model file {shown} is not callable (it is {type(value).__name__}); "
+            f"expected {signature}"
+        )
+    return cast(Callable[..., object], value)
+
+
+def _columns(module: ModuleType, shown: str) -> tuple[str, ...]:
+    example = 'e.g. COLUMNS = ("pixels", "label")'
+    if not hasattr(module, "COLUMNS"):
+        raise ModelContractError(
+            f"model file {shown} does not define COLUMNS, the Parquet columns it reads ({example})"
+        )
+    columns = module.COLUMNS
+    if (
+        not isinstance(columns, tuple)
+        or not columns
+        or not all(isinstance(column, str) and column for column in columns)
+    ):
+        raise ModelContractError(
+            f"COLUMNS in model file {shown} must be a non-empty tuple of column names "
+            f"({example}); got {columns!r:.80}"
+        )
+    if len(set(columns)) != len(columns):
+        raise ModelContractError(f"COLUMNS in model file {shown} repeats a column: {columns!r}")
+    return columns
+
+
+def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
+    """Import a model file and check it against the contract.
+
+    The file is executed as a module under a unique name, so loading two files
+    (or one file twice) never mixes their definitions. Its directory is not
+    added to ``sys.path``: a model file should import only installed packages.
+
+    Args:
+        path: the model file, e.g. ``examples/mnist_mlp.py``.
+        model_class: name of the ``torch.nn.Module`` subclass to train.
+
+    Returns:
+        The validated :class:`ModelSpec`.
+
+    Raises:
+        ModelContractError: the file is missing, raises while importing, lacks
+            the class (the message lists the ``nn.Module`` subclasses it does
+            define), the class is not an ``nn.Module`` subclass, ``loss`` or
+            ``batch_to_tensors`` is missing or not callable, or ``COLUMNS`` is
+            missing or not a tuple of strings.
+    """
+    shown = str(path)
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise ModelContractError(f"model file not found: {shown}")
+    module = _import_file(resolved, shown)
+    cls = _model_class(module, model_class, shown)
+    loss = _callable(module, "loss", "loss(outputs, targets) -> Tensor", shown)
+    batch_to_tensors = _callable(
+        module, "batch_to_tensors", "batch_to_tensors(batch) -> (inputs, targets)", shown
+    )
+    columns = _columns(module, shown)
+
+    def build() -> nn.Module:
+        try:
+            model = cls()
+        except Exception as exc:
+            raise ModelContractError(
+                f"cannot construct {model_class}() from model file {shown}: {_one_line(exc)}"
+            ) from exc
+        return model
+
+    return ModelSpec(
+        path=resolved,
+        model_class=model_class,
+        columns=columns,
+        build=build,
+        loss=cast(Callable[[Tensor, Tensor], Tensor], loss),
+        batch_to_tensors=cast(Callable[[pa.Table], tuple[Tensor, Tensor]], batch_to_tensors),
+    )

@@ -1,0 +1,153 @@
+"""Tests of evaluation: accuracy and sample-weighted loss over a Parquet file."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elasticps.checkpoint import load_checkpoint, save_checkpoint
+from elasticps.data.mnist import prepare_mnist
+from elasticps.errors import ConfigError, DataError, ModelContractError
+from elasticps.evaluate import evaluate
+from elasticps.model_file import ModelSpec, load_model_file
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+# outputs = [-x, x] for a scalar feature x, with the rigged weights below.
+THRESHOLD_MODEL = """
+import torch
+import torch.nn.functional as F
+
+COLUMNS = ("x", "y")
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 2)
+
+    def forward(self, inputs):
+        return self.linear(inputs)
+
+def loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+
+def batch_to_tensors(batch):
+    x = torch.tensor(batch.column("x").to_pylist(), dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(batch.column("y").to_pylist(), dtype=torch.int64)
+    return x, y
+"""
+
+RIGGED = {"linear.weight": torch.tensor([[-1.0], [1.0]]), "linear.bias": torch.zeros(2)}
+XS = [-2.0, -1.0, 0.5, 3.0]
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> ModelSpec:
+    path = tmp_path / "threshold.py"
+    path.write_text(textwrap.dedent(THRESHOLD_MODEL))
+    return load_model_file(path)
+
+
+def write_data(path: Path, xs: list[float], ys: list[int]) -> Path:
+    table = pa.table({"x": pa.array(xs, pa.float32()), "y": pa.array(ys, pa.int64())})
+    pq.write_table(table, path, row_group_size=2)
+    return path
+
+
+def hand_loss(x: float, label: int) -> float:
+    """Cross-entropy of logits [-x, x] for ``label``."""
+    logits = [-x, x]
+    return math.log(math.exp(logits[0]) + math.exp(logits[1])) - logits[label]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 4, 500])
+def test_a_perfect_model_scores_accuracy_one_and_the_hand_computed_loss(
+    spec: ModelSpec, tmp_path: Path, batch_size: int
+) -> None:
+    labels = [0, 0, 1, 1]
+    data = write_data(tmp_path / "d.parquet", XS, labels)
+    result = evaluate(spec, RIGGED, data, batch_size=batch_size)
+    assert result["accuracy"] == 1.0
+    assert result["samples"] == 4.0
+    expected = sum(hand_loss(x, y) for x, y in zip(XS, labels, strict=True)) / 4
+    assert result["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_loss_is_weighted_by_samples_when_batches_differ_in_size(
+    spec: ModelSpec, tmp_path: Path
+) -> None:
+    labels = [1, 0, 0, 1]  # first and third wrong
+    data = write_data(tmp_path / "d.parquet", XS, labels)
+    # Batches of 3 and 1 rows: an unweighted mean of batch means would differ.
+    result = evaluate(spec, RIGGED, data, batch_size=3)
+    assert result["accuracy"] == 0.5
+    expected = sum(hand_loss(x, y) for x, y in zip(XS, labels, strict=True)) / 4
+    assert result["loss"] == pytest.approx(expected, rel=1e-6)
+    batch_means = [
+        sum(hand_loss(x, y) for x, y in zip(XS[:3], labels[:3], strict=True)) / 3,
+        hand_loss(XS[3], labels[3]),
+    ]
+    assert result["loss"] != pytest.approx(sum(batch_means) / 2, rel=1e-3)
+
+
+def test_mismatched_parameters_are_one_line_model_contract_errors(
+    spec: ModelSpec, tmp_path: Path
+) -> None:
+    data = write_data(tmp_path / "d.parquet", XS, [0, 0, 1, 1])
+    wrong = {"linear.weight": torch.zeros(2, 3), "extra": torch.zeros(1)}
+    with pytest.raises(ModelContractError) as info:
+        evaluate(spec, wrong, data)
+    message = str(info.value)
+    assert "parameters do not match Model from threshold.py" in message
+    assert "missing linear.bias" in message
+    assert "unexpected extra" in message
+    assert "shape mismatch linear.weight [2, 3] vs model [2, 1]" in message
+    assert "\n" not in message
+
+
+def test_missing_columns_are_reported_before_building_the_model(
+    spec: ModelSpec, tmp_path: Path
+) -> None:
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"x": [1.0], "z": [0]}), path)
+    with pytest.raises(DataError, match=r"lacks column\(s\) 'y'; it has: 'x', 'z'"):
+        evaluate(spec, {}, path)
+
+
+def test_empty_data_and_bad_batch_size_are_rejected(spec: ModelSpec, tmp_path: Path) -> None:
+    empty = write_data(tmp_path / "empty.parquet", [], [])
+    with pytest.raises(DataError, match="has no rows"):
+        evaluate(spec, RIGGED, empty)
+    with pytest.raises(ConfigError, match="batch_size"):
+        evaluate(spec, RIGGED, empty, batch_size=0)
+    with pytest.raises(DataError, match="data file not found"):
+        evaluate(spec, RIGGED, tmp_path / "absent.parquet")
+
+
+def test_outputs_that_are_not_class_scores_are_a_contract_error(tmp_path: Path) -> None:
+    source = textwrap.dedent(THRESHOLD_MODEL).replace(
+        "return self.linear(inputs)", "return self.linear(inputs).sum(dim=1)"
+    )
+    source = source.replace("F.cross_entropy(outputs, targets)", "outputs.mean()")
+    path = tmp_path / "scalar.py"
+    path.write_text(source)
+    data = write_data(tmp_path / "d.parquet", XS, [0, 0, 1, 1])
+    with pytest.raises(ModelContractError, match=r"outputs \[B, classes\].*got outputs \[4\]"):
+        evaluate(load_model_file(path), RIGGED, data)
+
+
+def test_example_checkpoint_evaluates_on_converted_mnist(tmp_path: Path) -> None:
+    _, test = prepare_mnist(tmp_path / "mnist")
+    spec = load_model_file(EXAMPLES / "mnist_mlp.py")
+    save_checkpoint(tmp_path / "ckpt", spec.instantiate(0).state_dict(), {"model_version": 0})
+    tensors, _ = load_checkpoint(tmp_path / "ckpt")
+    result = evaluate(spec, tensors, test, batch_size=300)
+    assert result["samples"] == 1000.0
+    assert 0.0 <= result["accuracy"] <= 0.3  # untrained: near chance (0.1)
+    assert result["loss"] == pytest.approx(math.log(10), abs=0.3)
