@@ -1,0 +1,238 @@
+"""Placement of parameters on parameter-server shards (pure: no I/O).
+
+A parameter goes whole to one shard, chosen by a stable hash of its name
+(CRC-32, so every process and every run agrees). A parameter with more than
+``big_array_bound`` elements is sliced evenly across all shards instead, as
+MXNet's KVStore does above ``MXNET_KVSTORE_BIGARRAY_BOUND`` (default 1e6).
+
+Every trainer keeps all its parameters in one flat float32 buffer, and the
+model's parameters are views into it. The flat order is chosen so that each
+shard's data is a few contiguous ranges of that buffer:
+
+    [whole params of shard 0][whole params of shard 1]...[big param 0][big param 1]...
+
+A big parameter is contiguous in the flat buffer (so it can back a model
+parameter), and its ``i``-th slice belongs to shard ``i``. On the wire a
+shard's body is the concatenation of its ranges in order, which is also the
+layout of the shard's own flat buffer on the parameter server. Both sides
+send and receive straight from these ranges, without copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from elasticps.errors import ConfigError
+
+DEFAULT_BIG_ARRAY_BOUND = 1_000_000
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A named parameter: its name and shape (float32 elements)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of one parameter that lives on one shard.
+
+    Attributes:
+        name: parameter name.
+        param_start: first element of the piece, in the flattened parameter.
+        param_end: one past the last element.
+        shard: index of the shard holding it.
+        shard_offset: element offset of the piece in the shard's flat buffer.
+        flat_offset: element offset of the piece in the trainer's flat buffer.
+    """
+
+    name: str
+    param_start: int
+    param_end: int
+    shard: int
+    shard_offset: int
+    flat_offset: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the piece."""
+        return self.param_end - self.param_start
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one shard holds.
+
+    Attributes:
+        index: shard index, ``0 <= index < num_shards``.
+        pieces: pieces in shard-buffer order.
+        numel: total float32 elements on the shard.
+        ranges: coalesced ``(flat_start, flat_end)`` element ranges of the
+            trainer's flat buffer, in shard-buffer order.
+    """
+
+    index: int
+    pieces: tuple[Piece, ...]
+    numel: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def describe(self) -> dict[str, object]:
+        """The layout as sent in a HELLO frame: JSON-ready, order-preserving."""
+        return {
+            "shard": self.index,
+            "numel": self.numel,
+            "pieces": [[p.name, p.param_start, p.param_end] for p in self.pieces],
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of :meth:`describe`; equal layouts have equal fingerprints."""
+        text = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every parameter lives, for ``num_shards`` parameter servers.
+
+    Attributes:
+        params: the parameters, in model order.
+        num_shards: number of parameter-server shards.
+        big_array_bound: element count above which a parameter is sliced.
+        shards: one layout per shard.
+        flat_offsets: parameter name -> element offset in the flat buffer.
+        total_numel: size of the flat buffer, in elements.
+    """
+
+    params: tuple[ParamSpec, ...]
+    num_shards: int
+    big_array_bound: int
+    shards: tuple[ShardLayout, ...]
+    flat_offsets: dict[str, int] = field(hash=False)
+    total_numel: int
+
+    def param(self, name: str) -> ParamSpec:
+        """Look up a parameter by name; KeyError if absent."""
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def stable_shard(name: str, num_shards: int) -> int:
+    """The shard a whole parameter goes to: ``crc32(name) % num_shards``."""
+    return zlib.crc32(name.encode("utf-8")) % num_shards
+
+
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous ranges whose sizes differ by at most 1."""
+    base, extra = divmod(n, parts)
+    out = []
+    start = 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def plan_placement(
+    params: Sequence[ParamSpec],
+    num_shards: int,
+    big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND,
+) -> Placement:
+    """Place parameters on shards.
+
+    Args:
+        params: parameters in model order; names must be unique.
+        num_shards: number of parameter servers, >= 1.
+        big_array_bound: parameters with more elements than this are sliced
+            evenly across all shards; >= 1.
+
+    Returns:
+        The placement, identical for identical arguments in any process.
+
+    Raises:
+        ConfigError: ``num_shards`` or ``big_array_bound`` < 1, duplicate
+            names, or an empty parameter list.
+    """
+    if num_shards < 1:
+        raise ConfigError(f"number of parameter servers must be >= 1, got {num_shards}")
+    if big_array_bound < 1:
+        raise ConfigError(f"big_array_bound must be >= 1, got {big_array_bound}")
+    if not params:
+        raise ConfigError("the model has no parameters to place")
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        raise ConfigError("parameter names must be unique")
+
+    whole: list[list[ParamSpec]] = [[] for _ in range(num_shards)]
+    big: list[ParamSpec] = []
+    for p in params:
+        if p.numel > big_array_bound and num_shards > 1:
+            big.append(p)
+        else:
+            whole[stable_shard(p.name, num_shards)].append(p)
+
+    flat_offsets: dict[str, int] = {}
+    pieces: list[list[Piece]] = [[] for _ in range(num_shards)]
+    shard_fill = [0] * num_shards
+    flat = 0
+    for s in range(num_shards):
+        for p in whole[s]:
+            flat_offsets[p.name] = flat
+            pieces[s].append(Piece(p.name, 0, p.numel, s, shard_fill[s], flat))
+            shard_fill[s] += p.numel
+            flat += p.numel
+    for p in big:
+        flat_offsets[p.name] = flat
+        for s, (lo, hi) in enumerate(even_split(p.numel, num_shards)):
+            if hi > lo:
+                pieces[s].append(Piece(p.name, lo, hi, s, shard_fill[s], flat + lo))
+                shard_fill[s] += hi - lo
+        flat += p.numel
+
+    shards = []
+    for s in range(num_shards):
+        # A shard may hold nothing when a few parameters hash to the same PS;
+        # that PS then idles, and clients skip it.
+        shards.append(
+            ShardLayout(
+                index=s,
+                pieces=tuple(pieces[s]),
+                numel=shard_fill[s],
+                ranges=_coalesce((p.flat_offset, p.flat_offset + p.numel) for p in pieces[s]),
+            )
+        )
+    return Placement(
+        params=tuple(params),
+        num_shards=num_shards,
+        big_array_bound=big_array_bound,
+        shards=tuple(shards),
+        flat_offsets=flat_offsets,
+        total_numel=flat,
+    )
+
+
+def _coalesce(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
