@@ -1,0 +1,1 @@
+"""The parameter server: one shard of the parameters and its optimizer state."""

@@ -1,0 +1,358 @@
+"""The tensor-plane server of a parameter server.
+
+One thread per connection. Each connection owns a preallocated gradient
+buffer, so a push is received with ``recv_into`` straight into it and a pull
+is answered with ``sendall`` straight from the shard's parameter tensor: no
+per-message allocation and no copy on the PS side.
+
+Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
+
+- ``HELLO`` (JSON: shard layout, fingerprint, trainer id) -> ``HELLO_OK``
+  (JSON: ``need_values``, ``version``). The first trainer to say hello to an
+  empty shard is asked for the initial values and sends ``INIT_VALUES``;
+  the others wait until the shard is initialized.
+- ``PUSH`` (gradient, or ``EMPTY``) -> ``PUSH_OK``, or ``PARAMS`` if the push
+  has ``WANT_PARAMS``. In sync mode the reply is sent once the step the
+  gradient joined has been applied.
+- ``PULL`` -> ``PARAMS``.
+- ``CONTROL`` (JSON ``{"op": "stats" | "shutdown"}``) -> ``CONTROL_OK``.
+
+Any malformed frame gets an ``ERROR`` reply and the connection is closed; a
+well-formed request that cannot be served (wrong layout, push before hello)
+gets an ``ERROR`` and the connection stays usable. Nothing is applied from a
+rejected frame.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import torch
+
+from elasticps.config import OptimizerConfig, UpdateMode
+from elasticps.errors import (
+    ElasticPSError,
+    FrameError,
+    LayoutMismatchError,
+    ProtocolError,
+)
+from elasticps.pserver.shard import ParameterShard, ShardClosedError
+from elasticps.wire.frame import (
+    HEADER_SIZE,
+    ConnectionClosedError,
+    DType,
+    Flags,
+    FrameHeader,
+    MsgType,
+    discard_body,
+    recv_body_into,
+    recv_header,
+    recv_json,
+    send_error,
+    send_frame,
+    send_json,
+    tensor_view,
+)
+
+log = logging.getLogger(__name__)
+
+# Upper bound for a shard announced in a HELLO: 16 GiB of float32.
+MAX_SHARD_NUMEL = 4 << 30
+
+
+class ParameterServer:
+    """Serves one shard over TCP.
+
+    Args:
+        shard_index: the index this server claimed in etcd (``/ps/<index>``).
+        mode: sync-SGD or async-SGD.
+        optimizer: optimizer configuration.
+        host: interface to bind.
+        port: TCP port; 0 picks a free one.
+        init_timeout_s: seconds a HELLO waits for another trainer to finish
+            initializing the shard.
+        on_shutdown: called (from a connection thread) when a client sends
+            the ``shutdown`` control command.
+    """
+
+    def __init__(
+        self,
+        shard_index: int,
+        mode: UpdateMode,
+        optimizer: OptimizerConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        init_timeout_s: float = 60.0,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        self.shard_index = shard_index
+        self.mode = mode
+        self._optimizer = optimizer
+        self._init_timeout_s = init_timeout_s
+        self._on_shutdown = on_shutdown
+        self._listener = socket.create_server((host, port), reuse_port=False)
+        self._cond = threading.Condition()
+        self._shard: ParameterShard | None = None
+        self._initializing: socket.socket | None = None
+        self._pending_shard: ParameterShard | None = None
+        self._live: set[int] = set()
+        self._stopping = threading.Event()
+        self._conns: set[socket.socket] = set()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on."""
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    @property
+    def shard(self) -> ParameterShard | None:
+        """The shard, once a trainer has initialized it."""
+        with self._cond:
+            return self._shard
+
+    def set_live_trainers(self, trainer_ids: set[int]) -> None:
+        """Forward etcd membership to the shard's sync barrier."""
+        with self._cond:
+            self._live = set(trainer_ids)
+            shard = self._shard
+        if shard is not None:
+            shard.set_live_trainers(trainer_ids)
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`stop`; one daemon thread per connection."""
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._cond:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop accepting, release waiting pushes, close every connection."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._cond:
+            shard, conns = self._shard, list(self._conns)
+        if shard is not None:
+            shard.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    # --- one connection -----------------------------------------------------
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        state = _Connection(conn)
+        try:
+            while True:
+                max_body = self._max_body_bytes(state)
+                header = recv_header(conn, state.scratch, max_body_bytes=max_body)
+                try:
+                    self._dispatch(state, header)
+                except (LayoutMismatchError, _RequestError) as exc:
+                    send_error(conn, getattr(exc, "code", "layout_mismatch"), str(exc))
+        except ConnectionClosedError:
+            pass
+        except FrameError as exc:
+            log.warning("ps %d: closing connection after a bad frame: %s", self.shard_index, exc)
+            with contextlib.suppress(OSError):
+                send_error(conn, "bad_frame", str(exc))
+        except ShardClosedError:
+            pass
+        except (OSError, ProtocolError) as exc:
+            if not self._stopping.is_set():
+                log.info("ps %d: connection ended: %s", self.shard_index, exc)
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+                if self._initializing is conn:
+                    # The initializer died mid-way: let another trainer initialize.
+                    self._initializing = None
+                    self._pending_shard = None
+                    self._cond.notify_all()
+            conn.close()
+
+    def _max_body_bytes(self, state: _Connection) -> int:
+        with self._cond:
+            if self._initializing is state.conn and self._pending_shard is not None:
+                return self._pending_shard.numel * 4
+            if self._shard is not None and state.hello_done:
+                return self._shard.numel * 4
+        return 0
+
+    def _dispatch(self, state: _Connection, header: FrameHeader) -> None:
+        kind = header.msg_type
+        if kind is MsgType.HELLO:
+            self._on_hello(state, recv_json(state.conn, header))
+        elif kind is MsgType.INIT_VALUES:
+            self._on_init_values(state, header)
+        elif kind is MsgType.PUSH:
+            self._on_push(state, header)
+        elif kind is MsgType.PULL:
+            shard = self._require_shard(state)
+            self._send_params(state.conn, shard)
+        elif kind is MsgType.CONTROL:
+            self._on_control(state, recv_json(state.conn, header))
+        else:
+            discard_body(state.conn, header, state.scratch)
+            raise _RequestError("unexpected_message", f"{kind.name} is not a request")
+
+    def _require_shard(self, state: _Connection) -> ParameterShard:
+        with self._cond:
+            shard = self._shard
+        if shard is None or not state.hello_done:
+            raise _RequestError("no_hello", "send HELLO before PUSH or PULL")
+        return shard
+
+    def _on_hello(self, state: _Connection, msg: dict[str, object]) -> None:
+        layout = msg.get("layout")
+        fingerprint = msg.get("fingerprint")
+        trainer_id = msg.get("trainer_id")
+        if not isinstance(layout, dict) or not isinstance(fingerprint, str):
+            raise _RequestError("bad_hello", "HELLO needs a 'layout' object and a 'fingerprint'")
+        if not isinstance(trainer_id, int) or trainer_id < 0:
+            raise _RequestError("bad_hello", "HELLO needs a non-negative integer 'trainer_id'")
+        if layout.get("shard") != self.shard_index:
+            raise _RequestError(
+                "wrong_shard",
+                f"this is parameter server {self.shard_index}, the layout is for "
+                f"{layout.get('shard')!r}",
+            )
+        numel = layout.get("numel")
+        if not isinstance(numel, int) or not 0 <= numel <= MAX_SHARD_NUMEL:
+            raise _RequestError("bad_hello", f"layout numel must be in 0..{MAX_SHARD_NUMEL}")
+        state.trainer_id = trainer_id
+        with self._cond:
+            deadline_ok = self._cond.wait_for(
+                lambda: self._shard is not None or self._initializing is None,
+                timeout=self._init_timeout_s,
+            )
+            if not deadline_ok:
+                raise _RequestError("init_timeout", "another trainer is still initializing")
+            if self._shard is not None:
+                self._shard.check_fingerprint(fingerprint)
+                state.hello_done = True
+                version = self._shard.version
+                need_values = False
+            else:
+                self._pending_shard = ParameterShard(
+                    layout, fingerprint, self._optimizer, self.mode
+                )
+                self._initializing = state.conn
+                version = 0
+                need_values = True
+        send_json(
+            state.conn,
+            MsgType.HELLO_OK,
+            {"need_values": need_values, "version": version, "shard": self.shard_index},
+        )
+
+    def _on_init_values(self, state: _Connection, header: FrameHeader) -> None:
+        with self._cond:
+            pending = self._pending_shard if self._initializing is state.conn else None
+        if pending is None:
+            discard_body(state.conn, header, state.scratch)
+            raise _RequestError("not_initializer", "INIT_VALUES without a HELLO that asked for it")
+        if header.dtype is not DType.FLOAT32 or header.body_nbytes != pending.numel * 4:
+            discard_body(state.conn, header, state.scratch)
+            raise _RequestError("bad_init", f"INIT_VALUES must be {pending.numel} float32 values")
+        recv_body_into(state.conn, header, [tensor_view(pending.values)])
+        with self._cond:
+            pending.set_live_trainers(self._live)
+            self._shard = pending
+            self._pending_shard = None
+            self._initializing = None
+            state.hello_done = True
+            self._cond.notify_all()
+        log.info("ps %d: initialized %d parameters", self.shard_index, pending.numel)
+        send_json(
+            state.conn,
+            MsgType.HELLO_OK,
+            {"need_values": False, "version": 0, "shard": self.shard_index},
+        )
+
+    def _on_push(self, state: _Connection, header: FrameHeader) -> None:
+        try:
+            shard = self._require_shard(state)
+        except _RequestError:
+            discard_body(state.conn, header, state.scratch)
+            raise
+        assert state.trainer_id is not None  # set by HELLO
+        grad: torch.Tensor | None = None
+        if not header.flags & Flags.EMPTY:
+            if header.dtype is not DType.FLOAT32 or header.body_nbytes != shard.numel * 4:
+                discard_body(state.conn, header, state.scratch)
+                raise _RequestError("bad_push", f"PUSH must carry {shard.numel} float32 values")
+            if state.grad_buffer is None or state.grad_buffer.numel() != shard.numel:
+                state.grad_buffer = torch.empty(shard.numel, dtype=torch.float32)
+            recv_body_into(state.conn, header, [tensor_view(state.grad_buffer)])
+            grad = state.grad_buffer
+        result = shard.push(state.trainer_id, grad, header.model_version, header.num_samples)
+        if header.flags & Flags.WANT_PARAMS:
+            self._send_params(state.conn, shard)
+        else:
+            send_frame(state.conn, FrameHeader(MsgType.PUSH_OK, model_version=result.version))
+
+    def _send_params(self, conn: socket.socket, shard: ParameterShard) -> None:
+        values = shard.values
+        send_frame(
+            conn,
+            FrameHeader(
+                MsgType.PARAMS,
+                dtype=DType.FLOAT32,
+                model_version=shard.version,
+                body_nbytes=values.numel() * 4,
+            ),
+            [tensor_view(values)],
+        )
+
+    def _on_control(self, state: _Connection, msg: dict[str, object]) -> None:
+        op = msg.get("op")
+        shard = self.shard
+        if op == "stats":
+            stats = shard.stats() if shard is not None else None
+            body: dict[str, object] = {
+                "shard": self.shard_index,
+                "initialized": shard is not None,
+                "stats": None if stats is None else stats.__dict__,
+            }
+            send_json(state.conn, MsgType.CONTROL_OK, body)
+        elif op == "shutdown":
+            send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index})
+            if self._on_shutdown is not None:
+                self._on_shutdown()
+        else:
+            raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
+
+
+class _RequestError(ElasticPSError):
+    """A well-formed request that cannot be served; answered with an ERROR frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Connection:
+    """Per-connection state: reusable header scratch and gradient buffer."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.scratch = bytearray(max(HEADER_SIZE, 64 * 1024))
+        self.trainer_id: int | None = None
+        self.hello_done = False
+        self.grad_buffer: torch.Tensor | None = None
