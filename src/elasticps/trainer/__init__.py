@@ -1,0 +1,1 @@
+"""The trainer: runs the model on tasks, pushes gradients, pulls parameters."""

@@ -1,0 +1,99 @@
+"""Bind a model's parameters and gradients to flat buffers.
+
+After :func:`bind_flat_buffers`, every parameter ``p`` of the model is a view
+into one flat float32 parameter buffer, and ``p.grad`` a view into one flat
+gradient buffer, at the offsets the :class:`~elasticps.placement.Placement`
+gives. Autograd accumulates into an existing ``.grad`` in place, so
+``loss.backward()`` writes the gradient buffer directly, and pulls written
+into the parameter buffer change the model directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elasticps.errors import ModelContractError
+from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, ParamSpec, Placement, plan_placement
+
+
+def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
+    """The model's parameters as :class:`ParamSpec`, in ``named_parameters`` order.
+
+    Parameters shared between layers appear once, under their first name.
+
+    Raises:
+        ModelContractError: a parameter is not float32, or there are none.
+    """
+    specs = []
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32:
+            raise ModelContractError(f"parameter {name} is {p.dtype}; elasticps trains float32")
+        specs.append(ParamSpec(name, tuple(p.shape)))
+    if not specs:
+        raise ModelContractError("the model has no parameters")
+    return specs
+
+
+@dataclass(frozen=True)
+class FlatModel:
+    """A model bound to flat buffers.
+
+    Attributes:
+        model: the module; its parameters are views into ``params``.
+        placement: where each parameter lives on the parameter servers.
+        params: float32 ``[placement.total_numel]``.
+        grads: float32 ``[placement.total_numel]``; the ``.grad`` of every parameter.
+    """
+
+    model: torch.nn.Module
+    placement: Placement
+    params: torch.Tensor
+    grads: torch.Tensor
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffer in place (never ``set_to_none``)."""
+        self.grads.zero_()
+
+    def grads_are_bound(self) -> bool:
+        """True if every parameter's ``.grad`` still shares the flat gradient buffer."""
+        base = self.grads.data_ptr()
+        end = base + self.grads.numel() * 4
+        for p in self.model.parameters():
+            g = p.grad
+            if g is None or not base <= g.data_ptr() < end:
+                return False
+        return True
+
+
+def bind_flat_buffers(
+    model: torch.nn.Module, num_shards: int, big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND
+) -> FlatModel:
+    """Move the model's parameters into flat buffers laid out for ``num_shards`` PS.
+
+    The parameter values are kept; gradients start at zero.
+
+    Args:
+        model: the model; modified in place.
+        num_shards: number of parameter servers.
+        big_array_bound: slicing threshold, elements.
+
+    Returns:
+        The bound model.
+
+    Raises:
+        ModelContractError: see :func:`param_specs`.
+        ConfigError: see :func:`elasticps.placement.plan_placement`.
+    """
+    placement = plan_placement(param_specs(model), num_shards, big_array_bound)
+    params = torch.empty(placement.total_numel, dtype=torch.float32)
+    grads = torch.zeros(placement.total_numel, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            off = placement.flat_offsets[name]
+            n = p.numel()
+            params[off : off + n].copy_(p.reshape(-1))
+            p.data = params[off : off + n].view_as(p)
+            p.grad = grads[off : off + n].view_as(p)
+    return FlatModel(model, placement, params, grads)
