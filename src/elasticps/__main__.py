@@ -1,0 +1,5 @@
+"""``python -m elasticps``: the same as the ``elasticps`` command."""
+
+from elasticps.cli import main
+
+raise SystemExit(main())

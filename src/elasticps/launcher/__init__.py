@@ -1,0 +1,1 @@
+"""Launchers: start and supervise the processes of a job."""
