@@ -2,57 +2,83 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import grpc
 import tenacity
 
-from elasticps.errors import ServiceUnavailableError, StaleTaskError, UnknownTaskError
+from elasticps.errors import (
+    ElasticPSError,
+    ServiceUnavailableError,
+    StaleTaskError,
+    UnknownTaskError,
+)
 from elasticps.proto import master_pb2, master_pb2_grpc
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, _NoMasterYet):
+        return True
     return isinstance(exc, grpc.RpcError) and exc.code() in _RETRYABLE
 
 
 class MasterClient:
-    """Calls the master's ``GetTask`` / ``ReportTask`` / ``GetJobStatus``.
+    """Calls the master's ``GetTask`` / ``ReportTask`` / ``ReportProgress`` / ``GetJobStatus``.
 
-    Unavailable masters are retried with exponential backoff and jitter
-    (tenacity) for up to ``retry_s`` seconds.
+    The master may move: a standby takes over, or a restarted master binds a
+    new port. So the client is given a *resolver* that returns the current
+    master's address (trainers read it from etcd); when a call finds the
+    master unavailable, the client resolves again and retries, with
+    exponential backoff and jitter (tenacity), for up to ``retry_s`` seconds.
 
     Args:
-        address: ``host:port`` of the master.
+        resolve: returns the current master's ``host:port``; may raise
+            :class:`~elasticps.errors.ElasticPSError` while there is none.
         rpc_timeout_s: deadline of one call, seconds.
-        retry_s: total time to keep retrying an unavailable master, seconds.
+        retry_s: total time to keep retrying while no master answers, seconds.
+        max_backoff_s: longest wait between two attempts, seconds.
     """
 
-    def __init__(self, address: str, *, rpc_timeout_s: float = 10.0, retry_s: float = 30.0) -> None:
-        self.address = address
-        self._channel = grpc.insecure_channel(address)
-        self._stub = master_pb2_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
+    def __init__(
+        self,
+        resolve: str | Callable[[], str],
+        *,
+        rpc_timeout_s: float = 10.0,
+        retry_s: float = 60.0,
+        max_backoff_s: float = 0.5,
+    ) -> None:
+        self._resolve: Callable[[], str] = (
+            (lambda: resolve) if isinstance(resolve, str) else resolve
+        )
         self._rpc_timeout_s = rpc_timeout_s
+        self._lock = threading.Lock()
+        self.address: str | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: master_pb2_grpc.MasterStub | None = None
         self._retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_retryable),
-            wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
+            wait=tenacity.wait_random_exponential(multiplier=0.02, max=max_backoff_s),
             stop=tenacity.stop_after_delay(retry_s),
             reraise=True,
         )
 
     def close(self) -> None:
         """Close the channel."""
-        self._channel.close()
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stub = None
 
     def get_task(self, trainer_id: str) -> master_pb2.GetTaskResponse:
         """Ask for a task.
 
         Raises:
-            ServiceUnavailableError: the master did not answer within the retry budget.
+            ServiceUnavailableError: no master answered within the retry budget.
         """
-        request = master_pb2.GetTaskRequest(trainer_id=trainer_id)
-        reply = self._call(self._stub.GetTask, request)
+        reply = self._call("GetTask", master_pb2.GetTaskRequest(trainer_id=trainer_id))
         assert isinstance(reply, master_pb2.GetTaskResponse)
         return reply
 
@@ -62,29 +88,70 @@ class MasterClient:
         Raises:
             StaleTaskError: the attempt timed out and was re-dispatched.
             UnknownTaskError: the master does not know the task.
-            ServiceUnavailableError: the master did not answer within the retry budget.
+            ServiceUnavailableError: no master answered within the retry budget.
         """
+        self._call("ReportTask", request)
+
+    def report_progress(self, request: master_pb2.ReportProgressRequest) -> None:
+        """Report the records of a task trained and acknowledged so far.
+
+        Raises:
+            StaleTaskError: the attempt is no longer current.
+            UnknownTaskError: the master does not know the task.
+            ServiceUnavailableError: no master answered within the retry budget.
+        """
+        self._call("ReportProgress", request)
+
+    def job_status(self) -> master_pb2.JobStatus:
+        """The job's progress counters."""
+        reply = self._call("GetJobStatus", master_pb2.GetJobStatusRequest())
+        assert isinstance(reply, master_pb2.JobStatus)
+        return reply
+
+    def _stub_now(self) -> master_pb2_grpc.MasterStub:
+        with self._lock:
+            if self._stub is None:
+                try:
+                    address = self._resolve()
+                except ElasticPSError as exc:
+                    # No master right now (failover in progress): retry later.
+                    raise _NoMasterYet(str(exc)) from exc
+                self.address = address
+                self._channel = grpc.insecure_channel(address)
+                self._stub = master_pb2_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
+            return self._stub
+
+    def _forget(self, stub: master_pb2_grpc.MasterStub) -> None:
+        with self._lock:
+            if self._stub is stub and self._channel is not None:
+                self._channel.close()
+                self._channel = self._stub = None
+
+    def _attempt(self, method: str, request: object) -> object:
+        stub = self._stub_now()
         try:
-            self._call(self._stub.ReportTask, request)
+            return getattr(stub, method)(request, timeout=self._rpc_timeout_s)
         except grpc.RpcError as exc:
+            if _is_retryable(exc):
+                self._forget(stub)  # resolve the master again on the next attempt
+            raise
+
+    def _call(self, method: str, request: object) -> object:
+        try:
+            return self._retrying(self._attempt, method, request)
+        except _NoMasterYet as exc:
+            raise ServiceUnavailableError(f"no master is available: {exc}") from exc
+        except grpc.RpcError as exc:
+            if _is_retryable(exc):
+                raise ServiceUnavailableError(
+                    f"master at {self.address} is unavailable: {exc.details()}"
+                ) from exc
             if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
                 raise StaleTaskError(exc.details()) from exc
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 raise UnknownTaskError(exc.details()) from exc
             raise
 
-    def job_status(self) -> master_pb2.JobStatus:
-        """The job's progress counters."""
-        reply = self._call(self._stub.GetJobStatus, master_pb2.GetJobStatusRequest())
-        assert isinstance(reply, master_pb2.JobStatus)
-        return reply
 
-    def _call(self, method: Callable[..., object], request: object) -> object:
-        try:
-            return self._retrying(method, request, timeout=self._rpc_timeout_s)
-        except grpc.RpcError as exc:
-            if _is_retryable(exc):
-                raise ServiceUnavailableError(
-                    f"master at {self.address} is unavailable: {exc.details()}"
-                ) from exc
-            raise
+class _NoMasterYet(ElasticPSError):
+    """The resolver found no master (retryable)."""

@@ -53,6 +53,7 @@ class Task(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
     pass_id: _builtins.int
     """0-based pass (epoch) the attempt belongs to."""
@@ -62,7 +63,13 @@ class Task(_message.Message):
     start: _builtins.int
     end: _builtins.int
     timeout_s: _builtins.float
-    """Seconds the trainer has before the master re-dispatches the task."""
+    """Seconds the trainer has before the master re-dispatches the task,
+    unless it reports progress.
+    """
+    offset: _builtins.int
+    """Records of the task already trained in this pass (by earlier attempts):
+    train rows [start + offset, end).
+    """
     def __init__(
         self,
         *,
@@ -73,10 +80,11 @@ class Task(_message.Message):
         start: _builtins.int = ...,
         end: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
+        offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "end", b"end", "file", b"file", "pass_id", b"pass_id", "start", b"start", "task_id", b"task_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "end", b"end", "file", b"file", "offset", b"offset", "pass_id", b"pass_id", "start", b"start", "task_id", b"task_id", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -173,6 +181,55 @@ class ReportTaskResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportTaskResponse: _TypeAlias = ReportTaskResponse  # noqa: Y015
+
+@_typing.final
+class ReportProgressRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRAINER_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    PASS_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    trainer_id: _builtins.str
+    task_id: _builtins.int
+    pass_id: _builtins.int
+    attempt: _builtins.int
+    offset: _builtins.int
+    """Records of the task trained and acknowledged so far, counted from the
+    task's start (not from this attempt's offset): 0 <= offset <= end - start.
+    """
+    def __init__(
+        self,
+        *,
+        trainer_id: _builtins.str = ...,
+        task_id: _builtins.int = ...,
+        pass_id: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "offset", b"offset", "pass_id", b"pass_id", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportProgressRequest: _TypeAlias = ReportProgressRequest  # noqa: Y015
+
+@_typing.final
+class ReportProgressResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportProgressResponse: _TypeAlias = ReportProgressResponse  # noqa: Y015
 
 @_typing.final
 class GetJobStatusRequest(_message.Message):

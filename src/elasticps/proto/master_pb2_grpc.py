@@ -44,6 +44,11 @@ class MasterStub:
                 request_serializer=elasticps_dot_v1_dot_master__pb2.ReportTaskRequest.SerializeToString,
                 response_deserializer=elasticps_dot_v1_dot_master__pb2.ReportTaskResponse.FromString,
                 _registered_method=True)
+        self.ReportProgress = channel.unary_unary(
+                '/elasticps.v1.Master/ReportProgress',
+                request_serializer=elasticps_dot_v1_dot_master__pb2.ReportProgressRequest.SerializeToString,
+                response_deserializer=elasticps_dot_v1_dot_master__pb2.ReportProgressResponse.FromString,
+                _registered_method=True)
         self.GetJobStatus = channel.unary_unary(
                 '/elasticps.v1.Master/GetJobStatus',
                 request_serializer=elasticps_dot_v1_dot_master__pb2.GetJobStatusRequest.SerializeToString,
@@ -69,6 +74,15 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportProgress(self, request, context):
+        """Reports progress inside a task: the records whose gradients a parameter
+        server has acknowledged. It also renews the task's deadline. A task that
+        is re-dispatched resumes from the last reported offset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetJobStatus(self, request, context):
         """Progress of the job, for the launcher's progress bar and `elasticps status`.
         """
@@ -88,6 +102,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportTask,
                     request_deserializer=elasticps_dot_v1_dot_master__pb2.ReportTaskRequest.FromString,
                     response_serializer=elasticps_dot_v1_dot_master__pb2.ReportTaskResponse.SerializeToString,
+            ),
+            'ReportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProgress,
+                    request_deserializer=elasticps_dot_v1_dot_master__pb2.ReportProgressRequest.FromString,
+                    response_serializer=elasticps_dot_v1_dot_master__pb2.ReportProgressResponse.SerializeToString,
             ),
             'GetJobStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJobStatus,
@@ -149,6 +168,33 @@ class Master:
             '/elasticps.v1.Master/ReportTask',
             elasticps_dot_v1_dot_master__pb2.ReportTaskRequest.SerializeToString,
             elasticps_dot_v1_dot_master__pb2.ReportTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticps.v1.Master/ReportProgress',
+            elasticps_dot_v1_dot_master__pb2.ReportProgressRequest.SerializeToString,
+            elasticps_dot_v1_dot_master__pb2.ReportProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,
