@@ -12,17 +12,21 @@ allocated per step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
-from elasticps.errors import ProtocolError, RemoteError, ServiceUnavailableError
+from elasticps.errors import ElasticPSError, ProtocolError, RemoteError, ServiceUnavailableError
 from elasticps.placement import Placement, ShardLayout
 from elasticps.wire.frame import (
     HEADER_SIZE,
+    ConnectionClosedError,
     DType,
     Flags,
     FrameHeader,
@@ -36,6 +40,16 @@ from elasticps.wire.frame import (
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+def _backoff(first_s: float = 0.02, max_s: float = 0.5) -> Iterator[float]:
+    """Exponential delays between reconnection attempts, seconds."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(delay * 2, max_s)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -64,15 +78,25 @@ class _ShardConnection:
         self.param_views = [tensor_view(params[lo:hi]) for lo, hi in layout.ranges]
         self.grad_views = [tensor_view(grads[lo:hi]) for lo, hi in layout.ranges]
         self.body_nbytes = layout.numel * 4
+        self.sock = self._connect(address, timeout_s)
+
+    def _connect(self, address: str, timeout_s: float) -> socket.socket:
         try:
-            self.sock = socket.create_connection(parse_address(address), timeout=timeout_s)
+            sock = socket.create_connection(parse_address(address), timeout=timeout_s)
         except OSError as exc:
             raise ServiceUnavailableError(
-                f"cannot connect to parameter server {layout.index} at {address}: {exc}"
+                f"cannot connect to parameter server {self.layout.index} at {address}: {exc}"
             ) from exc
         # Blocking from here on: a sync push waits for the slowest trainer.
-        self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def reconnect(self, address: str, timeout_s: float) -> None:
+        """Replace a broken connection with one to ``address``."""
+        self.close()
+        self.sock = self._connect(address, timeout_s)
+        self.address = address
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -166,6 +190,14 @@ class _ShardConnection:
 class ParameterClient:
     """Pushes gradients to and pulls parameters from every parameter server.
 
+    When a parameter server goes away (its connection breaks), the client
+    asks ``resolve`` for the address of the server that took over its index,
+    reconnects, says hello again (initializing the shard from our parameters
+    if it came back empty), pulls, and repeats the interrupted request: a
+    pending push is re-sent, computed-on version set to the restored one, so
+    it is neither dropped nor lost. This waits at most ``reconnect_timeout_s``
+    seconds, then raises :class:`~elasticps.errors.ServiceUnavailableError`.
+
     Args:
         placement: where each parameter lives.
         addresses: ``host:port`` of parameter server ``i`` at index ``i``.
@@ -173,6 +205,11 @@ class ParameterClient:
         grads: the flat gradient buffer, float32 ``[placement.total_numel]``.
         trainer_id: this trainer's id, sent with every push.
         timeout_s: connect timeout, seconds.
+        resolve: given a shard index, the current ``host:port`` of its
+            server (trainers read ``/ps/<index>`` in etcd); ``None`` disables
+            reconnection. It may raise ElasticPSError while there is none.
+        reconnect_timeout_s: how long to wait for a lost server, seconds.
+        stop: when set, reconnection gives up at once.
 
     Raises:
         ServiceUnavailableError: a parameter server cannot be reached.
@@ -187,6 +224,9 @@ class ParameterClient:
         trainer_id: int,
         *,
         timeout_s: float = 30.0,
+        resolve: Callable[[int], str] | None = None,
+        reconnect_timeout_s: float = 60.0,
+        stop: threading.Event | None = None,
     ) -> None:
         if len(addresses) != placement.num_shards:
             raise ValueError(
@@ -199,6 +239,11 @@ class ParameterClient:
                 raise ValueError(f"{name} must be contiguous")
         self.trainer_id = trainer_id
         self._step = 0
+        self._timeout_s = timeout_s
+        self._resolve = resolve
+        self._reconnect_timeout_s = reconnect_timeout_s
+        self._stop = stop if stop is not None else threading.Event()
+        self.reconnects = 0
         self._conns: list[_ShardConnection] = []
         try:
             for layout in placement.shards:
@@ -221,9 +266,52 @@ class ParameterClient:
 
     def _fan_out(self, fn: Callable[[_ShardConnection], T]) -> list[T]:
         if len(self._conns) == 1:
-            return [fn(self._conns[0])]
-        futures = [self._pool.submit(fn, c) for c in self._conns]
+            return [self._robust(fn, self._conns[0])]
+        futures = [self._pool.submit(self._robust, fn, c) for c in self._conns]
         return [f.result() for f in futures]
+
+    def _robust(self, fn: Callable[[_ShardConnection], T], conn: _ShardConnection) -> T:
+        deadline: float | None = None
+        while True:
+            try:
+                return fn(conn)
+            except (ConnectionClosedError, OSError) as exc:
+                if self._resolve is None:
+                    raise ServiceUnavailableError(
+                        f"lost parameter server {conn.layout.index} at {conn.address}: {exc}"
+                    ) from exc
+                if deadline is None:
+                    deadline = time.monotonic() + self._reconnect_timeout_s
+                    log.warning(
+                        "lost parameter server %d at %s (%s); waiting for it to come back",
+                        conn.layout.index, conn.address, exc,
+                    )  # fmt: skip
+                self._reconnect(conn, deadline)
+
+    def _reconnect(self, conn: _ShardConnection, deadline: float) -> None:
+        """Reconnect ``conn`` to whichever server now holds its index, or raise."""
+        assert self._resolve is not None
+        delays = _backoff()
+        while True:
+            try:
+                address = self._resolve(conn.layout.index)
+                conn.reconnect(address, self._timeout_s)
+                conn.hello(self.trainer_id, initial_values=True)
+                conn.pull()
+                self.reconnects += 1
+                log.info(
+                    "reconnected to parameter server %d at %s (version %d)",
+                    conn.layout.index, address, conn.version,
+                )  # fmt: skip
+                return
+            except (ElasticPSError, OSError) as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    raise ServiceUnavailableError(
+                        f"parameter server {conn.layout.index} did not come back within "
+                        f"{self._reconnect_timeout_s:.0f} s: {exc}"
+                    ) from exc
+                self._stop.wait(min(next(delays), remaining))
 
     def hello(self, *, initialize: bool = True) -> None:
         """Introduce ourselves to every PS, initializing empty shards from ``params``.

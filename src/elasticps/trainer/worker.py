@@ -17,12 +17,18 @@ import threading
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from elasticps.config import TrainerConfig, UpdateMode
-from elasticps.coord.store import JobStore
+from elasticps.coord.store import JobStore, KeptLease
 from elasticps.data.parquet import RangeReader, check_columns
-from elasticps.errors import ModelContractError
+from elasticps.errors import (
+    CoordinationError,
+    ElasticPSError,
+    ModelContractError,
+    StaleTaskError,
+)
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.proto import master_pb2
@@ -38,6 +44,66 @@ class _Accumulator:
 
     batches: int = 0
     samples: int = 0
+
+
+class ProgressReporter:
+    """Reports progress inside tasks to the master from a background thread.
+
+    The training loop only records the latest acknowledged offset; the
+    thread sends it (coalescing updates) so that the round trip to the
+    master and its etcd transaction never sit on the training path. The
+    cost is a lag of a few mini-batches in what the master knows, which
+    only matters if the trainer dies: see the README's "Exactly-once" section.
+    """
+
+    def __init__(self, master: MasterClient, trainer_id: str) -> None:
+        self._master = master
+        self._trainer_id = trainer_id
+        self._cond = threading.Condition()
+        self._latest: master_pb2.ReportProgressRequest | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self._thread.start()
+
+    def update(self, task: master_pb2.Task, offset: int) -> None:
+        """Record that rows ``[task.start, task.start + offset)`` are trained and acknowledged."""
+        request = master_pb2.ReportProgressRequest(
+            trainer_id=self._trainer_id,
+            task_id=task.task_id,
+            pass_id=task.pass_id,
+            attempt=task.attempt,
+            offset=offset,
+        )
+        with self._cond:
+            self._latest = request
+            self._cond.notify()
+
+    def discard(self) -> None:
+        """Drop any unsent update (the task is being reported done or failed)."""
+        with self._cond:
+            self._latest = None
+
+    def close(self) -> None:
+        """Stop the thread (unsent updates are dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._latest is None and not self._closed:
+                    self._cond.wait()
+                if self._closed or self._latest is None:
+                    return
+                request, self._latest = self._latest, None
+            try:
+                self._master.report_progress(request)
+            except StaleTaskError:
+                pass  # the attempt is over (done, or re-dispatched after a timeout)
+            except (ElasticPSError, grpc.RpcError) as exc:
+                log.warning("could not report progress of task %d: %s", request.task_id, exc)
 
 
 class Trainer:
@@ -64,12 +130,14 @@ class Trainer:
         self._acc = _Accumulator()
         self._batches = 0
         self._checked_columns: set[str] = set()
+        self._lease_lost = threading.Event()
+        self._lease: KeptLease | None = None
 
     def run(self) -> None:
         """Train until the master says the job is finished or ``stop`` is set.
 
         Raises:
-            ServiceUnavailableError: the master or a PS is unreachable.
+            ServiceUnavailableError: the master or a PS is unreachable for too long.
             DataError / ModelContractError: the data does not fit the model file.
         """
         cfg = self.config
@@ -81,24 +149,48 @@ class Trainer:
             self.flat.grads,
             cfg.trainer_id,
             timeout_s=cfg.connect_timeout_s,
+            resolve=self._ps_address,
+            reconnect_timeout_s=cfg.connect_timeout_s,
+            stop=self.stop,
         )
-        lease = self.store.grant_lease(cfg.common.lease_ttl_s, on_lost=self.stop.set)
-        master = None
+        master = MasterClient(
+            lambda: self.store.master_address(timeout_s=1.0), retry_s=cfg.connect_timeout_s
+        )
+        progress = ProgressReporter(master, self.name)
         try:
             client.hello(initialize=True)
-            self.store.register_trainer(self.name, {"pid": os.getpid()}, lease)
-            master = MasterClient(self.store.master_address(timeout_s=cfg.connect_timeout_s))
-            self._loop(master, client)
+            self._register()
+            self._loop(master, client, progress)
         finally:
-            if master is not None:
-                master.close()
+            progress.close()
+            master.close()
             client.close()
-            if not lease.lost.is_set():
-                lease.revoke()
+            if self._lease is not None and not self._lease.lost.is_set():
+                self._lease.revoke()
 
-    def _loop(self, master: MasterClient, client: ParameterClient) -> None:
+    def _register(self) -> None:
+        """Register ``trainers/<id>`` under a fresh lease (again, after a lost one)."""
+        self._lease_lost.clear()
+        self._lease = self.store.grant_lease(
+            self.config.common.lease_ttl_s, on_lost=self._lease_lost.set
+        )
+        self.store.register_trainer(self.name, {"pid": os.getpid()}, self._lease)
+
+    def _ps_address(self, index: int) -> str:
+        info = self.store.get_json(self.store.keys.ps(index))
+        address = None if info is None else info.get("address")
+        if not isinstance(address, str):
+            raise CoordinationError(f"parameter server slot {index} is not claimed")
+        return address
+
+    def _loop(
+        self, master: MasterClient, client: ParameterClient, progress: ProgressReporter
+    ) -> None:
         sync = self.config.mode is UpdateMode.SYNC
         while not self.stop.is_set():
+            if self._lease_lost.is_set():
+                log.warning("trainer %s: lease lost; registering again", self.name)
+                self._register()
             reply = master.get_task(self.name)
             kind = reply.WhichOneof("result")
             if kind == "finished":
@@ -107,30 +199,45 @@ class Trainer:
             if kind == "wait_s":
                 if sync:
                     # Take part in the running step without a gradient, so that
-                    # the trainers still working are not held up by us.
+                    # the trainers still working are not held up by us. If some
+                    # trainer trained in that step, ask for work again at once.
+                    before = client.versions
                     client.push_empty()
-                self.stop.wait(min(reply.wait_s, 0.2) if sync else reply.wait_s)
+                    if client.versions != before:
+                        continue
+                self.stop.wait(reply.wait_s)
                 continue
-            self._run_task(reply.task, master, client)
+            self._run_task(reply.task, master, client, progress)
 
     def _run_task(
-        self, task: master_pb2.Task, master: MasterClient, client: ParameterClient
+        self,
+        task: master_pb2.Task,
+        master: MasterClient,
+        client: ParameterClient,
+        progress: ProgressReporter,
     ) -> None:
         started = time.monotonic()
         samples = 0
         loss_sum = 0.0
+        done = task.offset  # rows of the task trained in this pass, by earlier attempts too
         try:
             self._check_columns(task.file)
-            table = self.reader.read_rows(task.file, task.start, task.end, self.spec.columns)
+            table = self.reader.read_rows(
+                task.file, task.start + task.offset, task.end, self.spec.columns
+            )
             for lo in range(0, table.num_rows, self.config.batch_size):
                 if self.stop.is_set():
-                    return  # the task times out and goes to another trainer
+                    return  # the master re-dispatches the rest from the last progress
                 batch = table.slice(lo, self.config.batch_size)
-                loss = self._train_batch(batch, client)
+                loss, pushed = self._train_batch(batch, client)
                 samples += batch.num_rows
                 loss_sum += loss * batch.num_rows
+                if pushed:
+                    done = task.offset + samples
+                    progress.update(task, done)
             self._flush(client)
         except Exception as exc:
+            progress.discard()
             report = master_pb2.ReportTaskRequest(
                 trainer_id=self.name,
                 task_id=task.task_id,
@@ -144,25 +251,33 @@ class Trainer:
             except Exception:  # the original error matters more
                 log.exception("could not report the failure of task %d", task.task_id)
             raise
-        master.report_task(
-            master_pb2.ReportTaskRequest(
-                trainer_id=self.name,
-                task_id=task.task_id,
-                pass_id=task.pass_id,
-                attempt=task.attempt,
-                success=True,
-                samples=samples,
-                mean_loss=loss_sum / samples if samples else math.nan,
-                elapsed_s=time.monotonic() - started,
+        progress.discard()
+        try:
+            master.report_task(
+                master_pb2.ReportTaskRequest(
+                    trainer_id=self.name,
+                    task_id=task.task_id,
+                    pass_id=task.pass_id,
+                    attempt=task.attempt,
+                    success=True,
+                    samples=samples,
+                    mean_loss=loss_sum / samples if samples else math.nan,
+                    elapsed_s=time.monotonic() - started,
+                )
             )
-        )
+        except StaleTaskError as exc:
+            # We were presumed dead (lease lost, or timed out) and the task went
+            # to another trainer: its gradients are in the model, but the
+            # ledger counts the other attempt. See the README's guarantee.
+            log.warning("trainer %s: report of task %d rejected: %s", self.name, task.task_id, exc)
 
     def _check_columns(self, path: str) -> None:
         if path not in self._checked_columns:
             check_columns(path, self.spec.columns)
             self._checked_columns.add(path)
 
-    def _train_batch(self, batch: object, client: ParameterClient) -> float:
+    def _train_batch(self, batch: object, client: ParameterClient) -> tuple[float, bool]:
+        """Train one mini-batch; returns its loss and whether gradients were pushed."""
         cfg = self.config
         inputs, targets = self.spec.batch_to_tensors(batch)  # type: ignore[arg-type]
         outputs = self.flat.model(inputs)
@@ -178,11 +293,13 @@ class Trainer:
         self._batches += 1
         self._acc.batches += 1
         self._acc.samples += len(targets)
+        pushed = False
         if self._acc.batches % cfg.push_every == 0:
             self._push(client, want_params=self._batches % cfg.pull_every == 0)
+            pushed = True
         elif self._batches % cfg.pull_every == 0:
             client.pull()
-        return float(loss.detach())
+        return float(loss.detach()), pushed
 
     def _push(self, client: ParameterClient, *, want_params: bool) -> None:
         acc = self._acc
