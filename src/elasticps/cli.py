@@ -15,6 +15,7 @@ without a traceback, and exit with status 2; other failures exit with 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from elasticps.config import (
     UpdateMode,
 )
 from elasticps.errors import ConfigError, ElasticPSError, UserError
+from elasticps.launcher.chaos import parse_chaos
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
 EXIT_USER_ERROR = 2
@@ -152,7 +154,32 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--job", default="job")
     train.add_argument("--lease-ttl-s", type=float, default=5.0)
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--standby-masters",
+        type=int,
+        default=0,
+        help="extra masters that wait on the master lock and take over",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restarts allowed per master, PS and etcd process",
+    )
+    train.add_argument(
+        "--chaos",
+        default="",
+        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s"',
+    )
+    train.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=10.0,
+        help="seconds between each PS's shard checkpoints",
+    )
+    train.add_argument("--resume", type=Path, default=None,
+                       help="start from a consistent checkpoint directory")  # fmt: skip
 
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on a Parquet file")
     ev.add_argument("--model", type=Path, required=True)
@@ -174,6 +201,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimizer(ps)
     ps.add_argument("--host", default=_env("host", "127.0.0.1"))
     ps.add_argument("--ps-port", type=int, default=int(str(_env("ps-port", 0))))
+    ps.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=_env("checkpoint-dir", None),
+        help="directory for this PS's shard checkpoints (ps-<index>/)",
+    )
+    ps.add_argument(
+        "--checkpoint-every-s", type=float, default=float(str(_env("checkpoint-every-s", 30.0)))
+    )
+    ps.add_argument(
+        "--checkpoint-every-versions",
+        type=int,
+        default=int(str(_env("checkpoint-every-versions", 0))),
+    )
+    ps.add_argument(
+        "--resume",
+        type=Path,
+        default=_env("resume", None),
+        help="initialize the shard from this consistent checkpoint",
+    )
+    ps.add_argument("--claim-timeout-s", type=float,
+                    default=float(str(_env("claim-timeout-s", 30.0))))  # fmt: skip
 
     trainer = sub.add_parser("trainer", help="(role) run a trainer")
     _add_common(trainer)
@@ -185,7 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
         required=_env("trainer-id", None) is None,
         default=_env("trainer-id", None),
     )
-    trainer.add_argument("--ps", type=int, default=int(str(_env("ps", 1))))  # fmt: skip
+    trainer.add_argument("--ps", type=int, default=int(str(_env("ps", 1))))
+    trainer.add_argument("--connect-timeout-s", type=float,
+                         default=float(str(_env("connect-timeout-s", 60.0))),
+                         help="how long to wait for a lost master or PS to come back")  # fmt: skip
     return parser
 
 
@@ -227,6 +279,11 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         etcd_port=args.etcd_port,
         master_port=args.master_port,
         progress=not args.no_progress,
+        standby_masters=args.standby_masters,
+        max_restarts=args.max_restarts,
+        chaos=parse_chaos(args.chaos),
+        checkpoint_every_s=args.checkpoint_every_s,
+        resume=args.resume,
     )
 
 
@@ -321,12 +378,21 @@ def _cmd_master(args: argparse.Namespace) -> int:
 def _cmd_ps(args: argparse.Namespace) -> int:
     from elasticps.pserver.main import run_ps
 
+    extra = {
+        "checkpoint_dir": Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        "checkpoint_every_s": args.checkpoint_every_s,
+        "checkpoint_every_versions": args.checkpoint_every_versions,
+        "resume_dir": Path(args.resume) if args.resume else None,
+        "claim_timeout_s": args.claim_timeout_s,
+    }
+    known = {f.name for f in dataclasses.fields(PSConfig)}  # TEMPORARY until PSConfig grows them
     config = PSConfig(
         common=_common(args),
         mode=UpdateMode(args.mode),
         optimizer=_optimizer(args),
         host=args.host,
         port=args.ps_port,
+        **{k: v for k, v in extra.items() if k in known},  # type: ignore[arg-type]
     )
     return _run_role(lambda stop: run_ps(config, stop))
 
@@ -347,6 +413,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         big_array_bound=args.big_array_bound,
         seed=args.seed,
         threads=args.threads,
+        connect_timeout_s=args.connect_timeout_s,
     )
     return _run_role(lambda stop: run_trainer(config, stop))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticps.errors import ConfigError
+from elasticps.launcher.chaos import ChaosEvent
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -236,6 +237,11 @@ class JobConfig:
         etcd_port: etcd client port; 0 picks a free one.
         master_port: master gRPC port; 0 picks a free one.
         progress: show a progress bar.
+        standby_masters: extra masters waiting on the master lock, >= 0.
+        max_restarts: restarts allowed per master, PS and etcd process, >= 0.
+        chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
+        checkpoint_every_s: seconds between a PS's shard checkpoints.
+        resume: a consistent checkpoint directory to start from, or None.
     """
 
     job: str
@@ -261,6 +267,11 @@ class JobConfig:
     etcd_port: int = 0
     master_port: int = 0
     progress: bool = True
+    standby_masters: int = 0
+    max_restarts: int = 3
+    chaos: tuple[ChaosEvent, ...] = ()
+    checkpoint_every_s: float = 10.0
+    resume: Path | None = None
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -282,6 +293,12 @@ class JobConfig:
             raise ConfigError(f"--lease-ttl-s must be >= 1, got {self.lease_ttl_s}")
         _check_port(self.etcd_port, "--etcd-port")
         _check_port(self.master_port, "--master-port")
+        if self.standby_masters < 0:
+            raise ConfigError(f"--standby-masters must be >= 0, got {self.standby_masters}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not self.checkpoint_every_s > 0:
+            raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
 
 
 def _check_port(port: int, flag: str) -> None:

@@ -39,6 +39,7 @@ from elasticps.coord.store import JobStore
 from elasticps.data.parquet import check_columns, count_rows, resolve_dataset
 from elasticps.errors import CoordinationError, DataError, ElasticPSError, JobFailedError
 from elasticps.evaluate import evaluate
+from elasticps.launcher.chaos import ChaosEvent
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
@@ -50,20 +51,38 @@ log = logging.getLogger(__name__)
 # Trainer id used by the launcher to pull the final parameters; never a real trainer's.
 LAUNCHER_CLIENT_ID = 2**31 - 1
 _POLL_S = 0.25
+# Exit status of a role process for a user error (see elasticps.cli).
+EXIT_USER_ERROR = 2
 
 
 @dataclass
 class Child:
-    """A process started by the launcher."""
+    """A process started by the launcher.
+
+    Attributes:
+        role: ``master-<i>``, ``ps-<i>`` or ``trainer-<i>``.
+        args: ``elasticps`` arguments, kept to restart the process.
+        proc: the running (or last) process.
+        restarts: how many times it was restarted.
+        ended: it exited and will not be restarted.
+    """
 
     role: str
+    args: list[str]
     proc: subprocess.Popen[bytes]
     pump: threading.Thread | None = None
+    restarts: int = 0
+    ended: bool = False
 
     @property
     def pid(self) -> int:
         """Process id."""
         return self.proc.pid
+
+    @property
+    def kind(self) -> str:
+        """``master``, ``ps`` or ``trainer``."""
+        return self.role.split("-", 1)[0]
 
 
 @dataclass
@@ -97,6 +116,12 @@ class LocalLauncher:
         self.config = config
         self.out = out if out is not None else sys.stderr
         self.children: list[Child] = []
+        self.chaos_log: list[dict[str, object]] = []
+        self._pid_log: dict[str, int] = {}
+        self._etcd: EtcdServer | None = None
+        self._store: JobStore | None = None
+        self._etcd_restarts = 0
+        self._passes: list[dict[str, object]] = []
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
 
@@ -146,18 +171,18 @@ class LocalLauncher:
             EtcdServerConfig(data_dir=workdir / "etcd", client_port=cfg.etcd_port),
             log_path=workdir / "etcd.log",
         )
+        self._etcd = etcd
         try:
             etcd.start()
+            self._log_pid("etcd", etcd.pid)
             with JobStore(etcd.endpoint, cfg.job) as store:
+                self._store = store
                 store.set_ps_desired(cfg.ps)
                 self._spawn_all(etcd.endpoint, train)
-                # Written at once, so that tests and operators can check every
-                # child is gone after the job, whatever its outcome.
-                pids = {"etcd": etcd.pid, **self._pids()}
-                self._write_json("pids.json", pids)
-                master_address = self._wait_for_master(store, timeout_s=60)
-                samples = self._watch_training(master_address)
+                self._wait_for_master(store, timeout_s=60)
+                samples = self._watch_training(store)
                 tensors, versions = self._pull_final(spec, store)
+                self._passes = self._pass_audits(store)
             wall_s = time.monotonic() - started
             manifest = {
                 "job": cfg.job,
@@ -176,7 +201,7 @@ class LocalLauncher:
             }
             save_checkpoint(cfg.output, tensors, manifest)
             evaluation = evaluate(spec, tensors, test) if test is not None else None
-            result = JobResult(cfg.output, wall_s, samples, evaluation, self._pids())
+            result = JobResult(cfg.output, wall_s, samples, evaluation, dict(self._pid_log))
             self._write_run_record(result)
             return result
         finally:
@@ -189,19 +214,24 @@ class LocalLauncher:
     def _spawn_all(self, etcd_endpoint: str, train: Path) -> None:
         cfg = self.config
         common = ["--job", cfg.job, "--etcd", etcd_endpoint, "--lease-ttl-s", str(cfg.lease_ttl_s)]
-        self._spawn(
-            "master",
-            [
-                "master", *common,
-                "--data", str(train),
-                "--epochs", str(cfg.epochs),
-                "--records-per-task", str(cfg.records_per_task),
-                "--task-timeout-s", str(cfg.task_timeout_s),
-                "--max-task-timeouts", str(cfg.max_task_timeouts),
-                "--master-port", str(cfg.master_port),
-            ],
-        )  # fmt: skip
+        # One active master and cfg.standby_masters standbys waiting on the lock;
+        # only the first binds --master-port.
+        for i in range(1 + cfg.standby_masters):
+            self._spawn(
+                f"master-{i}",
+                [
+                    "master", *common,
+                    "--data", str(train),
+                    "--epochs", str(cfg.epochs),
+                    "--records-per-task", str(cfg.records_per_task),
+                    "--task-timeout-s", str(cfg.task_timeout_s),
+                    "--max-task-timeouts", str(cfg.max_task_timeouts),
+                    "--master-port", str(cfg.master_port if i == 0 else 0),
+                ],
+            )  # fmt: skip
+        checkpoints = (cfg.output / "ps-checkpoints").resolve()
         for i in range(cfg.ps):
+            resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
             self._spawn(
                 f"ps-{i}",
                 [
@@ -211,6 +241,9 @@ class LocalLauncher:
                     "--lr", repr(cfg.optimizer.lr),
                     "--momentum", repr(cfg.optimizer.momentum),
                     "--weight-decay", repr(cfg.optimizer.weight_decay),
+                    "--checkpoint-dir", str(checkpoints),
+                    "--checkpoint-every-s", str(cfg.checkpoint_every_s),
+                    *resume,
                 ],
             )  # fmt: skip
         for i in range(cfg.trainers):
@@ -233,12 +266,37 @@ class LocalLauncher:
             )  # fmt: skip
 
     def _spawn(self, role: str, args: list[str]) -> Child:
+        child = Child(role, args, self._start_process(role, args))
+        self.children.append(child)
+        self._log_pid(role, child.pid)
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.pump.start()
+        return child
+
+    def _restart(self, child: Child) -> None:
+        if child.pump is not None:
+            child.pump.join(timeout=2)
+        child.proc = self._start_process(child.role, child.args)
+        child.restarts += 1
+        self._log_pid(f"{child.role}.restart{child.restarts}", child.pid)
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.pump.start()
+
+    def _log_pid(self, name: str, pid: int | None) -> None:
+        # pids.json names every process the job ever started, restarts
+        # included, so that tests and operators can check all are gone.
+        if pid is None:
+            return
+        self._pid_log[name] = pid
+        self._write_json("pids.json", self._pid_log)
+
+    def _start_process(self, role: str, args: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
         # The child stops itself if the launcher dies (even by SIGKILL).
         env["ELASTICPS_PARENT_PID"] = str(os.getpid())
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "elasticps", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -248,15 +306,11 @@ class LocalLauncher:
             # the children in order, by PID.
             start_new_session=True,
         )
-        child = Child(role, proc)
-        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
-        child.pump.start()
-        self.children.append(child)
-        return child
 
     def _pump(self, child: Child) -> None:
-        assert child.proc.stdout is not None
-        for raw in iter(child.proc.stdout.readline, b""):
+        stdout = child.proc.stdout
+        assert stdout is not None
+        for raw in iter(stdout.readline, b""):
             self._emit(f"[{child.role}] {raw.decode(errors='replace').rstrip()}")
 
     def _emit(self, line: str) -> None:
@@ -265,9 +319,6 @@ class LocalLauncher:
                 self._bar.write(line, file=self.out)
             else:
                 print(line, file=self.out, flush=True)
-
-    def _pids(self) -> dict[str, int]:
-        return {c.role: c.pid for c in self.children}
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """Stop every child by PID: SIGTERM, wait up to ``timeout_s`` seconds, then SIGKILL."""
@@ -294,47 +345,104 @@ class LocalLauncher:
 
     # --- monitoring -------------------------------------------------------------
 
-    def _check_children(self) -> list[Child]:
-        """Raise if any child failed; return the trainers still running."""
+    def _supervise(self) -> list[Child]:
+        """One round of supervision; returns the trainers still running.
+
+        - etcd that died is restarted on the same data directory.
+        - A master or PS that exited is restarted (as Kubernetes would),
+          up to ``max_restarts`` times each, unless it exited with status 2
+          (a user error, which a restart would repeat).
+        - A trainer is never restarted. One killed by a signal is tolerated:
+          the job goes on while one trainer lives. One that exited with an
+          error (an exception in the model code, say) fails the job.
+
+        Raises:
+            JobFailedError: a failure the job cannot survive.
+        """
+        cfg = self.config
+        etcd = self._etcd
+        if etcd is not None and not etcd.alive():
+            if self._etcd_restarts >= cfg.max_restarts:
+                raise JobFailedError(f"etcd died {self._etcd_restarts + 1} times; giving up")
+            self._etcd_restarts += 1
+            self._emit(f"[launcher] etcd (pid {etcd.pid}) died; restarting it on its data dir")
+            etcd.restart()
+            self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
         running_trainers = []
         for child in self.children:
+            if child.ended:
+                continue
             code = child.proc.poll()
-            is_trainer = child.role.startswith("trainer")
             if code is None:
-                if is_trainer:
+                if child.kind == "trainer":
                     running_trainers.append(child)
                 continue
-            if code != 0 or not is_trainer:
-                if child.pump is not None:
-                    child.pump.join(timeout=2)  # flush its last lines (the traceback)
+            if child.pump is not None:
+                child.pump.join(timeout=2)  # flush its last lines (the traceback)
+            if child.kind == "trainer":
+                child.ended = True
+                if code > 0:
+                    raise JobFailedError(
+                        f"{child.role} (pid {child.pid}) exited with status {code}; "
+                        "its log lines above show why"
+                    )
+                if code < 0:
+                    self._emit(
+                        f"[launcher] {child.role} (pid {child.pid}) was killed by signal "
+                        f"{-code}; the job goes on without it"
+                    )
+                continue
+            if code == EXIT_USER_ERROR or child.restarts >= cfg.max_restarts:
+                why = "a user error" if code == EXIT_USER_ERROR else "no restarts left"
                 raise JobFailedError(
-                    f"{child.role} (pid {child.pid}) exited with status {code}; "
+                    f"{child.role} (pid {child.pid}) exited with status {code} ({why}); "
                     "its log lines above show why"
                 )
+            self._emit(
+                f"[launcher] {child.role} (pid {child.pid}) exited with status {code}; "
+                f"restarting it ({child.restarts + 1}/{cfg.max_restarts})"
+            )
+            self._restart(child)
         return running_trainers
 
     def _wait_for_master(self, store: JobStore, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
         while True:
-            self._check_children()
+            self._supervise()
             try:
                 return store.master_address(timeout_s=_POLL_S)
             except CoordinationError:
                 if time.monotonic() > deadline:
                     raise
 
-    def _watch_training(self, master_address: str) -> int:
+    def _watch_training(self, store: JobStore) -> int:
         cfg = self.config
-        master = MasterClient(master_address, retry_s=5.0)
+        master = MasterClient(
+            lambda: store.master_address(timeout_s=_POLL_S), retry_s=_POLL_S, rpc_timeout_s=2.0
+        )
         last = None
         rate_t0, rate_s0 = time.monotonic(), 0
+        pending_chaos = list(cfg.chaos)
+        training_started: float | None = None
         try:
             while True:
-                running = self._check_children()
+                running = self._supervise()
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
-                if last is not None and cfg.progress:
-                    rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
+                if last is not None:
+                    total = max(1, last.tasks_total * last.num_passes)
+                    if training_started is None and (
+                        last.tasks_pending or last.tasks_done_all_passes
+                    ):
+                        training_started = time.monotonic()
+                    if training_started is not None and pending_chaos:
+                        elapsed = time.monotonic() - training_started
+                        fraction = last.tasks_done_all_passes / total
+                        for event in [e for e in pending_chaos if e.due(elapsed, fraction)]:
+                            pending_chaos.remove(event)
+                            self._inject(event, store, elapsed, fraction)
+                    if cfg.progress:
+                        rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
                 if not running:
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -345,13 +453,66 @@ class LocalLauncher:
             master.close()
         if last is None or not last.finished:
             raise JobFailedError(
-                "every trainer exited, but the master says the job is not finished"
+                "every trainer has exited, but the master says the job is not finished"
             )
         if self._bar is not None:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
             self._bar = None
         return int(last.samples_done)
+
+    def _inject(
+        self, event: ChaosEvent, store: JobStore, elapsed_s: float, fraction: float
+    ) -> None:
+        """SIGKILL the process ``event`` names, if it is running."""
+        pid: int | None = None
+        if event.role == "etcd":
+            pid = self._etcd.pid if self._etcd is not None else None
+        elif event.role == "master" and event.target == "master":
+            pid = self._active_master_pid(store)
+        else:
+            candidates = [
+                c for c in self.children
+                if c.kind == event.role and not c.ended and c.proc.poll() is None
+                and event.target in {c.role, event.role}
+            ]  # fmt: skip
+            if candidates:
+                # The highest-numbered trainer; the first PS.
+                chosen = candidates[-1] if event.role == "trainer" else candidates[0]
+                pid = chosen.pid
+        record: dict[str, object] = {
+            "target": event.target,
+            "pid": pid,
+            "at_s": round(elapsed_s, 3),
+            "fraction_done": round(fraction, 4),
+            "wall_clock_s": time.time(),
+        }
+        self.chaos_log.append(record)
+        if pid is None:
+            self._emit(f"[launcher] chaos: no running {event.target} to kill")
+            return
+        self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _active_master_pid(self, store: JobStore) -> int | None:
+        with contextlib.suppress(ElasticPSError):
+            info = store.get_json(store.keys.master_lock)
+            pid = None if info is None else info.get("pid")
+            if isinstance(pid, int):
+                return pid
+        masters = [c for c in self.children if c.kind == "master" and c.proc.poll() is None]
+        return masters[0].pid if masters else None
+
+    def _pass_audits(self, store: JobStore) -> list[dict[str, object]]:
+        """The master's per-pass ledger audits (``passes/<n>`` in etcd), if any."""
+        audits: list[dict[str, object]] = []
+        for n in range(self.config.epochs):
+            with contextlib.suppress(ElasticPSError):
+                audit = store.get_json(f"{store.keys.root}/passes/{n}")
+                if audit is not None:
+                    audits.append(audit)
+        return audits
 
     def _update_bar(self, status: object, t0: float, s0: int) -> tuple[float, int]:
         total = int(status.tasks_total * status.num_passes)  # type: ignore[attr-defined]
@@ -410,6 +571,10 @@ class LocalLauncher:
             "samples": result.samples,
             "evaluation": result.evaluation,
             "pids": result.pids,
+            "chaos": self.chaos_log,
+            "restarts": {c.role: c.restarts for c in self.children if c.restarts},
+            "etcd_restarts": self._etcd_restarts,
+            "passes": self._passes,
         }
         self._write_json("run.json", record)
 
