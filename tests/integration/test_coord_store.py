@@ -296,17 +296,36 @@ def test_job_state_round_trips(store: JobStore) -> None:
 # --- etcd failures -----------------------------------------------------------------------
 
 
-def test_lease_is_declared_lost_once_when_etcd_dies(
+def test_lease_is_declared_lost_once_when_etcd_stays_down_past_the_grace(
     etcd_server_factory: Callable[[], EtcdServer],
 ) -> None:
     server = etcd_server_factory()
     calls: list[None] = []
     with JobStore(server.endpoint, "j", timeout_s=0.5) as job_store:
-        lease = job_store.grant_lease(1, on_lost=lambda: calls.append(None))
+        lease = job_store.grant_lease(
+            1, on_lost=lambda: calls.append(None), unreachable_grace_s=1.5
+        )
         server.kill()
-        assert lease.lost.wait(timeout=5.0)
+        assert lease.lost.wait(timeout=6.0)
         wait_for(lambda: len(calls) == 1, "on_lost to be called")
         assert len(calls) == 1
+
+
+def test_lease_survives_an_etcd_restart_shorter_than_the_grace(
+    etcd_server_factory: Callable[[], EtcdServer],
+) -> None:
+    server = etcd_server_factory()
+    with JobStore(server.endpoint, "j", timeout_s=0.5) as job_store:
+        lease = job_store.grant_lease(2, unreachable_grace_s=30)
+        job_store.register_trainer("7", {"pid": 1}, lease)
+        server.kill()
+        # Down for longer than the TTL: etcd extends the lease when it is back.
+        assert not lease.lost.wait(timeout=3.0)
+        server.restart()
+        wait_for(lambda: "7" in job_store.live_trainers()[0], "the key to be readable again")
+        # Refreshes succeed again: the key outlives another TTL.
+        assert not lease.lost.wait(timeout=3.0)
+        assert "7" in job_store.live_trainers()[0]
 
 
 def test_watch_resumes_after_etcd_restarts(

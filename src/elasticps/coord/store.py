@@ -248,14 +248,19 @@ class _LeaseEquals:
 class KeptLease:
     """A lease refreshed by a daemon thread every ``ttl_s / 3`` seconds.
 
-    If refreshing fails for longer than the TTL, or etcd answers that the lease
-    no longer exists, the lease is *lost*: :attr:`lost` is set and ``on_lost`` (if
-    any) is called once, from the refresh thread. The holder must then assume
-    that every key attached to the lease is gone and that others may hold what
-    it held (a slot, the master lock).
+    When etcd answers that the lease no longer exists, the lease is *lost*:
+    :attr:`lost` is set and ``on_lost`` (if any) is called once, from the
+    refresh thread. The holder must then assume that every key attached to the
+    lease is gone and that others may hold what it held (a slot, the master
+    lock).
 
-    The TTL is counted from when the last successful refresh was *sent*, so the
-    holder gives up no later than etcd would expire the lease.
+    While etcd cannot be reached at all, the lease is kept for up to
+    ``unreachable_grace_s`` seconds: an etcd server that restarts extends every
+    lease by its TTL when it comes back (the lessor's ``Promote``), so a
+    restart of etcd must not make every process of the job give up. This is
+    safe because nothing relies on the local belief alone: the master's ledger
+    writes are fenced by the lock's lease inside etcd, and a refresh after the
+    restart tells the truth. Past the grace the lease is declared lost.
 
     Created by :meth:`JobStore.grant_lease`.
 
@@ -272,8 +277,13 @@ class KeptLease:
         lease_id: int,
         ttl_s: float,
         on_lost: Callable[[], None] | None = None,
+        *,
+        unreachable_grace_s: float | None = None,
     ) -> None:
         self._client = client
+        self.unreachable_grace_s: Final = (
+            unreachable_grace_s if unreachable_grace_s is not None else max(30.0, 10 * ttl_s)
+        )
         self.id: Final = lease_id
         self.ttl_s: Final = ttl_s
         self.lost: Final = threading.Event()
@@ -319,9 +329,9 @@ class KeptLease:
             try:
                 responses = list(self._client.refresh_lease(self.id))
             except (*_ETCD_ERRORS, ValueError) as exc:
-                if time.monotonic() - last_ok_sent >= self.ttl_s:
+                if time.monotonic() - last_ok_sent >= self.unreachable_grace_s:
                     self._declare_lost(
-                        f"no refresh succeeded for {self.ttl_s:g} s ({_describe(exc)})"
+                        f"etcd unreachable for {self.unreachable_grace_s:g} s ({_describe(exc)})"
                     )
                     return
                 _log.debug("lease %x: refresh failed (%s); retrying", self.id, _describe(exc))
@@ -642,13 +652,21 @@ class JobStore:
 
     # --- leases -----------------------------------------------------------------------
 
-    def grant_lease(self, ttl_s: float, on_lost: Callable[[], None] | None = None) -> KeptLease:
+    def grant_lease(
+        self,
+        ttl_s: float,
+        on_lost: Callable[[], None] | None = None,
+        *,
+        unreachable_grace_s: float | None = None,
+    ) -> KeptLease:
         """Grant a lease and keep it alive from a daemon thread.
 
         Args:
             ttl_s: time to live, in seconds. etcd rounds it up to whole seconds
                 (and to its minimum, 1 s for the server this package starts).
             on_lost: called once, from the refresh thread, if the lease is lost.
+            unreachable_grace_s: how long to keep the lease while etcd cannot be
+                reached at all, seconds; default ``max(30, 10 * ttl_s)``.
 
         Returns:
             The kept lease; :meth:`KeptLease.revoke` it when done.
@@ -661,7 +679,13 @@ class JobStore:
             raise ConfigError(f"lease ttl_s must be > 0, got {ttl_s}")
         with self._etcd("granting a lease"):
             granted = self._client.lease(math.ceil(ttl_s))
-        lease = KeptLease(self._client, int(granted.id), float(granted.ttl), on_lost)
+        lease = KeptLease(
+            self._client,
+            int(granted.id),
+            float(granted.ttl),
+            on_lost,
+            unreachable_grace_s=unreachable_grace_s,
+        )
         with self._lock:
             self._leases.append(lease)
         return lease
