@@ -83,19 +83,27 @@ class ShardLayout:
         numel: total float32 elements on the shard.
         ranges: coalesced ``(flat_start, flat_end)`` element ranges of the
             trainer's flat buffer, in shard-buffer order.
+        shapes: ``(name, shape)`` of every parameter with a piece here, so that
+            a reshape that keeps the element count changes the fingerprint.
     """
 
     index: int
     pieces: tuple[Piece, ...]
     numel: int
     ranges: tuple[tuple[int, int], ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def describe(self) -> dict[str, object]:
-        """The layout as sent in a HELLO frame: JSON-ready, order-preserving."""
+        """The layout as sent in a HELLO frame: JSON-ready, order-preserving.
+
+        ``pieces`` lists ``[name, param_start, param_end]`` in shard-buffer
+        order; ``shapes`` maps each parameter name to its full shape.
+        """
         return {
             "shard": self.index,
             "numel": self.numel,
             "pieces": [[p.name, p.param_start, p.param_end] for p in self.pieces],
+            "shapes": {name: list(shape) for name, shape in self.shapes},
         }
 
     @property
@@ -188,6 +196,7 @@ def plan_placement(
         else:
             whole[stable_shard(p.name, num_shards)].append(p)
 
+    shapes = {p.name: p.shape for p in params}
     flat_offsets: dict[str, int] = {}
     pieces: list[list[Piece]] = [[] for _ in range(num_shards)]
     shard_fill = [0] * num_shards
@@ -215,7 +224,10 @@ def plan_placement(
                 index=s,
                 pieces=tuple(pieces[s]),
                 numel=shard_fill[s],
-                ranges=_coalesce((p.flat_offset, p.flat_offset + p.numel) for p in pieces[s]),
+                ranges=_coalesce(
+                    (p.flat_offset, p.flat_offset + p.numel) for p in pieces[s] if p.numel
+                ),
+                shapes=tuple((p.name, shapes[p.name]) for p in pieces[s]),
             )
         )
     return Placement(
