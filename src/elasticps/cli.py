@@ -15,7 +15,6 @@ without a traceback, and exit with status 2; other failures exit with 1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -378,21 +377,17 @@ def _cmd_master(args: argparse.Namespace) -> int:
 def _cmd_ps(args: argparse.Namespace) -> int:
     from elasticps.pserver.main import run_ps
 
-    extra = {
-        "checkpoint_dir": Path(args.checkpoint_dir) if args.checkpoint_dir else None,
-        "checkpoint_every_s": args.checkpoint_every_s,
-        "checkpoint_every_versions": args.checkpoint_every_versions,
-        "resume_dir": Path(args.resume) if args.resume else None,
-        "claim_timeout_s": args.claim_timeout_s,
-    }
-    known = {f.name for f in dataclasses.fields(PSConfig)}  # TEMPORARY until PSConfig grows them
     config = PSConfig(
         common=_common(args),
         mode=UpdateMode(args.mode),
         optimizer=_optimizer(args),
         host=args.host,
         port=args.ps_port,
-        **{k: v for k, v in extra.items() if k in known},  # type: ignore[arg-type]
+        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_every_s=args.checkpoint_every_s,
+        checkpoint_every_versions=args.checkpoint_every_versions,
+        resume_dir=Path(args.resume) if args.resume else None,
+        claim_timeout_s=args.claim_timeout_s,
     )
     return _run_role(lambda stop: run_ps(config, stop))
 

@@ -145,6 +145,18 @@ class PSConfig:
         port: tensor-plane TCP port; 0 picks a free one.
         init_timeout_s: seconds a trainer waits for another trainer to finish
             initializing the shard.
+        checkpoint_dir: where the server keeps its own shard checkpoint,
+            ``<checkpoint_dir>/ps-<index>/shard.safetensors``; it is loaded
+            on restart. None: no checkpoints.
+        checkpoint_every_s: seconds between checkpoints (taken only if the
+            version moved), > 0.
+        checkpoint_every_versions: also checkpoint once the version moved by
+            this much; 0 disables.
+        resume_dir: a consistent checkpoint (``elasticps.snapshot``) to fill
+            the shard from when the server has no checkpoint of its own; any
+            number of servers can resume from it.
+        claim_timeout_s: seconds to wait for a free ``/ps/<index>`` slot (a
+            restarted server waits for its old lease to expire), >= 0.
     """
 
     common: CommonConfig
@@ -153,9 +165,22 @@ class PSConfig:
     host: str = "127.0.0.1"
     port: int = 0
     init_timeout_s: float = 60.0
+    checkpoint_dir: Path | None = None
+    checkpoint_every_s: float = 30.0
+    checkpoint_every_versions: int = 0
+    resume_dir: Path | None = None
+    claim_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--ps-port")
+        if not self.checkpoint_every_s > 0:
+            raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
+        if self.checkpoint_every_versions < 0:
+            raise ConfigError(
+                f"--checkpoint-every-versions must be >= 0, got {self.checkpoint_every_versions}"
+            )
+        if not self.claim_timeout_s >= 0:
+            raise ConfigError(f"claim timeout must be >= 0 s, got {self.claim_timeout_s}")
 
 
 @dataclass(frozen=True)

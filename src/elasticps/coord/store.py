@@ -15,7 +15,10 @@ key                           written by       value
 ``trainers/<id>``             trainer (lease)  the trainer's info object
 ``ps_desired``                launcher         number of PS slots, a JSON integer
 ``ps/<index>``                PS (txn, lease)  ``{"address": "host:port"}``
-``tasks/<id>``                master (fenced)  one task's ledger entry (later)
+``tasks/<id>``                master (fenced)  one task's ledger record
+``queue/meta``                master (fenced)  the task queue's pass, counters
+``queue/spec``                master (fenced)  the data split the ledger is for
+``passes/<pass>``             master (fenced)  the audit of a completed pass
 ``checkpoints/<version>``     master (fenced)  a checkpoint manifest (later)
 ``job/state``                 launcher/master  a JSON string, e.g. ``"running"``
 ============================  ===============  =================================
@@ -34,7 +37,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -43,11 +46,12 @@ import pyetcd
 from pyetcd import etcdrpc
 from pyetcd import events as etcd_events
 from pyetcd import exceptions as etcd_exceptions
+from pyetcd.utils import prefix_range_end
 
 from elasticps.coord.etcd_server import parse_endpoint
 from elasticps.errors import ConfigError, CoordinationError
 
-__all__ = ["JobStore", "KeptLease", "Keys", "TrainerMap", "Watch"]
+__all__ = ["MAX_TXN_OPS", "JobStore", "KeptLease", "Keys", "TrainerMap", "Watch", "is_transient"]
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +64,9 @@ _POLL_MAX_S: Final = 0.05
 _POLL_MIN_S: Final = 0.005
 #: Longest pause between two attempts to re-create a broken watch, in seconds.
 _REWATCH_MAX_S: Final = 1.0
+
+#: Most operations etcd accepts in one transaction (its ``--max-txn-ops`` default).
+MAX_TXN_OPS: Final = 128
 
 # gRPC's default reconnect backoff grows to 120 s, far longer than a lease TTL:
 # after an etcd restart the client would stay disconnected long after etcd is
@@ -151,6 +158,32 @@ class Keys:
         return f"{self.tasks_prefix}{task_id:010d}"
 
     @property
+    def queue_meta(self) -> str:
+        """Key of the task queue's meta record (pass, finished, ...); exists once the
+        ledger is complete."""
+        return self.root + "queue/meta"
+
+    @property
+    def queue_spec(self) -> str:
+        """Key identifying the data split the task ledger was created for."""
+        return self.root + "queue/spec"
+
+    @property
+    def passes_prefix(self) -> str:
+        """Prefix of the per-pass audit summaries."""
+        return self.root + "passes/"
+
+    def pass_summary(self, pass_id: int) -> str:
+        """Key of the audit summary of pass ``pass_id``, zero-padded to 6 digits.
+
+        Raises:
+            ConfigError: the pass id is negative.
+        """
+        if pass_id < 0:
+            raise ConfigError(f"pass id must be >= 0, got {pass_id}")
+        return f"{self.passes_prefix}{pass_id:06d}"
+
+    @property
     def checkpoints_prefix(self) -> str:
         """Prefix of the checkpoint manifests."""
         return self.root + "checkpoints/"
@@ -183,6 +216,30 @@ def _describe(exc: BaseException) -> str:
         call: Any = exc
         return f"{call.code().name}: {call.details()}"
     return str(exc) or type(exc).__name__
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an error (or its cause) means etcd could not be reached or did not answer
+    in time, so that retrying the same request may succeed.
+
+    Errors such as an invalid request or a failed compare are not transient.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(
+            seen,
+            etcd_exceptions.ConnectionFailedError
+            | etcd_exceptions.ConnectionTimeoutError
+            | etcd_exceptions.NoServerAvailableError
+            | etcd_exceptions.InternalServerError,
+        ):
+            return True
+        if isinstance(seen, grpc.RpcError) and hasattr(seen, "code"):
+            call: Any = seen
+            if call.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return True
+        seen = seen.__cause__
+    return False
 
 
 def _encode(obj: object) -> str:
@@ -716,6 +773,99 @@ class JobStore:
         """
         self._put(key, _encode(dict(obj)), lease)
 
+    def get_prefix_json(
+        self, prefix: str, *, page_size: int = 1000
+    ) -> tuple[dict[str, dict[str, object]], int]:
+        """Read every key under a prefix as JSON objects, at one etcd revision.
+
+        Reads pages of ``page_size`` keys (so one response never grows with the
+        prefix); every page after the first is read at the first page's revision,
+        so the result is one consistent snapshot.
+
+        Args:
+            prefix: the full key prefix (build it with :attr:`keys`).
+            page_size: keys per range request, >= 1.
+
+        Returns:
+            ``(objects, revision)``: key suffix (after ``prefix``) -> object, and
+            the etcd revision of the snapshot.
+
+        Raises:
+            ConfigError: ``page_size`` < 1.
+            CoordinationError: etcd failed, or a value is not a JSON object.
+        """
+        if page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {page_size}")
+        end = prefix_range_end(prefix.encode("utf-8"))
+        start = prefix.encode("utf-8")
+        revision: int | None = None
+        objects: dict[str, dict[str, object]] = {}
+        while True:
+            pinned = {} if revision is None else {"revision": revision}
+            with self._etcd(f"reading {prefix}"):
+                response = self._client.get_range_response(start, end, limit=page_size, **pinned)
+            if revision is None:
+                revision = int(response.header.revision)
+            for kv in response.kvs:
+                key = kv.key.decode("utf-8")
+                objects[key[len(prefix) :]] = _decode_object(kv.value, key)
+            if not response.more or not response.kvs:
+                return objects, revision
+            start = bytes(response.kvs[-1].key) + b"\0"
+
+    def wait_for_deletion(
+        self, key: str, timeout_s: float, *, cancel: threading.Event | None = None
+    ) -> bool:
+        """Wait until ``key`` does not exist, watching it rather than polling.
+
+        Args:
+            key: the full key.
+            timeout_s: how long to wait, in seconds.
+            cancel: stop waiting early once this is set.
+
+        Returns:
+            True if the key is absent (now, or deleted while watched); False on
+            timeout or cancel. If the watch stream breaks, returns whether the key
+            is absent on a fresh read, so callers loop until they get what they want.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._etcd(f"reading {key}"):
+            response = self._client.get_response(key)
+        if response.count == 0:
+            return True
+        woken = threading.Event()
+        broken = False
+
+        def on_response(watched: object) -> None:
+            nonlocal broken
+            if isinstance(watched, BaseException) or watched is None:
+                broken = True
+                woken.set()
+                return
+            events: Any = getattr(watched, "events", ())
+            if any(isinstance(e, etcd_events.DeleteEvent) for e in events):
+                woken.set()
+
+        with self._etcd(f"watching {key}"):
+            watch_id = self._client.add_watch_callback(
+                key, on_response, start_revision=int(response.header.revision) + 1
+            )
+        try:
+            while not woken.wait(max(0.0, min(_POLL_MAX_S, deadline - time.monotonic()))):
+                if (cancel is not None and cancel.is_set()) or time.monotonic() >= deadline:
+                    return False
+        finally:
+            with contextlib.suppress(*_ETCD_ERRORS, ValueError):
+                self._client.cancel_watch(watch_id)
+        if not broken:
+            return True
+        with self._etcd(f"reading {key}"):
+            raw, _ = self._client.get(key)
+        return raw is None
+
     def _put(self, key: str, value: str, lease: KeptLease | None = None) -> None:
         with self._etcd(f"writing {key}"):
             self._client.put(key, value, lease=None if lease is None else lease.id)
@@ -902,6 +1052,99 @@ class JobStore:
                 )
             _sleep_until_next_poll(delays, deadline)
 
+    def claim_ps_slot_within(
+        self,
+        address: str,
+        lease: KeptLease,
+        timeout_s: float,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> int:
+        """Claim the lowest free parameter-server slot, waiting up to ``timeout_s`` for one.
+
+        A restarted server uses this to get its old index back: its slot frees
+        when the old lease expires, and until then every slot may be taken.
+        Also waits for ``ps_desired`` to be set.
+
+        Args:
+            address: where trainers reach this server, ``"host:port"``.
+            lease: the server's lease.
+            timeout_s: how long to keep trying, in seconds (0: once).
+            cancel: when set, stop waiting (raises CoordinationError).
+
+        Returns:
+            The claimed index, 0-based.
+
+        Raises:
+            CoordinationError: no slot freed in time, cancelled, or etcd failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        delays = _poll_delays()
+        while True:
+            n = self.ps_desired()
+            index = None if n is None else self._try_claim_ps_slot(address, lease, n)
+            if index is not None:
+                return index
+            if cancel is not None and cancel.is_set():
+                raise CoordinationError("cancelled while waiting for a free PS slot")
+            if time.monotonic() >= deadline:
+                if n is None:
+                    raise CoordinationError(
+                        f"cannot claim a PS slot: {self.keys.ps_desired} was not set "
+                        f"within {timeout_s:g} s"
+                    )
+                raise CoordinationError(
+                    f"cannot claim a PS slot: all {n} slots stayed taken for {timeout_s:g} s"
+                )
+            _sleep_until_next_poll(delays, deadline)
+
+    def _try_claim_ps_slot(self, address: str, lease: KeptLease, n: int) -> int | None:
+        """One pass of put-if-absent transactions over slots 0..n-1; the index won, or None."""
+        txns = self._client.transactions
+        value = _encode({"address": address})
+        for index in range(n):
+            key = self.keys.ps(index)
+            succeeded, _ = self._txn(
+                f"claiming {key}",
+                compare=[txns.version(key) == 0],
+                success=[txns.put(key, value, lease=lease.id)],
+                failure=[],
+            )
+            if succeeded:
+                return index
+        return None
+
+    def wait_ps_address(self, index: int, *, not_equal: str | None = None, timeout_s: float) -> str:
+        """Wait until slot ``index`` is claimed (by an address other than ``not_equal``).
+
+        Args:
+            index: the slot, 0-based.
+            not_equal: an address to wait past (the server that went away), or None.
+            timeout_s: how long to wait, in seconds.
+
+        Returns:
+            The address of the server holding the slot.
+
+        Raises:
+            CoordinationError: nothing suitable within ``timeout_s``, or etcd failed.
+        """
+        key = self.keys.ps(index)
+        deadline = time.monotonic() + timeout_s
+        delays = _poll_delays()
+        while True:
+            with self._etcd(f"reading {key}"):
+                raw, _ = self._client.get(key)
+            if raw is not None:
+                address = _address_of(raw, key)
+                if address != not_equal:
+                    return address
+            if time.monotonic() >= deadline:
+                raise CoordinationError(
+                    f"no parameter server claimed slot {index} within {timeout_s:g} s"
+                    + ("" if not_equal is None else f" (other than {not_equal})")
+                )
+            _sleep_until_next_poll(delays, deadline)
+
     # --- master -------------------------------------------------------------------------
 
     def acquire_master_lock(self, address: str, lease: KeptLease) -> bool:
@@ -974,6 +1217,49 @@ class JobStore:
             f"fenced write of {key}",
             compare=[_LeaseEquals(self.keys.master_lock, lease.id)],
             success=[txns.put(key, value)],
+            failure=[],
+        )
+        return bool(succeeded)
+
+    def fenced_write(
+        self,
+        puts: Sequence[tuple[str, str]],
+        lease: KeptLease,
+        *,
+        delete_prefixes: Sequence[str] = (),
+    ) -> bool:
+        """Write several keys in one transaction, only while ``lease`` holds the master lock.
+
+        Like :meth:`fenced_put`, but all-or-nothing over many keys: the prefix
+        deletions run first, then the puts, in order. The written keys are not
+        attached to the lease. etcd refuses a transaction in which a put falls
+        inside a deleted range.
+
+        Args:
+            puts: ``(key, value)`` pairs (full keys, JSON text by convention).
+            lease: the lease the caller acquired the master lock with.
+            delete_prefixes: key prefixes to delete first (each is one operation).
+
+        Returns:
+            True if written; False if ``lease`` does not hold the lock (step down).
+
+        Raises:
+            ConfigError: more than :data:`MAX_TXN_OPS` operations, or none.
+            CoordinationError: etcd failed.
+        """
+        num_ops = len(puts) + len(delete_prefixes)
+        if not 0 < num_ops <= MAX_TXN_OPS:
+            raise ConfigError(f"a fenced write needs 1..{MAX_TXN_OPS} operations, got {num_ops}")
+        txns = self._client.transactions
+        ops: list[Any] = [
+            txns.delete(prefix, range_end=prefix_range_end(prefix.encode("utf-8")))
+            for prefix in delete_prefixes
+        ]
+        ops.extend(txns.put(key, value) for key, value in puts)
+        succeeded, _ = self._txn(
+            f"fenced write of {num_ops} key(s)",
+            compare=[_LeaseEquals(self.keys.master_lock, lease.id)],
+            success=ops,
             failure=[],
         )
         return bool(succeeded)

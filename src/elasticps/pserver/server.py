@@ -10,12 +10,34 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
 - ``HELLO`` (JSON: shard layout, fingerprint, trainer id) -> ``HELLO_OK``
   (JSON: ``need_values``, ``version``). The first trainer to say hello to an
   empty shard is asked for the initial values and sends ``INIT_VALUES``;
-  the others wait until the shard is initialized.
+  the others wait until the shard is initialized. A shard restored from the
+  server's own checkpoint, or built from a consistent checkpoint to resume
+  from (:meth:`ParameterServer.resume_from`), never asks for values: the
+  HELLO only checks the layout fingerprint.
 - ``PUSH`` (gradient, or ``EMPTY``) -> ``PUSH_OK``, or ``PARAMS`` if the push
   has ``WANT_PARAMS``. In sync mode the reply is sent once the step the
   gradient joined has been applied.
 - ``PULL`` -> ``PARAMS``.
-- ``CONTROL`` (JSON ``{"op": "stats" | "shutdown"}``) -> ``CONTROL_OK``.
+- ``CONTROL`` (JSON ``{"op": ...}``) -> ``CONTROL_OK``, with ops:
+
+  - ``stats``: the shard's counters.
+  - ``shutdown``: ask the server process to stop.
+  - ``freeze`` (optional ``version``, ``timeout_s``): stop the shard between
+    two steps (pushes wait) and answer ``{"shard", "initialized", "version",
+    "mode"}``. With ``version``, first let the shard run until that version
+    and freeze right after it (only if no other connection holds a freeze;
+    else ERROR ``busy``). The freeze belongs to the connection: ``thaw``, or
+    the connection closing, releases it; the shard thaws when no
+    connection holds one.
+  - ``snapshot`` (``dir``: an absolute path; only while this connection
+    holds a freeze): write ``dir/shard-<index>.safetensors`` and answer
+    ``{"shard", "file", "crc32", "bytes", "version", "layout", "mode",
+    "optimizer"}``.
+  - ``thaw``: release this connection's freeze; answers ``{"shard", "version"}``.
+
+  A consistent checkpoint of every server is taken by
+  :func:`elasticps.snapshot.take_consistent_checkpoint`. The tensor plane is
+  trusted: ``snapshot`` writes where the client says.
 
 Any malformed frame gets an ``ERROR`` reply and the connection is closed; a
 well-formed request that cannot be served (wrong layout, push before hello)
@@ -28,20 +50,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import (
+    DataError,
     ElasticPSError,
     FrameError,
     LayoutMismatchError,
     ProtocolError,
 )
-from elasticps.pserver.shard import ParameterShard, ShardClosedError
+from elasticps.pserver.checkpoint import save_shard
+from elasticps.pserver.shard import FreezeTimeoutError, ParameterShard, ShardClosedError
+from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -63,6 +91,9 @@ log = logging.getLogger(__name__)
 
 # Upper bound for a shard announced in a HELLO: 16 GiB of float32.
 MAX_SHARD_NUMEL = 4 << 30
+# Default and upper bound of a freeze op's "timeout_s", seconds.
+FREEZE_TIMEOUT_S = 60.0
+MAX_FREEZE_TIMEOUT_S = 3600.0
 
 
 class ParameterServer:
@@ -104,6 +135,10 @@ class ParameterServer:
         self._live: set[int] = set()
         self._stopping = threading.Event()
         self._conns: set[socket.socket] = set()
+        # Connections holding a freeze (CONTROL "freeze"); the shard is frozen
+        # while this is not empty.
+        self._freezers: set[socket.socket] = set()
+        self._resume: ConsistentCheckpoint | None = None
 
     @property
     def address(self) -> str:
@@ -116,6 +151,39 @@ class ParameterServer:
         """The shard, once a trainer has initialized it."""
         with self._cond:
             return self._shard
+
+    def install_shard(self, shard: ParameterShard) -> None:
+        """Serve ``shard`` (restored from a checkpoint) instead of waiting for a trainer.
+
+        Call before :meth:`serve_forever`.
+
+        Raises:
+            LayoutMismatchError: the shard's layout is for another index.
+        """
+        if shard.layout.get("shard") != self.shard_index:
+            raise LayoutMismatchError(
+                f"the shard's layout is for parameter server {shard.layout.get('shard')!r}, "
+                f"this is {self.shard_index}"
+            )
+        with self._cond:
+            self._install(shard)
+
+    def resume_from(self, checkpoint: ConsistentCheckpoint | None) -> None:
+        """Fill the shard from ``checkpoint`` when the first trainer says hello.
+
+        The first HELLO's layout picks the pieces (by parameter name) and the
+        trainer is not asked for values. The checkpoint is dropped once used.
+        """
+        with self._cond:
+            self._resume = checkpoint
+
+    def _install(self, shard: ParameterShard) -> None:
+        # Caller holds self._cond.
+        shard.set_live_trainers(self._live)
+        if self._freezers:
+            shard.freeze()
+        self._shard = shard
+        self._cond.notify_all()
 
     def set_live_trainers(self, trainer_ids: set[int]) -> None:
         """Forward etcd membership to the shard's sync barrier."""
@@ -177,6 +245,7 @@ class ParameterServer:
             if not self._stopping.is_set():
                 log.info("ps %d: connection ended: %s", self.shard_index, exc)
         finally:
+            self._release_freeze(conn)
             with self._cond:
                 self._conns.discard(conn)
                 if self._initializing is conn:
@@ -190,7 +259,9 @@ class ParameterServer:
         with self._cond:
             if self._initializing is state.conn and self._pending_shard is not None:
                 return self._pending_shard.numel * 4
-            if self._shard is not None and state.hello_done:
+            if self._shard is not None:
+                # Also before HELLO: a full-size PUSH sent too early is well-formed,
+                # so it is discarded and answered "no_hello" on a usable connection.
                 return self._shard.numel * 4
         return 0
 
@@ -243,6 +314,8 @@ class ParameterServer:
             )
             if not deadline_ok:
                 raise _RequestError("init_timeout", "another trainer is still initializing")
+            if self._shard is None and self._resume is not None:
+                self._install(self._shard_from_resume(layout, fingerprint))
             if self._shard is not None:
                 self._shard.check_fingerprint(fingerprint)
                 state.hello_done = True
@@ -272,12 +345,10 @@ class ParameterServer:
             raise _RequestError("bad_init", f"INIT_VALUES must be {pending.numel} float32 values")
         recv_body_into(state.conn, header, [tensor_view(pending.values)])
         with self._cond:
-            pending.set_live_trainers(self._live)
-            self._shard = pending
+            self._install(pending)
             self._pending_shard = None
             self._initializing = None
             state.hello_done = True
-            self._cond.notify_all()
         log.info("ps %d: initialized %d parameters", self.shard_index, pending.numel)
         send_json(
             state.conn,
@@ -335,8 +406,119 @@ class ParameterServer:
             send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index})
             if self._on_shutdown is not None:
                 self._on_shutdown()
+        elif op == "freeze":
+            send_json(state.conn, MsgType.CONTROL_OK, self._freeze(state.conn, msg))
+        elif op == "snapshot":
+            send_json(state.conn, MsgType.CONTROL_OK, self._snapshot(state.conn, msg))
+        elif op == "thaw":
+            self._release_freeze(state.conn)
+            shard = self.shard
+            version = None if shard is None else shard.version
+            send_json(
+                state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index, "version": version}
+            )
         else:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
+
+    # --- consistent snapshots -------------------------------------------------
+
+    def _freeze(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        at_version = msg.get("version")
+        if at_version is not None and (
+            not isinstance(at_version, int) or isinstance(at_version, bool) or at_version < 0
+        ):
+            raise _RequestError("bad_control", "freeze 'version' must be a non-negative integer")
+        timeout_s = msg.get("timeout_s", FREEZE_TIMEOUT_S)
+        if (
+            not isinstance(timeout_s, int | float)
+            or isinstance(timeout_s, bool)
+            or not 0 < timeout_s <= MAX_FREEZE_TIMEOUT_S
+        ):
+            raise _RequestError(
+                "bad_control", f"freeze 'timeout_s' must be in (0, {MAX_FREEZE_TIMEOUT_S:g}]"
+            )
+        version: int | None = None
+        # A plain freeze (or thaw) changes the shard under self._cond, so that
+        # the set of freezers and the shard's state never disagree. A freeze
+        # at a later version waits outside it; "busy" keeps others out meanwhile.
+        with self._cond:
+            if at_version is not None and self._freezers - {conn}:
+                raise _RequestError("busy", "another client holds a freeze of this shard")
+            self._freezers.add(conn)
+            shard = self._shard
+            if shard is not None and at_version is None:
+                version = shard.freeze()
+        if shard is not None and at_version is not None:
+            try:
+                version = shard.freeze(at_version=at_version, timeout_s=float(timeout_s))
+            except FreezeTimeoutError as exc:
+                raise _RequestError("freeze_timeout", str(exc)) from exc
+        if version is not None:
+            log.info("ps %d: frozen at version %d", self.shard_index, version)
+        return {
+            "shard": self.shard_index,
+            "initialized": shard is not None,
+            "version": version,
+            "mode": self.mode.value,
+        }
+
+    def _release_freeze(self, conn: socket.socket) -> None:
+        with self._cond:
+            if conn not in self._freezers:
+                return
+            self._freezers.discard(conn)
+            if self._freezers or self._shard is None:
+                return
+            self._shard.thaw()
+        log.info("ps %d: thawed", self.shard_index)
+
+    def _snapshot(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        directory = msg.get("dir")
+        if not isinstance(directory, str) or not os.path.isabs(directory):
+            raise _RequestError("bad_control", "snapshot needs 'dir', an absolute path")
+        with self._cond:
+            held = conn in self._freezers
+            shard = self._shard
+        if shard is None:
+            raise _RequestError("not_initialized", "the shard holds no parameters yet")
+        if not held or not shard.frozen:
+            raise _RequestError("not_frozen", "send freeze on this connection before snapshot")
+        tensors, meta = shard.state()
+        name = shard_file_name(self.shard_index)
+        try:
+            saved = save_shard(Path(directory) / name, tensors, meta)
+        except OSError as exc:
+            raise _RequestError(
+                "snapshot_failed", f"cannot write {directory}/{name}: {exc}"
+            ) from exc
+        return {
+            "shard": self.shard_index,
+            "file": name,
+            "crc32": saved.crc32,
+            "bytes": saved.nbytes,
+            "version": saved.version,
+            "layout": shard.layout,
+            "mode": self.mode.value,
+            "optimizer": asdict(self._optimizer),
+        }
+
+    def _shard_from_resume(self, layout: dict[str, object], fingerprint: str) -> ParameterShard:
+        # Caller holds self._cond and has checked that self._resume is set.
+        assert self._resume is not None
+        shard = ParameterShard(layout, fingerprint, self._optimizer, self.mode)
+        try:
+            tensors, meta = shard_state_for_layout(layout, self._resume)
+            with_optimizer = shard.load_state(tensors, meta)
+        except (DataError, ValueError) as exc:
+            log.error("ps %d: cannot resume from the checkpoint: %s", self.shard_index, exc)
+            raise _RequestError("resume_mismatch", f"cannot resume: {exc}") from exc
+        self._resume = None  # free the memory; the shard holds what it needs
+        log.info(
+            "ps %d: resumed %d parameters at version %d from a consistent checkpoint%s",
+            self.shard_index, shard.numel, shard.version,
+            "" if with_optimizer else " (values only: it was saved for another optimizer)",
+        )  # fmt: skip
+        return shard
 
 
 class _RequestError(ElasticPSError):

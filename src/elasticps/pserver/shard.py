@@ -8,18 +8,40 @@ The shard keeps its parameters as one flat float32 tensor, laid out as the
 :class:`~elasticps.placement.ShardLayout` says. The optimizers offered here
 (SGD, momentum, Adam, AdaGrad) are element-wise, so one ``torch.optim`` step
 over the flat tensor equals one step per parameter, at the cost of a single
-kernel launch.
+kernel launch. For the same reason the optimizer state is a few flat tensors
+of the shard's size (Adam's ``exp_avg``...) plus scalars (Adam's ``step``),
+which :meth:`ParameterShard.state` exports for checkpoints and
+:meth:`ParameterShard.load_state` restores bit for bit.
+
+Sync barrier under churn: the trainers a sync step waits for are fixed when
+its round opens (at the round's first push): the live trainers at that
+moment. A trainer that leaves is dropped from the open round at once; one
+that joins is waited for from the next round on (a push it makes in the open
+round, on the current version, still counts).
+
+Consistent snapshots: :meth:`ParameterShard.freeze` stops the shard between
+two steps; pushes then wait (they are not refused) until
+:meth:`ParameterShard.thaw`, so values and version stay put while a snapshot
+of every shard is written.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 
 import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ElasticPSError, LayoutMismatchError
+
+VALUES_KEY = "values"
+"""Name of the parameter tensor in :meth:`ParameterShard.state`."""
+
+OPTIM_PREFIX = "optim."
+"""Prefix of the element-wise optimizer-state tensors in :meth:`ParameterShard.state`
+(``optim.exp_avg``, ``optim.exp_avg_sq``, ``optim.momentum_buffer``, ``optim.sum``)."""
 
 
 def make_optimizer(params: list[torch.Tensor], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -50,6 +72,10 @@ class ShardClosedError(ElasticPSError):
     """The shard is shutting down; a waiting push was released without an update."""
 
 
+class FreezeTimeoutError(ElasticPSError):
+    """The shard did not reach the version a freeze waited for in time."""
+
+
 @dataclass(frozen=True)
 class PushResult:
     """Outcome of one push.
@@ -74,13 +100,15 @@ class ShardStats:
     stale_pushes: int
     steps: int
     live_trainers: int
+    frozen: bool = False
 
 
 class ParameterShard:
     """Parameters and optimizer state of one shard, and the sync/async update rules.
 
     Thread-safe: the tensor-plane server calls it from one thread per
-    connection.
+    connection. Every update is applied under one lock, so a reader holding
+    it (:meth:`state`, :meth:`freeze`) never sees half a step.
 
     Args:
         layout: the shard layout as described by the first trainer's HELLO
@@ -98,12 +126,13 @@ class ParameterShard:
         mode: UpdateMode,
     ) -> None:
         numel = layout.get("numel")
-        if not isinstance(numel, int) or numel < 0:
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise LayoutMismatchError(f"layout has an invalid numel: {numel!r}")
         self.layout = layout
         self.fingerprint = fingerprint
         self.numel = numel
         self.mode = mode
+        self.optimizer_config = optimizer
         self._param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32))
         self._optimizer = make_optimizer([self._param], optimizer)
         self._acc = torch.zeros(numel, dtype=torch.float32)
@@ -112,8 +141,12 @@ class ParameterShard:
         self._version = 0
         self._round = 0
         self._contributors: set[int] = set()
+        # Who the open round waits for; fixed when it opens (see set_live_trainers).
+        self._expected: set[int] = set()
         self._live: set[int] = set()
         self._closed = False
+        self._frozen = False
+        self._freeze_at: int | None = None
         self._pushes = 0
         self._stale = 0
         self._steps = 0
@@ -135,11 +168,22 @@ class ParameterShard:
         with self._cond:
             return self._version
 
+    @property
+    def frozen(self) -> bool:
+        """True between :meth:`freeze` and :meth:`thaw`."""
+        with self._cond:
+            return self._frozen
+
     def stats(self) -> ShardStats:
         """A snapshot of the shard's counters."""
         with self._cond:
             return ShardStats(
-                self._version, self._pushes, self._stale, self._steps, len(self._live)
+                self._version,
+                self._pushes,
+                self._stale,
+                self._steps,
+                len(self._live),
+                self._frozen,
             )
 
     def check_fingerprint(self, fingerprint: str) -> None:
@@ -150,23 +194,226 @@ class ParameterShard:
                 "holds (different model, --ps count or --big-array-bound?)"
             )
 
+    # --- checkpoint state ----------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """Copy the shard's values, optimizer state and version, as of one instant.
+
+        The copy is taken under the shard's lock (between two steps) and owns
+        its memory, so the caller may write it out while training goes on.
+
+        Returns:
+            ``(tensors, meta)``. ``tensors`` maps :data:`VALUES_KEY` to the
+            values and ``optim.<key>`` to each element-wise optimizer-state
+            tensor (Adam ``exp_avg``/``exp_avg_sq``, momentum
+            ``momentum_buffer``, AdaGrad ``sum``), all float32 ``[numel]``.
+            ``meta`` is JSON-ready: ``layout``, ``fingerprint``, ``version``,
+            ``mode``, ``optimizer`` (the config) and ``optimizer_scalars``
+            (``{key: {"value": number, "dtype": "float32" | None}}``, e.g.
+            Adam's ``step``; dtype None for a plain Python number).
+
+        Raises:
+            ValueError: the optimizer holds state of another shape (not one
+                of the optimizers this module builds).
+        """
+        with self._cond:
+            tensors: dict[str, torch.Tensor] = {VALUES_KEY: self._param.detach().clone()}
+            scalars: dict[str, object] = {}
+            per_param = self._optimizer.state_dict()["state"].get(0, {})
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    scalars[key] = {"value": value.item(), "dtype": _dtype_name(value.dtype)}
+                elif isinstance(value, torch.Tensor) and tuple(value.shape) == (self.numel,):
+                    tensors[OPTIM_PREFIX + key] = value.detach().to(torch.float32).clone()
+                elif isinstance(value, int | float) and not isinstance(value, bool):
+                    scalars[key] = {"value": value, "dtype": None}
+                else:
+                    raise ValueError(f"cannot checkpoint optimizer state {key!r}: {value!r:.80}")
+            meta: dict[str, object] = {
+                "layout": self.layout,
+                "fingerprint": self.fingerprint,
+                "version": self._version,
+                "mode": self.mode.value,
+                "optimizer": asdict(self.optimizer_config),
+                "optimizer_scalars": scalars,
+            }
+        return tensors, meta
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> bool:
+        """Restore values, optimizer state and version from :meth:`state`'s output.
+
+        Only the values, the optimizer state and the version are read; the
+        layout is this shard's own. The optimizer's hyper-parameters (such as
+        ``lr``) stay those of this shard's config, so a restart may change them.
+
+        Args:
+            tensors: as returned by :meth:`state`; values float32 ``[numel]``.
+            meta: needs ``version``; ``optimizer`` and ``optimizer_scalars``
+                for the optimizer state.
+
+        Returns:
+            True if the optimizer state was restored too; False if it was
+            saved for another optimizer (``meta["optimizer"]["name"]``
+            differs), in which case the optimizer starts fresh.
+
+        Raises:
+            LayoutMismatchError: a tensor does not have ``numel`` elements.
+            ValueError: ``version`` or the optimizer scalars are malformed.
+        """
+        values = tensors.get(VALUES_KEY)
+        if values is None or values.numel() != self.numel:
+            got = None if values is None else values.numel()
+            raise LayoutMismatchError(f"saved values have {got} elements, shard has {self.numel}")
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"saved version must be a non-negative integer, got {version!r}")
+        saved_opt = meta.get("optimizer")
+        same_optimizer = (
+            isinstance(saved_opt, Mapping) and saved_opt.get("name") == self.optimizer_config.name
+        )
+        restored: dict[str, object] = {}
+        if same_optimizer:
+            for name, tensor in tensors.items():
+                if not name.startswith(OPTIM_PREFIX):
+                    continue
+                if tensor.numel() != self.numel:
+                    raise LayoutMismatchError(
+                        f"saved optimizer state {name!r} has {tensor.numel()} elements, "
+                        f"shard has {self.numel}"
+                    )
+                restored[name.removeprefix(OPTIM_PREFIX)] = (
+                    tensor.detach().reshape(-1).to(torch.float32).clone()
+                )
+            scalars = meta.get("optimizer_scalars", {})
+            if not isinstance(scalars, Mapping):
+                raise ValueError("saved optimizer_scalars must be an object")
+            for key, entry in scalars.items():
+                restored[str(key)] = _scalar_from_json(str(key), entry)
+        with self._cond:
+            self._param.data.copy_(values.detach().reshape(-1))
+            template = self._optimizer.state_dict()
+            template["state"] = {0: restored} if restored else {}
+            self._optimizer.load_state_dict(template)
+            self._version = version
+        return same_optimizer
+
+    @classmethod
+    def from_state(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, object],
+        *,
+        optimizer: OptimizerConfig,
+        mode: UpdateMode,
+    ) -> ParameterShard:
+        """A shard rebuilt from :meth:`state`'s output, layout and fingerprint included.
+
+        Args:
+            tensors: as returned by :meth:`state`.
+            meta: as returned by :meth:`state`; needs ``layout`` (an object)
+                and ``fingerprint`` (a string).
+            optimizer: the optimizer to run from now on (see :meth:`load_state`).
+            mode: the update mode to run from now on.
+
+        Raises:
+            LayoutMismatchError: the layout or a tensor size is invalid.
+            ValueError: the metadata is malformed.
+        """
+        layout = meta.get("layout")
+        fingerprint = meta.get("fingerprint")
+        if not isinstance(layout, dict) or not isinstance(fingerprint, str):
+            raise ValueError("saved shard state needs a 'layout' object and a 'fingerprint'")
+        shard = cls(layout, fingerprint, optimizer, mode)
+        shard.load_state(tensors, meta)
+        return shard
+
     # --- membership (sync barrier) ------------------------------------------
 
     def set_live_trainers(self, trainer_ids: set[int]) -> None:
-        """Set the trainers the sync barrier waits for (those alive in etcd).
+        """Set the trainers alive in etcd, whom sync rounds wait for.
 
-        A trainer that left no longer holds up the current step; one that
-        joined is waited for from the next step on.
+        A trainer that left no longer holds up the open round; one that
+        joined is waited for from the next round on.
         """
         with self._cond:
             self._live = set(trainer_ids)
+            self._expected &= self._live
             self._maybe_complete_round()
 
     def close(self) -> None:
-        """Release every waiting push with :class:`ShardClosedError`."""
+        """Release every waiting push (and freeze) with :class:`ShardClosedError`."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    # --- consistent snapshots ----------------------------------------------------
+
+    def freeze(self, *, at_version: int | None = None, timeout_s: float | None = None) -> int:
+        """Stop applying updates; pushes wait (they are not refused) until :meth:`thaw`.
+
+        Steps are applied under the shard's lock, so once this returns no step
+        is half applied, and values and version stay as they are until
+        :meth:`thaw`. A sync round that would complete meanwhile (a trainer
+        left) completes after the thaw. Idempotent.
+
+        Args:
+            at_version: freeze right after the step that brings the shard to
+                this version, letting updates go on until then (a frozen
+                shard is thawed for that); used to bring every shard of a
+                sync job to the same version. A shard already at or past it
+                freezes at once.
+            timeout_s: how long to wait for ``at_version``; None waits forever.
+
+        Returns:
+            The version the shard is frozen at.
+
+        Raises:
+            FreezeTimeoutError: ``at_version`` was not reached in time; the
+                shard is then left thawed.
+            ShardClosedError: the shard closed while waiting.
+        """
+        with self._cond:
+            if at_version is None or self._version >= at_version:
+                self._frozen = True
+                self._freeze_at = None
+                return self._version
+            self._freeze_at = at_version
+            if self._frozen:
+                self._frozen = False
+                self._maybe_complete_round()
+                self._cond.notify_all()
+            reached = self._cond.wait_for(lambda: self._frozen or self._closed, timeout_s)
+            if self._closed and not self._frozen:
+                raise ShardClosedError("parameter server is shutting down")
+            if not reached:
+                self._freeze_at = None
+                raise FreezeTimeoutError(
+                    f"shard did not reach version {at_version} within {timeout_s:g} s "
+                    f"(it is at {self._version})"
+                )
+            return self._version
+
+    def thaw(self) -> None:
+        """Let waiting and new pushes through again. Idempotent."""
+        with self._cond:
+            self._frozen = False
+            self._freeze_at = None
+            self._maybe_complete_round()
+            self._cond.notify_all()
+
+    def _wait_while_frozen(self) -> None:
+        # Caller holds self._cond.
+        while self._frozen and not self._closed:
+            self._cond.wait()
+        if self._closed:
+            raise ShardClosedError("parameter server is shutting down")
+
+    def _after_step(self) -> None:
+        # Caller holds self._cond, right after the version moved.
+        if self._freeze_at is not None and self._version >= self._freeze_at:
+            self._frozen = True
+            self._freeze_at = None
+        self._cond.notify_all()
 
     # --- updates -------------------------------------------------------------
 
@@ -195,7 +442,7 @@ class ParameterShard:
             Whether the gradient was used, and the version after it.
 
         Raises:
-            ShardClosedError: the shard closed while the push waited.
+            ShardClosedError: the shard is closed, or closed while the push waited.
         """
         if grad is not None and grad.numel() != self.numel:
             raise LayoutMismatchError(
@@ -209,6 +456,7 @@ class ParameterShard:
         self, grad: torch.Tensor | None, model_version: int, max_staleness: int | None
     ) -> PushResult:
         with self._cond:
+            self._wait_while_frozen()
             self._pushes += 1
             if grad is None:
                 return PushResult(False, self._version)
@@ -220,24 +468,33 @@ class ParameterShard:
             self._param.grad = None
             self._version += 1
             self._steps += 1
+            self._after_step()
             return PushResult(True, self._version)
 
     def _push_sync(
         self, trainer_id: int, grad: torch.Tensor | None, model_version: int, num_samples: int
     ) -> PushResult:
         with self._cond:
+            self._wait_while_frozen()
             self._pushes += 1
             if model_version != self._version or trainer_id in self._contributors:
                 # Computed on an older version (the step went on without this
                 # trainer), or a second push in one step: drop, as ElasticDL does.
                 self._stale += 1
                 return PushResult(False, self._version)
+            # A trainer that pushes is alive, even if etcd's watch has not told
+            # us yet: it is waited for from the next round on. The next etcd
+            # membership update replaces the live set, so it is forgotten then
+            # if etcd does not know it.
+            self._live.add(trainer_id)
+            if not self._contributors:
+                # The round opens: it waits for the trainers alive now; those
+                # that join later are waited for from the next round on.
+                self._expected = set(self._live)
             if grad is not None and num_samples > 0:
                 self._acc.add_(grad, alpha=float(num_samples))
                 self._acc_samples += num_samples
             self._contributors.add(trainer_id)
-            # A trainer that pushes is alive, even if etcd's watch has not told us yet.
-            self._live.add(trainer_id)
             my_round = self._round
             self._maybe_complete_round()
             while self._round == my_round:
@@ -248,7 +505,7 @@ class ParameterShard:
 
     def _maybe_complete_round(self) -> None:
         # Caller holds self._cond.
-        if not self._contributors or not self._live <= self._contributors:
+        if self._frozen or not self._contributors or not self._expected <= self._contributors:
             return
         if self._acc_samples > 0:
             self._acc.div_(float(self._acc_samples))
@@ -260,5 +517,26 @@ class ParameterShard:
         self._acc.zero_()
         self._acc_samples = 0
         self._contributors.clear()
+        self._expected = set()
         self._round += 1
-        self._cond.notify_all()
+        self._after_step()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _scalar_from_json(key: str, entry: object) -> object:
+    """Turn an ``optimizer_scalars`` entry back into a 0-d tensor or a number."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"saved optimizer scalar {key!r} must be an object")
+    value = entry.get("value")
+    dtype = entry.get("dtype")
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"saved optimizer scalar {key!r} has no numeric value")
+    if dtype is None:
+        return value
+    torch_dtype = getattr(torch, str(dtype), None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"saved optimizer scalar {key!r} has an unknown dtype {dtype!r}")
+    return torch.tensor(value, dtype=torch_dtype)

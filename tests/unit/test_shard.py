@@ -1,0 +1,721 @@
+"""Tests of one parameter-server shard (``elasticps.pserver.shard``): update rules,
+the sync-SGD barrier and async staleness.
+
+Sync tests run blocking pushes on daemon threads. A push is known to be waiting at
+the barrier once ``stats().pushes`` counts it: the shard counts a push and joins it
+to the step under one lock, which it releases only by waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, wait
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from elasticps.config import OptimizerConfig, UpdateMode
+from elasticps.errors import LayoutMismatchError
+from elasticps.pserver.shard import (
+    FreezeTimeoutError,
+    ParameterShard,
+    PushResult,
+    ShardClosedError,
+)
+
+NUMEL = 6
+FINGERPRINT = "f" * 64
+TIMEOUT_S = 5.0
+SGD_LR1 = OptimizerConfig(name="sgd", lr=1.0)
+
+ShardFactory = Callable[..., ParameterShard]
+
+
+@pytest.fixture
+def make_shard() -> Iterator[ShardFactory]:
+    """Build shards; every one is closed at teardown, so no pusher thread is left waiting."""
+    shards: list[ParameterShard] = []
+
+    def make(
+        mode: UpdateMode = UpdateMode.SYNC,
+        optimizer: OptimizerConfig = SGD_LR1,
+        numel: int = NUMEL,
+    ) -> ParameterShard:
+        shard = ParameterShard({"shard": 0, "numel": numel}, FINGERPRINT, optimizer, mode)
+        shards.append(shard)
+        return shard
+
+    yield make
+    for shard in shards:
+        shard.close()
+
+
+def wait_until(predicate: Callable[[], bool]) -> None:
+    """Poll an observable condition of the shard until it holds (fails after TIMEOUT_S)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def push_in_thread(
+    shard: ParameterShard,
+    trainer_id: int,
+    grad: torch.Tensor | None,
+    *,
+    model_version: int = 0,
+    num_samples: int = 1,
+) -> Future[PushResult]:
+    """Run ``shard.push`` on a daemon thread (a push stuck by a bug cannot hang the run)."""
+    future: Future[PushResult] = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(shard.push(trainer_id, grad, model_version, num_samples))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=target, daemon=True).start()
+    return future
+
+
+def full(value: float) -> torch.Tensor:
+    return torch.full((NUMEL,), value, dtype=torch.float32)
+
+
+# --- update rules --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "reference"),
+    [
+        (
+            OptimizerConfig(name="sgd", lr=0.1),
+            lambda p: torch.optim.SGD([p], lr=0.1),
+        ),
+        (
+            OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.01),
+            lambda p: torch.optim.SGD([p], lr=0.1, weight_decay=0.01),
+        ),
+        (
+            OptimizerConfig(name="momentum", lr=0.1, momentum=0.8),
+            lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.8),
+        ),
+        (
+            OptimizerConfig(name="adam", lr=0.05),
+            lambda p: torch.optim.Adam([p], lr=0.05),
+        ),
+        (
+            OptimizerConfig(name="adam", lr=0.05, weight_decay=0.1),
+            lambda p: torch.optim.Adam([p], lr=0.05, weight_decay=0.1),
+        ),
+        (
+            OptimizerConfig(name="adagrad", lr=0.3),
+            lambda p: torch.optim.Adagrad([p], lr=0.3),
+        ),
+    ],
+    ids=["sgd", "sgd-weight-decay", "momentum", "adam", "adam-weight-decay", "adagrad"],
+)
+@pytest.mark.parametrize("mode", [UpdateMode.ASYNC, UpdateMode.SYNC])
+def test_updates_equal_torch_optim_on_the_same_gradients(
+    make_shard: ShardFactory,
+    config: OptimizerConfig,
+    reference: Callable[[torch.Tensor], torch.optim.Optimizer],
+    mode: UpdateMode,
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    init = torch.randn(NUMEL, generator=gen)
+    grads = [torch.randn(NUMEL, generator=gen) for _ in range(4)]
+    shard = make_shard(mode, config)
+    shard.values.copy_(init)
+    ref_param = torch.nn.Parameter(init.clone())
+    ref_opt = reference(ref_param)
+
+    for grad in grads:
+        # One live trainer: a sync step completes with its own push.
+        result = shard.push(0, grad.clone(), shard.version, num_samples=3)
+        ref_param.grad = grad.clone()
+        ref_opt.step()
+
+        assert result.accepted
+        assert_close(shard.values, ref_param.detach())
+    assert shard.version == len(grads)
+
+
+# --- async -------------------------------------------------------------------------
+
+
+def test_async_push_applies_at_once_and_bumps_the_version(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+
+    first = shard.push(0, full(2.0), 0, 1)
+    assert first == PushResult(accepted=True, version=1)
+    assert_close(shard.values, full(-2.0))
+
+    # A second trainer needs no barrier in async mode, and an old version is fine.
+    second = shard.push(1, full(1.0), 0, 5)
+    assert second == PushResult(accepted=True, version=2)
+    assert_close(shard.values, full(-3.0))
+    stats = shard.stats()
+    assert (stats.version, stats.pushes, stats.steps, stats.stale_pushes) == (2, 2, 2, 0)
+
+
+def test_async_empty_push_changes_nothing(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+
+    result = shard.push(0, None, 0, 0)
+
+    assert result == PushResult(accepted=False, version=0)
+    assert_close(shard.values, full(0.0))
+
+
+def test_async_gradient_more_than_max_staleness_behind_is_dropped(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    for v in range(3):
+        shard.push(0, full(1.0), v, 1, max_staleness=1)
+    assert shard.version == 3
+    before = shard.values.clone()
+
+    too_old = shard.push(1, full(100.0), 1, 1, max_staleness=1)
+
+    assert too_old == PushResult(accepted=False, version=3)
+    assert_close(shard.values, before)
+    assert shard.stats().stale_pushes == 1
+
+    # Exactly max_staleness versions behind is still accepted.
+    just_in_time = shard.push(1, full(1.0), 2, 1, max_staleness=1)
+    assert just_in_time == PushResult(accepted=True, version=4)
+    assert_close(shard.values, before - 1.0)
+
+
+def test_async_without_max_staleness_accepts_any_old_gradient(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    for v in range(5):
+        shard.push(0, full(1.0), v, 1)
+
+    result = shard.push(1, full(1.0), 0, 1)
+
+    assert result == PushResult(accepted=True, version=6)
+
+
+# --- sync barrier ----------------------------------------------------------------------
+
+
+def test_sync_push_waits_for_every_live_trainer(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    # Trainer 0's push is in, but no step happened and the pusher is still waiting.
+    assert shard.stats().steps == 0
+    assert shard.version == 0
+    assert_close(shard.values, full(0.0))
+    done, _ = wait([first], timeout=0.2)  # expected to time out
+    assert not done
+
+    second = push_in_thread(shard, 1, full(3.0))
+
+    assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert second.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+
+
+def test_sync_step_applies_the_sample_weighted_mean_gradient(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()  # SGD, lr=1: values move by exactly minus the applied gradient
+    shard.set_live_trainers({0, 1})
+    g0, n0 = torch.arange(NUMEL, dtype=torch.float32), 1
+    g1, n1 = full(5.0), 3
+
+    pushes = [
+        push_in_thread(shard, 0, g0, num_samples=n0),
+        push_in_thread(shard, 1, g1, num_samples=n1),
+    ]
+    for push in pushes:
+        assert push.result(TIMEOUT_S).accepted
+
+    # (g0*1 + g1*3) / 4, not the unweighted (g0 + g1) / 2.
+    assert_close(shard.values, -(g0 * n0 + g1 * n1) / (n0 + n1))
+
+
+def test_sync_version_bumps_once_per_step(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1, 2})
+
+    for step in range(2):
+        pushes = [push_in_thread(shard, t, full(1.0), model_version=step) for t in range(3)]
+        results = [p.result(TIMEOUT_S) for p in pushes]
+        assert all(r == PushResult(accepted=True, version=step + 1) for r in results)
+
+    stats = shard.stats()
+    assert (stats.version, stats.steps, stats.pushes, stats.stale_pushes) == (2, 2, 6, 0)
+    assert stats.live_trainers == 3
+    assert_close(shard.values, full(-2.0))
+
+
+def test_sync_push_computed_on_an_older_version_is_dropped(make_shard: ShardFactory) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0})
+    assert shard.push(0, full(1.0), 0, 1) == PushResult(accepted=True, version=1)
+    before = shard.values.clone()
+
+    late = shard.push(1, full(100.0), 0, 1)
+
+    assert late == PushResult(accepted=False, version=1)
+    assert_close(shard.values, before)
+    stats = shard.stats()
+    assert (stats.version, stats.stale_pushes) == (1, 1)
+
+
+def test_sync_second_push_by_the_same_trainer_in_one_step_is_dropped(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    # Returns at once, without joining (or holding up) the step.
+    duplicate = push_in_thread(shard, 0, full(100.0)).result(TIMEOUT_S)
+    assert duplicate == PushResult(accepted=False, version=0)
+    assert shard.stats().stale_pushes == 1
+
+    other = push_in_thread(shard, 1, full(3.0))
+    assert first.result(TIMEOUT_S).accepted
+    assert other.result(TIMEOUT_S).accepted
+    assert_close(shard.values, full(-2.0))  # mean of 1 and 3; the 100 never counted
+
+
+def test_sync_step_completes_without_a_live_trainer_that_left(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    waiting = push_in_thread(shard, 0, full(2.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    shard.set_live_trainers({0})
+
+    assert waiting.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert_close(shard.values, full(-2.0))
+    assert shard.stats().live_trainers == 1
+
+
+def test_sync_trainer_that_joins_is_waited_for_from_the_next_step_on(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    shard.set_live_trainers({0, 1, 2})
+    # The open step does not wait for trainer 2, but a push it makes on time counts.
+    joiner = push_in_thread(shard, 2, full(2.0))
+    wait_until(lambda: shard.stats().pushes == 2)
+    assert shard.version == 0
+    last = push_in_thread(shard, 1, full(6.0))
+    for push in (first, joiner, last):
+        assert push.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert_close(shard.values, full(-3.0))
+
+    # The next step waits for all three.
+    early = [push_in_thread(shard, t, full(1.0), model_version=1) for t in (0, 1)]
+    wait_until(lambda: shard.stats().pushes == 5)
+    done, _ = wait(early, timeout=0.2)  # expected to time out
+    assert not done
+    late = push_in_thread(shard, 2, full(1.0), model_version=1)
+    for push in [*early, late]:
+        assert push.result(TIMEOUT_S) == PushResult(accepted=True, version=2)
+
+
+def test_sync_step_opened_without_a_trainer_that_joins_completes_without_it(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    shard.set_live_trainers({0, 1, 2})
+    last = push_in_thread(shard, 1, full(3.0))
+
+    assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert last.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert_close(shard.values, full(-2.0))
+
+
+def test_pushing_trainer_counts_as_live_before_it_is_reported(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0})  # etcd has not told the shard about trainer 1 yet
+
+    early = push_in_thread(shard, 1, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+    assert shard.stats().live_trainers == 2
+    assert push_in_thread(shard, 0, full(3.0)).result(TIMEOUT_S) == PushResult(
+        accepted=True, version=1
+    )
+    assert early.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+
+    # From now on trainer 0 waits for trainer 1 too.
+    waiting = push_in_thread(shard, 0, full(1.0), model_version=1)
+    done, _ = wait([waiting], timeout=0.2)  # expected to time out
+    assert not done
+    late = push_in_thread(shard, 1, full(1.0), model_version=1)
+    assert late.result(TIMEOUT_S) == PushResult(accepted=True, version=2)
+    assert waiting.result(TIMEOUT_S) == PushResult(accepted=True, version=2)
+
+
+def test_sync_round_of_only_empty_pushes_changes_nothing(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+
+    empties = [push_in_thread(shard, t, None, num_samples=0) for t in (0, 1)]
+
+    assert [e.result(TIMEOUT_S) for e in empties] == [PushResult(False, 0)] * 2
+    assert shard.version == 0
+    assert shard.stats().steps == 0
+    assert_close(shard.values, full(0.0))
+
+    # The round did finish: both trainers can take part in the next one.
+    nexts = [push_in_thread(shard, t, full(1.0)) for t in (0, 1)]
+    assert [n.result(TIMEOUT_S) for n in nexts] == [PushResult(True, 1)] * 2
+
+
+def test_sync_empty_push_joins_the_step_without_weighting_it(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+
+    idle = push_in_thread(shard, 0, None, num_samples=0)
+    busy = push_in_thread(shard, 1, full(4.0), num_samples=2)
+
+    assert idle.result(TIMEOUT_S) == PushResult(accepted=False, version=1)
+    assert busy.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert_close(shard.values, full(-4.0))
+
+
+def test_close_releases_a_waiting_push_with_shard_closed_error(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    waiting = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    shard.close()
+
+    assert isinstance(waiting.exception(TIMEOUT_S), ShardClosedError)
+    assert shard.version == 0
+    assert_close(shard.values, full(0.0))
+
+
+# --- layout checks -----------------------------------------------------------------------
+
+
+def test_check_fingerprint_accepts_the_same_layout_and_rejects_another(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+
+    shard.check_fingerprint(FINGERPRINT)
+    with pytest.raises(LayoutMismatchError):
+        shard.check_fingerprint("0" * 64)
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.SYNC, UpdateMode.ASYNC])
+@pytest.mark.parametrize("size", [NUMEL - 1, NUMEL + 1])
+def test_gradient_of_the_wrong_size_raises_layout_mismatch(
+    make_shard: ShardFactory, mode: UpdateMode, size: int
+) -> None:
+    shard = make_shard(mode)
+
+    with pytest.raises(LayoutMismatchError):
+        shard.push(0, torch.ones(size), 0, 1)
+
+    assert shard.version == 0
+    assert shard.stats().pushes == 0
+
+
+@pytest.mark.parametrize("numel", [None, -1, "6"])
+def test_layout_without_a_valid_numel_is_rejected(numel: object) -> None:
+    with pytest.raises(LayoutMismatchError):
+        ParameterShard({"numel": numel}, FINGERPRINT, SGD_LR1, UpdateMode.SYNC)
+
+
+def test_shard_holding_no_parameters_is_allowed(make_shard: ShardFactory) -> None:
+    shard = make_shard(numel=0)
+
+    assert shard.values.shape == (0,)
+    assert shard.stats().version == 0
+
+
+# --- churn: who an open round waits for --------------------------------------------------
+
+
+def test_sync_trainer_that_leaves_and_rejoins_during_a_step_is_not_waited_for_in_it(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1, 2})
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    shard.set_live_trainers({0, 1})  # trainer 2's lease expired...
+    shard.set_live_trainers({0, 1, 2})  # ...and it registered again
+    last = push_in_thread(shard, 1, full(3.0))
+
+    assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert last.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert_close(shard.values, full(-2.0))
+
+
+def test_sync_step_waits_for_the_remaining_trainers_after_one_leaves(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1, 2})
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    shard.set_live_trainers({0, 1})
+
+    done, _ = wait([first], timeout=0.2)  # trainer 1 is still expected
+    assert not done
+    last = push_in_thread(shard, 1, full(3.0))
+    assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert last.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+
+
+# --- freeze and thaw ------------------------------------------------------------------------
+
+
+def test_frozen_async_shard_holds_pushes_until_thawed(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.push(0, full(1.0), 0, 1)
+
+    assert shard.freeze() == 1
+    waiting = push_in_thread(shard, 0, full(1.0), model_version=1)
+    done, _ = wait([waiting], timeout=0.2)  # expected to time out
+    assert not done
+    assert shard.version == 1
+    assert_close(shard.values, full(-1.0))
+    assert shard.stats().frozen
+
+    shard.thaw()
+
+    assert waiting.result(TIMEOUT_S) == PushResult(accepted=True, version=2)
+    assert_close(shard.values, full(-2.0))
+    assert not shard.stats().frozen
+
+
+def test_frozen_sync_shard_completes_no_step_until_thawed(make_shard: ShardFactory) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    first = push_in_thread(shard, 0, full(2.0))
+    wait_until(lambda: shard.stats().pushes == 1)
+
+    assert shard.freeze() == 0
+    # Neither a late push nor a trainer leaving completes the step while frozen.
+    second = push_in_thread(shard, 1, full(4.0))
+    shard.set_live_trainers({0})
+    done, _ = wait([first, second], timeout=0.2)  # expected to time out
+    assert not done
+    assert shard.version == 0
+    assert_close(shard.values, full(0.0))
+
+    shard.thaw()
+
+    # The step completed with trainer 0 only: trainer 1 left before its push got in,
+    # so that push, computed on version 0, is now stale.
+    assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    assert second.result(TIMEOUT_S) == PushResult(accepted=False, version=1)
+    assert_close(shard.values, full(-2.0))
+
+
+def test_freeze_and_thaw_are_idempotent(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+
+    shard.thaw()  # thawing a shard that is not frozen does nothing
+    assert shard.freeze() == 0
+    assert shard.freeze() == 0
+    assert shard.frozen
+    shard.thaw()
+    shard.thaw()
+
+    assert not shard.frozen
+    assert shard.push(0, full(1.0), 0, 1) == PushResult(accepted=True, version=1)
+
+
+def test_freeze_at_a_later_version_lets_steps_run_until_it_then_holds_pushes(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.freeze()
+    freezing: Future[int] = Future()
+    threading.Thread(
+        target=lambda: freezing.set_result(shard.freeze(at_version=2, timeout_s=TIMEOUT_S)),
+        daemon=True,
+    ).start()
+
+    # The shard was thawed to reach version 2: two pushes go through, the third waits.
+    pushes = [push_in_thread(shard, 0, full(1.0)) for _ in range(3)]
+    assert freezing.result(TIMEOUT_S) == 2
+    done, pending = wait(pushes, timeout=0.2)
+    assert sorted(f.result().version for f in done) == [1, 2]
+    assert len(pending) == 1
+    assert shard.version == 2
+    assert_close(shard.values, full(-2.0))
+
+    shard.thaw()
+    assert pending.pop().result(TIMEOUT_S) == PushResult(accepted=True, version=3)
+
+
+def test_freeze_at_a_version_already_reached_freezes_at_once(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.push(0, full(1.0), 0, 1)
+
+    assert shard.freeze(at_version=1, timeout_s=0.01) == 1
+    assert shard.frozen
+
+
+def test_freeze_at_a_version_not_reached_in_time_raises_and_leaves_the_shard_thawed(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.freeze()
+
+    with pytest.raises(FreezeTimeoutError):
+        shard.freeze(at_version=1, timeout_s=0.05)
+
+    assert not shard.frozen
+    assert shard.push(0, full(1.0), 0, 1) == PushResult(accepted=True, version=1)
+    assert shard.push(0, full(1.0), 1, 1) == PushResult(accepted=True, version=2)
+
+
+def test_close_releases_a_push_waiting_on_a_freeze(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.freeze()
+    waiting = push_in_thread(shard, 0, full(1.0))
+    done, _ = wait([waiting], timeout=0.05)
+    assert not done
+
+    shard.close()
+
+    assert isinstance(waiting.exception(TIMEOUT_S), ShardClosedError)
+    assert shard.version == 0
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.SYNC, UpdateMode.ASYNC])
+def test_push_to_a_closed_shard_is_refused(make_shard: ShardFactory, mode: UpdateMode) -> None:
+    shard = make_shard(mode)
+    shard.close()
+
+    with pytest.raises(ShardClosedError):
+        shard.push(0, full(1.0), 0, 1)
+    assert shard.version == 0
+
+
+# --- checkpoint state --------------------------------------------------------------------------
+
+ALL_OPTIMIZERS = [
+    OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.01),
+    OptimizerConfig(name="momentum", lr=0.1, momentum=0.8),
+    OptimizerConfig(name="adam", lr=0.05, weight_decay=0.1),
+    OptimizerConfig(name="adagrad", lr=0.3),
+]
+
+
+@pytest.mark.parametrize("config", ALL_OPTIMIZERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("mode", [UpdateMode.ASYNC, UpdateMode.SYNC])
+def test_shard_restored_from_its_state_takes_bit_identical_steps(
+    make_shard: ShardFactory, config: OptimizerConfig, mode: UpdateMode
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(NUMEL, generator=gen) for _ in range(6)]
+    original = make_shard(mode, config)
+    original.values.copy_(torch.randn(NUMEL, generator=gen))
+    for grad in grads[:3]:
+        original.push(0, grad.clone(), original.version, 2)
+
+    tensors, meta = original.state()
+    restored = ParameterShard.from_state(tensors, meta, optimizer=config, mode=mode)
+
+    assert restored.version == original.version == 3
+    assert restored.fingerprint == FINGERPRINT
+    assert restored.layout == original.layout
+    assert torch.equal(restored.values, original.values)
+    for grad in grads[3:]:
+        a = original.push(0, grad.clone(), original.version, 2)
+        b = restored.push(0, grad.clone(), restored.version, 2)
+        assert a == b
+        assert torch.equal(restored.values, original.values)
+
+
+def test_state_exports_the_optimizer_state_as_flat_tensors_and_scalars(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(UpdateMode.ASYNC, OptimizerConfig(name="adam", lr=0.1))
+    shard.push(0, full(1.0), 0, 1)
+    shard.push(0, full(2.0), 1, 1)
+
+    tensors, meta = shard.state()
+
+    assert sorted(tensors) == ["optim.exp_avg", "optim.exp_avg_sq", "values"]
+    assert all(t.dtype == torch.float32 and t.shape == (NUMEL,) for t in tensors.values())
+    assert meta["optimizer_scalars"] == {"step": {"value": 2.0, "dtype": "float32"}}
+    assert meta["version"] == 2
+    assert meta["mode"] == "async"
+    assert meta["optimizer"] == {"name": "adam", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}
+
+
+def test_state_is_a_copy_that_later_steps_do_not_change(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    tensors, _ = shard.state()
+
+    shard.push(0, full(1.0), 0, 1)
+
+    assert_close(tensors["values"], full(0.0))
+    assert_close(shard.values, full(-1.0))
+
+
+def test_state_saved_for_another_optimizer_restores_values_and_version_only(
+    make_shard: ShardFactory,
+) -> None:
+    adam = make_shard(UpdateMode.ASYNC, OptimizerConfig(name="adam", lr=0.1))
+    adam.push(0, full(1.0), 0, 1)
+    tensors, meta = adam.state()
+    sgd = make_shard(UpdateMode.ASYNC, SGD_LR1)
+
+    assert sgd.load_state(tensors, meta) is False
+
+    assert torch.equal(sgd.values, adam.values)
+    assert sgd.version == 1
+    before = sgd.values.clone()
+    sgd.push(0, full(1.0), 1, 1)
+    assert_close(sgd.values, before - 1.0)  # plain SGD, no Adam state carried over
+
+
+def test_load_state_of_another_size_raises_layout_mismatch(make_shard: ShardFactory) -> None:
+    tensors, meta = make_shard(numel=NUMEL + 1).state()
+    shard = make_shard()
+
+    with pytest.raises(LayoutMismatchError):
+        shard.load_state(tensors, meta)
+    assert shard.version == 0
