@@ -117,6 +117,8 @@ class LocalLauncher:
         self.out = out if out is not None else sys.stderr
         self.children: list[Child] = []
         self.chaos_log: list[dict[str, object]] = []
+        # (unix time s, tasks done over all passes, samples done), one per poll.
+        self.timeline: list[tuple[float, int, int]] = []
         self._pid_log: dict[str, int] = {}
         self._etcd: EtcdServer | None = None
         self._store: JobStore | None = None
@@ -429,6 +431,9 @@ class LocalLauncher:
                 running = self._supervise()
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
+                    self.timeline.append(
+                        (round(time.time(), 3), last.tasks_done_all_passes, last.samples_done)
+                    )
                 if last is not None:
                     total = max(1, last.tasks_total * last.num_passes)
                     if training_started is None and (
@@ -575,6 +580,7 @@ class LocalLauncher:
             "restarts": {c.role: c.restarts for c in self.children if c.restarts},
             "etcd_restarts": self._etcd_restarts,
             "passes": self._passes,
+            "timeline": self.timeline,
         }
         self._write_json("run.json", record)
 
