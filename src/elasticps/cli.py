@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", type=Path, default=None,
                        help="start from a consistent checkpoint directory")  # fmt: skip
 
+    ck = sub.add_parser("checkpoint", help="take a consistent checkpoint of a running job")
+    ck.add_argument("--job", default=_env("job", "job"))
+    ck.add_argument("--etcd", default=_env("etcd", None), help="etcd endpoint host:port")
+    ck.add_argument("--out", type=Path, required=True, help="checkpoint directory")
+
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on a Parquet file")
     ev.add_argument("--model", type=Path, required=True)
     ev.add_argument("--model-class", default="Model")
@@ -322,6 +327,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from elasticps.coord.store import JobStore
+    from elasticps.launcher.local import checkpoint_job
+
+    if not args.etcd:
+        raise ConfigError("--etcd (or ELASTICPS_ETCD) is required")
+    with JobStore(args.etcd, args.job) as store:
+        manifest = checkpoint_job(store, args.out, {"job": args.job})
+    print(json.dumps({"checkpoint": str(args.out), "version": manifest["version"]}))
+    return 0
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.checkpoint import load_checkpoint
     from elasticps.evaluate import evaluate
@@ -417,6 +434,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "data": _cmd_data,
     "train": _cmd_train,
     "evaluate": _cmd_evaluate,
+    "checkpoint": _cmd_checkpoint,
     "master": _cmd_master,
     "ps": _cmd_ps,
     "trainer": _cmd_trainer,

@@ -43,6 +43,7 @@ from elasticps.launcher.chaos import ChaosEvent
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
+from elasticps.snapshot import take_consistent_checkpoint
 from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import bind_flat_buffers
 
@@ -183,6 +184,7 @@ class LocalLauncher:
                 self._spawn_all(etcd.endpoint, train)
                 self._wait_for_master(store, timeout_s=60)
                 samples = self._watch_training(store)
+                snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                 tensors, versions = self._pull_final(spec, store)
                 self._passes = self._pass_audits(store)
             wall_s = time.monotonic() - started
@@ -198,6 +200,8 @@ class LocalLauncher:
                 "lr": cfg.optimizer.lr,
                 "batch_size": cfg.batch_size,
                 "model_versions": versions,
+                "snapshot": "snapshot/manifest.json",
+                "snapshot_version": snapshot["version"],
                 "samples": samples,
                 "wall_s": round(wall_s, 3),
             }
@@ -588,6 +592,43 @@ class LocalLauncher:
         tmp = self.config.output / f"{name}.tmp"
         tmp.write_text(json.dumps(obj, indent=2) + "\n")
         tmp.replace(self.config.output / name)
+
+
+def checkpoint_job(
+    store: JobStore, out_dir: Path, extra: dict[str, object], *, timeout_s: float = 30.0
+) -> dict[str, object]:
+    """Take a consistent checkpoint of a running job and publish it in etcd.
+
+    Every parameter server is frozen, snapshots its shard at the same model
+    version into ``out_dir``, and is thawed (:func:`take_consistent_checkpoint`).
+    The manifest records the etcd revision of the task ledger at that moment,
+    and is also written to ``/elasticps/<job>/checkpoints/<version>``.
+
+    Args:
+        store: the job's etcd view.
+        out_dir: checkpoint directory (on a file system the PS can write).
+        extra: more fields for the manifest.
+        timeout_s: how long to wait for every PS to be present, seconds.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CoordinationError: a PS slot is not claimed in time.
+        ServiceUnavailableError: a PS did not answer.
+    """
+    addresses = store.ps_addresses(timeout_s=timeout_s)
+    _, revision = store.get_prefix_json(store.keys.tasks_prefix)
+    manifest = take_consistent_checkpoint(
+        addresses, out_dir.resolve(), ledger_revision=revision, extra=extra
+    )
+    version = manifest["version"]
+    if isinstance(version, int):
+        store.put_json(
+            store.keys.checkpoint(version),
+            {"dir": str(out_dir.resolve()), "version": version, "ledger_revision": revision},
+        )
+    return manifest
 
 
 @contextlib.contextmanager
