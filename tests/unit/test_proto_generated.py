@@ -25,4 +25,6 @@ def test_generated_protobuf_modules_are_up_to_date(tmp_path: Path) -> None:
     )
     for name in GENERATED:
         committed = (ROOT / "src" / "elasticps" / "proto" / name).read_text()
-        assert (tmp_path / name).read_text() == committed, f"{name} is stale: run scripts/gen_proto.sh"
+        assert (tmp_path / name).read_text() == committed, (
+            f"{name} is stale: run scripts/gen_proto.sh"
+        )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
+import json
 from collections import Counter
 from typing import Any
 
@@ -23,8 +26,10 @@ from elasticps.master.taskqueue import (
     Dispatch,
     EventKind,
     Finished,
+    PassSummary,
     QueueConfig,
     QueueStats,
+    Segment,
     TaskEvent,
     TaskQueue,
     TaskState,
@@ -145,7 +150,9 @@ def test_successful_report_marks_the_task_done() -> None:
     d = dispatch(queue)
     events = succeed(queue, d)
     assert events == [
-        TaskEvent(EventKind.DONE, 0, pass_id=0, attempt=1, timeout_count=0, trainer_id="t0")
+        TaskEvent(
+            EventKind.DONE, 0, pass_id=0, attempt=1, timeout_count=0, trainer_id="t0", offset=10
+        )
     ]
     assert queue.state_of(0) is TaskState.DONE
     assert queue.pending_of("t0") == []
@@ -183,7 +190,7 @@ def test_task_fails_once_its_timeouts_exceed_the_limit() -> None:
         assert (event.kind, event.timeout_count) == (EventKind.REQUEUED, expected_count)
     dispatch(queue, now=now)
     events = queue.expire(now + TIMEOUT_S)
-    assert kinds(events) == [EventKind.FAILED, EventKind.JOB_FINISHED]
+    assert kinds(events) == [EventKind.FAILED, EventKind.PASS_COMPLETED, EventKind.JOB_FINISHED]
     assert (events[0].timeout_count, events[0].attempt, events[0].reason) == (3, 3, "timeout")
     assert queue.state_of(0) is TaskState.FAILED
 
@@ -306,10 +313,18 @@ def test_next_pass_starts_with_all_tasks_todo_and_counts_reset() -> None:
     assert queue.state_of(0) is TaskState.FAILED
 
     events = succeed(queue, d1, now=now)
-    assert kinds(events) == [EventKind.DONE, EventKind.PASS_STARTED]
-    assert events[1] == TaskEvent(EventKind.PASS_STARTED, None, 1, 0, 0, None)
+    assert kinds(events) == [EventKind.DONE, EventKind.PASS_COMPLETED, EventKind.PASS_STARTED]
+    assert events[2] == TaskEvent(EventKind.PASS_STARTED, None, 1, 0, 0, None)
     assert queue.stats() == QueueStats(
-        pass_id=1, num_passes=2, total=2, todo=2, pending=0, done=0, failed=0, finished=False
+        pass_id=1,
+        num_passes=2,
+        total=2,
+        todo=2,
+        pending=0,
+        done=0,
+        failed=0,
+        finished=False,
+        done_all_passes=1,
     )
     assert [queue.state_of(i) for i in (0, 1)] == [TaskState.TODO, TaskState.TODO]
 
@@ -355,7 +370,15 @@ def test_get_task_says_wait_when_everything_is_pending() -> None:
 def test_stats_count_tasks_in_each_state() -> None:
     queue = make_queue(5, max_task_timeouts=1, num_passes=3)
     assert queue.stats() == QueueStats(
-        pass_id=0, num_passes=3, total=5, todo=5, pending=0, done=0, failed=0, finished=False
+        pass_id=0,
+        num_passes=3,
+        total=5,
+        todo=5,
+        pending=0,
+        done=0,
+        failed=0,
+        finished=False,
+        done_all_passes=0,
     )
     d0 = dispatch(queue, now=0.0)
     d1 = dispatch(queue, now=0.0)
@@ -401,16 +424,319 @@ def test_deadlines_stay_correct_when_reports_outpace_expire() -> None:
     [event] = queue.expire(slow.deadline)
     assert (event.kind, event.task_id, event.reason) == (EventKind.REQUEUED, 0, "timeout")
     assert queue.next_deadline() is None
-    assert kinds(succeed(queue, dispatch(queue))) == [EventKind.DONE, EventKind.JOB_FINISHED]
+    assert kinds(succeed(queue, dispatch(queue))) == [
+        EventKind.DONE,
+        EventKind.PASS_COMPLETED,
+        EventKind.JOB_FINISHED,
+    ]
+
+
+# --- progress, offsets and segments ----------------------------------------------
+
+
+def progress(queue: TaskQueue, d: Dispatch, offset: int, now: float = 0.0) -> list[TaskEvent]:
+    return queue.report_progress(d.task_id, d.pass_id, d.attempt, offset, now)
+
+
+def test_progress_records_a_segment_and_renews_the_deadline() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue, now=0.0)
+    assert d.offset == 0
+    [event] = progress(queue, d, 4, now=5.0)
+    assert (event.kind, event.task_id, event.offset, event.trainer_id) == (
+        EventKind.PROGRESS,
+        0,
+        4,
+        "t0",
+    )
+    assert queue.offset_of(0) == 4
+    assert queue.segments_of(0) == [Segment(attempt=1, start=0, end=4)]
+    # Progress is a heartbeat: the attempt no longer times out at its first deadline.
+    assert queue.next_deadline() == 5.0 + TIMEOUT_S
+    assert queue.expire(now=TIMEOUT_S) == []
+    assert queue.state_of(0) is TaskState.PENDING
+    assert [p.deadline for p in queue.pending_of("t0")] == [5.0 + TIMEOUT_S]
+    [event] = queue.expire(now=5.0 + TIMEOUT_S)
+    assert (event.kind, event.offset) == (EventKind.REQUEUED, 4)
+
+
+def test_progress_of_one_attempt_extends_its_segment() -> None:
+    queue = make_queue(1)
+    d = dispatch(queue)
+    progress(queue, d, 3)
+    progress(queue, d, 7)
+    assert queue.segments_of(0) == [Segment(1, 0, 7)]
+    events = succeed(queue, d)
+    assert queue.segments_of(0) == [Segment(1, 0, 10)]
+    assert (events[0].kind, events[0].offset) == (EventKind.DONE, 10)
+
+
+def test_progress_at_or_below_the_recorded_offset_only_renews_the_deadline() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue, now=0.0)
+    progress(queue, d, 6, now=1.0)
+    before = (queue.record(0), queue.meta(), queue.stats())
+    assert progress(queue, d, 6, now=2.0) == []
+    assert progress(queue, d, 2, now=3.0) == []
+    assert progress(queue, d, -1, now=4.0) == []
+    assert (queue.record(0), queue.meta(), queue.stats()) == before
+    assert queue.next_deadline() == 4.0 + TIMEOUT_S
+
+
+def test_progress_beyond_the_task_end_is_rejected_and_changes_nothing() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue, now=0.0)
+    with pytest.raises(StaleTaskError, match="beyond the task's end"):
+        progress(queue, d, 11, now=1.0)
+    assert queue.offset_of(0) == 0
+    assert queue.next_deadline() == TIMEOUT_S
+
+
+def test_progress_for_a_stale_attempt_is_rejected_and_changes_nothing() -> None:
+    queue = make_queue(2, num_passes=2)
+    old = dispatch(queue, "slow", now=0.0)
+    queue.expire(now=TIMEOUT_S)
+    dispatch(queue, "t1", now=TIMEOUT_S)  # task 1
+    new = dispatch(queue, "t2", now=TIMEOUT_S)  # task 0, attempt 2
+    before = (queue.record(0), queue.stats(), queue.next_deadline())
+    with pytest.raises(StaleTaskError, match="attempt 1"):
+        progress(queue, old, 5, now=TIMEOUT_S + 1)
+    with pytest.raises(UnknownTaskError):
+        queue.report_progress(7, 0, 1, 5, now=TIMEOUT_S + 1)
+    assert (queue.record(0), queue.stats(), queue.next_deadline()) == before
+    assert kinds(progress(queue, new, 5)) == [EventKind.PROGRESS]
+
+
+def test_redispatch_after_a_timeout_resumes_at_the_last_offset() -> None:
+    queue = make_queue(1)
+    first = dispatch(queue, "a", now=0.0)
+    progress(queue, first, 4, now=1.0)
+    queue.expire(now=1.0 + TIMEOUT_S)
+    second = dispatch(queue, "b", now=20.0)
+    assert (second.attempt, second.offset) == (2, 4)
+    progress(queue, second, 9, now=21.0)
+    succeed(queue, second)
+    assert queue.segments_of(0) == [Segment(1, 0, 4), Segment(2, 4, 10)]
+
+
+def test_redispatch_after_trainer_loss_or_failure_resumes_at_the_last_offset() -> None:
+    queue = make_queue(1, max_task_timeouts=3)
+    d = dispatch(queue, "a")
+    progress(queue, d, 2)
+    [event] = queue.trainer_lost("a", now=1.0)
+    assert (event.kind, event.offset, event.timeout_count) == (EventKind.REQUEUED, 2, 0)
+    d = dispatch(queue, "b")
+    assert d.offset == 2
+    progress(queue, d, 5)
+    queue.report_task(d.task_id, d.pass_id, d.attempt, success=False, now=2.0, error="OOM")
+    d = dispatch(queue, "c")
+    assert (d.attempt, d.offset) == (3, 5)
+    assert queue.segments_of(0) == [Segment(1, 0, 2), Segment(2, 2, 5)]
+
+
+def test_a_new_pass_starts_every_task_at_offset_zero() -> None:
+    queue = make_queue(1, num_passes=2)
+    d = dispatch(queue)
+    progress(queue, d, 5)
+    succeed(queue, d)
+    assert queue.stats().pass_id == 1
+    assert (queue.state_of(0), queue.offset_of(0), queue.segments_of(0)) == (
+        TaskState.TODO,
+        0,
+        [],
+    )
+    d = dispatch(queue)
+    assert (d.pass_id, d.attempt, d.offset) == (1, 2, 0)
+    progress(queue, d, 3)
+    assert queue.segments_of(0) == [Segment(2, 0, 3)]
+
+
+def test_a_pass_transition_changes_no_task_record_only_the_meta() -> None:
+    # The lazy reset: starting a pass must not require rewriting every record.
+    queue = make_queue(3, num_passes=2)
+    for _ in range(2):
+        succeed(queue, dispatch(queue))
+    records_before = [queue.record(i) for i in range(3)]
+    meta_before = queue.meta()
+    events = succeed(queue, dispatch(queue))
+    assert kinds(events) == [EventKind.DONE, EventKind.PASS_COMPLETED, EventKind.PASS_STARTED]
+    # Only the reported task changed; the other two still say "done in pass 0".
+    assert [queue.record(i) for i in range(2)] == records_before[:2]
+    assert queue.record(2) != records_before[2]
+    assert queue.record(2)["pass"] == 0
+    assert queue.meta() != meta_before
+    assert (queue.meta()["pass"], queue.meta()["done_before"]) == (1, 3)
+    assert [queue.state_of(i) for i in range(3)] == [TaskState.TODO] * 3
+
+
+def test_pass_completed_carries_an_exactly_once_audit() -> None:
+    queue = make_queue(3, max_task_timeouts=1)
+    d0 = dispatch(queue, "a", now=0.0)
+    d1 = dispatch(queue, "b", now=0.0)
+    d2 = dispatch(queue, "c", now=0.0)
+    progress(queue, d0, 4)
+    queue.trainer_lost("a", now=1.0)
+    succeed(queue, d1)
+    progress(queue, d2, 3)
+    queue.report_task(d2.task_id, 0, d2.attempt, success=False, now=1.0)
+    d0 = dispatch(queue, "b", now=1.0)
+    assert d0.offset == 4
+    succeed(queue, d0)
+    d2 = dispatch(queue, "b", now=1.0)
+    progress(queue, d2, 8)
+    events = queue.report_task(d2.task_id, 0, d2.attempt, success=False, now=2.0)
+    assert kinds(events) == [EventKind.FAILED, EventKind.PASS_COMPLETED, EventKind.JOB_FINISHED]
+    summary = events[1].summary
+    assert summary == PassSummary(
+        pass_id=0,
+        tasks=3,
+        records=30,
+        done=2,
+        failed=1,
+        records_trained=28,  # 10 + 10 for the done tasks, 8 for the failed one
+        duplicated_records=0,
+        missing_records=0,
+    )
+    assert summary.exactly_once
+    assert summary.as_dict()["exactly_once"] is True
+
+
+def test_trainers_lists_the_holders_of_pending_attempts() -> None:
+    queue = make_queue(3)
+    dispatch(queue, "a")
+    dispatch(queue, "b")
+    succeed(queue, dispatch(queue, "c"))
+    assert queue.trainers() == {"a", "b"}
+
+
+# --- persistence: records, meta and restore --------------------------------------
+
+
+def ranges_of(num_tasks: int) -> list[DataRange]:
+    return [DataRange("data.parquet", 10 * i, 10 * i + 10) for i in range(num_tasks)]
+
+
+def persisted(queue: TaskQueue) -> tuple[dict[str, object], dict[int, dict[str, object]]]:
+    """What a shell that wrote every record would hold, through JSON as in etcd."""
+    meta = json.loads(json.dumps(queue.meta()))
+    records = {i: json.loads(json.dumps(queue.record(i))) for i in range(queue.num_tasks)}
+    return meta, records
+
+
+def restore(queue: TaskQueue, now: float = 100.0) -> TaskQueue:
+    meta, records = persisted(queue)
+    return TaskQueue.restore(ranges_of(queue.num_tasks), queue.config, meta, records, now)
+
+
+def drain_order(queue: TaskQueue, now: float) -> list[tuple[int, int, int]]:
+    """(task, attempt, offset) of what the todo queue hands out next, on a copy."""
+    probe = copy.deepcopy(queue)
+    order = []
+    for _ in range(probe.stats().todo):
+        result, _ = probe.get_task("probe", now)
+        assert isinstance(result, Dispatch)
+        order.append((result.task_id, result.attempt, result.offset))
+    return order
+
+
+def test_restore_keeps_states_offsets_counts_and_todo_order() -> None:
+    queue = make_queue(6, max_task_timeouts=1)
+    d = [dispatch(queue, t, now=0.0) for t in ("a", "b", "c", "a")]
+    succeed(queue, d[0])
+    progress(queue, d[1], 7)
+    queue.trainer_lost("b", now=1.0)  # task 1 requeued at offset 7
+    queue.report_task(2, 0, d[2].attempt, success=False, now=1.0)  # task 2 requeued
+    progress(queue, d[3], 3)  # task 3 pending with "a"
+    restored = restore(queue, now=50.0)
+    for i in range(6):
+        assert restored.record(i) == queue.record(i)
+    assert restored.meta() == queue.meta()
+    assert restored.stats() == queue.stats()
+    assert drain_order(restored, 60.0) == drain_order(queue, 60.0)
+    assert drain_order(restored, 60.0)[:2] == [(4, 1, 0), (5, 1, 0)]
+    assert restored.trainers() == {"a"}
+
+
+def test_restored_pending_attempt_gets_a_fresh_deadline_and_can_still_report() -> None:
+    queue = make_queue(2)
+    d = dispatch(queue, "a", now=0.0)
+    progress(queue, d, 6, now=1.0)
+    restored = restore(queue, now=500.0)
+    [held] = restored.pending_of("a")
+    assert (held.task_id, held.attempt, held.offset, held.deadline) == (0, 1, 0, 500.0 + TIMEOUT_S)
+    assert restored.expire(now=499.0 + TIMEOUT_S) == []
+    assert kinds(progress(restored, d, 8, now=501.0)) == [EventKind.PROGRESS]
+    assert kinds(succeed(restored, d)) == [EventKind.DONE]
+    assert restored.segments_of(0) == [Segment(1, 0, 10)]
+
+
+def test_restore_treats_records_of_earlier_passes_as_todo() -> None:
+    queue = make_queue(2, num_passes=3)
+    for _ in range(2):
+        succeed(queue, dispatch(queue))  # pass 0 done; records say "done in pass 0"
+    d = dispatch(queue, now=0.0)  # task 0, pass 1
+    restored = restore(queue)
+    assert restored.stats().pass_id == 1
+    assert restored.state_of(0) is TaskState.PENDING
+    assert restored.state_of(1) is TaskState.TODO
+    assert restored.record(1)["pass"] == 0
+    nxt = dispatch(restored)
+    assert (nxt.task_id, nxt.pass_id, nxt.attempt, nxt.offset) == (1, 1, 2, 0)
+    assert restored.record(1)["pass"] == 1
+    assert kinds(succeed(restored, d)) == [EventKind.DONE]
+
+
+def test_settle_completes_a_pass_whose_meta_was_not_advanced() -> None:
+    # A crash between the record writes of a mass timeout and the meta write
+    # leaves every record final but the meta in the old pass.
+    queue = make_queue(2, num_passes=2)
+    meta_before = queue.meta()
+    for _ in range(2):
+        succeed(queue, dispatch(queue))
+    _, records = persisted(queue)
+    restored = TaskQueue.restore(ranges_of(2), queue.config, meta_before, records, 0.0)
+    assert restored.stats().pass_id == 0
+    events = restored.settle()
+    assert kinds(events) == [EventKind.PASS_COMPLETED, EventKind.PASS_STARTED]
+    assert restored.meta() == queue.meta()
+    assert restored.settle() == []
+
+
+def test_audit_reports_duplicated_and_missing_records() -> None:
+    # The audit does not trust the queue's own bookkeeping: hand it records
+    # whose segments overlap or leave a gap (as a corrupted ledger would).
+    config = QueueConfig(task_timeout_s=TIMEOUT_S, max_task_timeouts=2)
+    done: dict[str, object] = {
+        "pass": 0,
+        "state": "done",
+        "attempt": 2,
+        "timeouts": 1,
+        "offset": 10,
+        "trainer": None,
+        "seq": None,
+    }
+    records = {
+        0: {**done, "segments": [[1, 0, 6], [2, 4, 10]]},  # records 4 and 5 twice
+        1: {**done, "segments": [[1, 0, 3], [2, 5, 10]]},  # records 3 and 4 never
+    }
+    meta = {"format": 1, "pass": 0, "num_passes": 1, "finished": False, "done_before": 0}
+    queue = TaskQueue.restore(ranges_of(2), config, meta, records, 0.0)
+    [completed, _] = queue.settle()
+    assert completed.summary is not None
+    assert (completed.summary.duplicated_records, completed.summary.missing_records) == (2, 2)
+    assert completed.summary.records_trained == 20
+    assert not completed.summary.exactly_once
 
 
 # --- invariant: every task ends DONE or FAILED exactly once per pass ------------
 
 TRAINERS = ("a", "b", "c")
+TASK_LENGTH = 10
 
 
 class TaskQueueMachine(RuleBasedStateMachine):
-    """Random interleavings of dispatch, reports, expiry and trainer loss."""
+    """Random interleavings of dispatch, progress, reports, expiry, trainer loss
+    and master crashes (restore from what the shell persisted)."""
 
     dispatches = Bundle("dispatches")
 
@@ -418,11 +744,23 @@ class TaskQueueMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.outcomes: Counter[tuple[int, int]] = Counter()
+        self.done_in_pass: Counter[int] = Counter()
+        self.failed_in_pass: Counter[int] = Counter()
         self.passes_started = 0
+        self.passes_completed = 0
         self.jobs_finished = 0
         self.attempts_seen: set[tuple[int, int]] = set()
         # Model of each task's timeout count, keyed by (pass, task).
         self.timeout_counts: Counter[tuple[int, int]] = Counter()
+        # Model of training, keyed by (pass, task): the offset reached and the
+        # record ranges trained, as the trainers would have trained them.
+        self.offsets: Counter[tuple[int, int]] = Counter()
+        self.trained: dict[tuple[int, int], list[Segment]] = {}
+        self.trained_in_pass: Counter[int] = Counter()
+        # What the shell has written to etcd so far (through JSON).
+        self.saved_meta: dict[str, Any] = {}
+        self.saved_records: dict[int, dict[str, Any]] = {}
+        self.restores = 0
 
     @initialize(
         num_tasks=st.integers(1, 5),
@@ -436,8 +774,22 @@ class TaskQueueMachine(RuleBasedStateMachine):
         self.queue = make_queue(
             num_tasks, max_task_timeouts=max_task_timeouts, num_passes=num_passes
         )
+        # The ledger is created with every record and the meta.
+        self.saved_meta, self.saved_records = persisted(self.queue)
+
+    # --- the shell's side: persist what the events name ---------------------------
+
+    def persist(self, events: list[TaskEvent]) -> None:
+        for event in events:
+            if event.task_id is not None:
+                self.saved_records[event.task_id] = json.loads(
+                    json.dumps(self.queue.record(event.task_id))
+                )
+        if any(event.task_id is None for event in events):
+            self.saved_meta = json.loads(json.dumps(self.queue.meta()))
 
     def record(self, events: list[TaskEvent]) -> None:
+        self.persist(events)
         for event in events:
             self.check_timeout_count(event)
             if event.kind in (EventKind.DONE, EventKind.FAILED):
@@ -445,12 +797,55 @@ class TaskQueueMachine(RuleBasedStateMachine):
                 key = (event.pass_id, event.task_id)
                 assert self.outcomes[key] == 0, f"task ended twice in a pass: {key}"
                 self.outcomes[key] += 1
+                if event.kind is EventKind.DONE:
+                    self.done_in_pass[event.pass_id] += 1
+                    self.train(key, event.attempt, TASK_LENGTH)
+                    self.check_tiles_exactly_once(key)
+                else:
+                    self.failed_in_pass[event.pass_id] += 1
+            elif event.kind is EventKind.PASS_COMPLETED:
+                self.passes_completed += 1
+                self.check_pass_complete(event.pass_id)
+                self.check_summary(event)
             elif event.kind is EventKind.PASS_STARTED:
                 self.passes_started += 1
                 self.check_pass_complete(event.pass_id - 1)
             elif event.kind is EventKind.JOB_FINISHED:
                 self.jobs_finished += 1
                 self.check_pass_complete(event.pass_id)
+
+    def train(self, key: tuple[int, int], attempt: int, offset: int) -> None:
+        """The trainer of ``attempt`` trained the task's records up to ``offset``."""
+        start = self.offsets[key]
+        if offset <= start:
+            return
+        trained = self.trained.setdefault(key, [])
+        if trained and trained[-1].attempt == attempt and trained[-1].end == start:
+            trained[-1] = Segment(attempt, trained[-1].start, offset)
+        else:
+            trained.append(Segment(attempt, start, offset))
+        self.trained_in_pass[key[0]] += offset - start
+        self.offsets[key] = offset
+
+    def check_tiles_exactly_once(self, key: tuple[int, int]) -> None:
+        trained = self.trained.get(key, [])
+        covered = sorted((seg.start, seg.end) for seg in trained)
+        assert covered[0][0] == 0 and covered[-1][1] == TASK_LENGTH, covered
+        for (_, end), (start, _) in itertools.pairwise(covered):
+            assert end == start, f"records trained twice or never: {covered}"
+        in_pass = key[0] == self.queue.stats().pass_id
+        if in_pass and self.queue.state_of(key[1]) is TaskState.DONE:
+            assert self.queue.segments_of(key[1]) == trained
+
+    def check_summary(self, event: TaskEvent) -> None:
+        summary = event.summary
+        assert summary is not None
+        assert summary.exactly_once, summary
+        assert summary.pass_id == event.pass_id
+        assert (summary.tasks, summary.records) == (self.num_tasks, self.num_tasks * TASK_LENGTH)
+        assert summary.done == self.done_in_pass[event.pass_id]
+        assert summary.failed == self.failed_in_pass[event.pass_id]
+        assert summary.records_trained == self.trained_in_pass[event.pass_id]
 
     def check_timeout_count(self, event: TaskEvent) -> None:
         if event.task_id is None:
@@ -471,6 +866,16 @@ class TaskQueueMachine(RuleBasedStateMachine):
         for task_id in range(self.num_tasks):
             assert self.outcomes[(pass_id, task_id)] == 1, (pass_id, task_id)
 
+    def holders(self, d: Dispatch) -> list[str]:
+        key = (d.task_id, d.pass_id, d.attempt)
+        return [
+            t
+            for t in TRAINERS
+            if key in {(p.task_id, p.pass_id, p.attempt) for p in self.queue.pending_of(t)}
+        ]
+
+    # --- rules ------------------------------------------------------------------
+
     @rule(target=dispatches, trainer=st.sampled_from(TRAINERS))
     def get_task(self, trainer: str) -> Dispatch | None:
         result, events = self.queue.get_task(trainer, self.now)
@@ -480,6 +885,8 @@ class TaskQueueMachine(RuleBasedStateMachine):
             assert key not in self.attempts_seen, "attempt number reused"
             self.attempts_seen.add(key)
             assert result.deadline == self.now + TIMEOUT_S
+            # A re-dispatched task resumes exactly where the last attempt stopped.
+            assert result.offset == self.offsets[(result.pass_id, result.task_id)]
             return result
         if isinstance(result, Wait):
             assert 0 < result.retry_after_s <= MAX_RETRY_AFTER_S
@@ -492,7 +899,7 @@ class TaskQueueMachine(RuleBasedStateMachine):
     def report(self, d: Dispatch | None, success: bool) -> None:
         if d is None:
             return
-        holders = [t for t in TRAINERS if d in self.queue.pending_of(t)]
+        holders = self.holders(d)
         before = self.snapshot()
         try:
             events = self.queue.report_task(
@@ -504,6 +911,34 @@ class TaskQueueMachine(RuleBasedStateMachine):
             return
         assert len(holders) == 1, "stale attempt accepted"
         self.record(events)
+
+    @rule(d=dispatches, offset=st.integers(-1, TASK_LENGTH + 1))
+    def report_progress(self, d: Dispatch | None, offset: int) -> None:
+        if d is None:
+            return
+        holders = self.holders(d)
+        key = (d.pass_id, d.task_id)
+        before = self.snapshot()
+        try:
+            events = self.queue.report_progress(d.task_id, d.pass_id, d.attempt, offset, self.now)
+        except StaleTaskError:
+            assert holders == [] or offset > TASK_LENGTH, "current progress rejected"
+            assert self.snapshot() == before, "rejected progress changed the queue"
+            return
+        assert len(holders) == 1 and offset <= TASK_LENGTH, "stale progress accepted"
+        if offset <= self.offsets[key]:
+            assert events == []
+        else:
+            assert kinds(events) == [EventKind.PROGRESS]
+            assert events[0].offset == offset
+        self.train(key, d.attempt, offset)
+        assert self.queue.offset_of(d.task_id) == self.offsets[key]
+        self.record(events)
+        # Progress is a heartbeat.
+        assert self.queue.next_deadline() is not None
+        assert [
+            p.deadline for p in self.queue.pending_of(holders[0]) if p.task_id == d.task_id
+        ] == [self.now + TIMEOUT_S]
 
     @rule(seconds=st.sampled_from([0.0, 0.5, TIMEOUT_S / 2, TIMEOUT_S, 3 * TIMEOUT_S]))
     def advance_clock_and_expire(self, seconds: float) -> None:
@@ -526,10 +961,37 @@ class TaskQueueMachine(RuleBasedStateMachine):
         assert EventKind.FAILED not in kinds(events)
         self.record(events)
 
+    @rule()
+    def crash_and_restore(self) -> None:
+        """The master dies; a new one restores from what the shell persisted."""
+        self.now += 1.0
+        restored = TaskQueue.restore(
+            ranges_of(self.num_tasks),
+            self.queue.config,
+            self.saved_meta,
+            self.saved_records,
+            self.now,
+        )
+        # Every change was persisted: the restored queue is the same queue.
+        assert restored.meta() == self.queue.meta()
+        for task_id in range(self.num_tasks):
+            assert restored.record(task_id) == self.queue.record(task_id), task_id
+        assert restored.stats() == self.queue.stats()
+        assert restored.trainers() == self.queue.trainers()
+        assert drain_order(restored, self.now) == drain_order(self.queue, self.now)
+        assert restored.settle() == []
+        for trainer in TRAINERS:
+            assert [p.deadline for p in restored.pending_of(trainer)] == [
+                self.now + TIMEOUT_S for _ in restored.pending_of(trainer)
+            ]
+        self.queue = restored
+        self.restores += 1
+
     def snapshot(self) -> tuple[object, ...]:
         return (
             self.queue.stats(),
-            tuple(self.queue.state_of(i) for i in range(self.num_tasks)),
+            self.queue.meta(),
+            tuple(str(self.queue.record(i)) for i in range(self.num_tasks)),
             tuple(tuple(self.queue.pending_of(t)) for t in TRAINERS),
             self.queue.next_deadline(),
         )
@@ -544,6 +1006,7 @@ class TaskQueueMachine(RuleBasedStateMachine):
         assert stats.failed == states[TaskState.FAILED]
         assert stats.pending == sum(len(self.queue.pending_of(t)) for t in TRAINERS)
         assert stats.finished or stats.todo + stats.pending > 0
+        assert stats.done_all_passes == sum(self.done_in_pass.values())
 
     def teardown(self) -> None:
         if not hasattr(self, "queue"):
@@ -560,11 +1023,13 @@ class TaskQueueMachine(RuleBasedStateMachine):
                 self.record(self.queue.expire(self.now))
             else:
                 assert isinstance(result, Dispatch)
+                assert result.offset == self.offsets[(result.pass_id, result.task_id)]
                 self.record(succeed(self.queue, result, self.now))
         else:
             pytest.fail("job did not finish")
         assert self.jobs_finished == 1
         assert self.passes_started == self.num_passes - 1
+        assert self.passes_completed == self.num_passes
         for pass_id in range(self.num_passes):
             self.check_pass_complete(pass_id)
         assert set(self.outcomes) == {
@@ -573,8 +1038,8 @@ class TaskQueueMachine(RuleBasedStateMachine):
 
 
 TaskQueueMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
+    max_examples=300,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -1160,12 +1160,33 @@ class JobStore:
         Raises:
             CoordinationError: etcd failed.
         """
+        return self.acquire_master_lock_with({"address": address}, lease)
+
+    def acquire_master_lock_with(self, value: Mapping[str, object], lease: KeptLease) -> bool:
+        """Like :meth:`acquire_master_lock`, with more in the lock's JSON value.
+
+        Args:
+            value: the lock's value; must hold the master's ``"address"``
+                (``"host:port"``), and may hold more (e.g. its ``"pid"``, which the
+                local launcher uses to find the active master).
+            lease: the master's lease; the lock is released when it ends.
+
+        Returns:
+            True if this lease now holds the lock (including if it already did;
+            the value is then left as it was).
+
+        Raises:
+            ConfigError: ``value`` has no string ``"address"``.
+            CoordinationError: etcd failed.
+        """
+        if not isinstance(value.get("address"), str):
+            raise ConfigError(f"the master lock's value needs a string 'address', got {value!r}")
         key = self.keys.master_lock
         txns = self._client.transactions
         succeeded, responses = self._txn(
             "acquiring the master lock",
             compare=[txns.version(key) == 0],
-            success=[txns.put(key, _encode({"address": address}), lease=lease.id)],
+            success=[txns.put(key, _encode(dict(value)), lease=lease.id)],
             failure=[txns.get(key)],
         )
         if succeeded:

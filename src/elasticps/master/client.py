@@ -20,7 +20,7 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _is_retryable(exc: BaseException) -> bool:
-    if isinstance(exc, _NoMasterYet):
+    if isinstance(exc, _NoMasterYetError):
         return True
     return isinstance(exc, grpc.RpcError) and exc.code() in _RETRYABLE
 
@@ -115,7 +115,7 @@ class MasterClient:
                     address = self._resolve()
                 except ElasticPSError as exc:
                     # No master right now (failover in progress): retry later.
-                    raise _NoMasterYet(str(exc)) from exc
+                    raise _NoMasterYetError(str(exc)) from exc
                 self.address = address
                 self._channel = grpc.insecure_channel(address)
                 self._stub = master_pb2_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
@@ -139,7 +139,7 @@ class MasterClient:
     def _call(self, method: str, request: object) -> object:
         try:
             return self._retrying(self._attempt, method, request)
-        except _NoMasterYet as exc:
+        except _NoMasterYetError as exc:
             raise ServiceUnavailableError(f"no master is available: {exc}") from exc
         except grpc.RpcError as exc:
             if _is_retryable(exc):
@@ -153,5 +153,5 @@ class MasterClient:
             raise
 
 
-class _NoMasterYet(ElasticPSError):
+class _NoMasterYetError(ElasticPSError):
     """The resolver found no master (retryable)."""

@@ -1,71 +1,185 @@
-"""The master process: split the data into tasks and serve them over gRPC."""
+"""The master process: wait for the master lock, restore or create the ledger, serve.
+
+Any number of master processes may run for a job; one is *active* (it holds
+``master/lock`` under its lease), the others are *standbys* that watch the lock
+and take over when it is released or its lease expires:
+
+1. bind the gRPC port (so the address is known), grant a lease;
+2. acquire the lock with that address as its value, or wait as a standby;
+3. restore the queue from the task ledger in etcd, or create the ledger;
+4. only then register the service and start serving;
+5. requeue the pending tasks of trainers that are gone, watch the others.
+
+The address is published in the lock value atomically with acquiring it: the
+port is bound before the lock is taken, but nothing is served until the queue
+is restored. A trainer that reads the new address early gets UNAVAILABLE (the
+port refuses connections until the server starts) and retries, which it does
+for any master outage anyway.
+
+When the lease is lost or a ledger write is refused by the fence, the master
+steps down: it stops serving, :func:`serve_master` returns
+:data:`EXIT_STEPPED_DOWN` and :func:`run_master` (the ``elasticps master``
+command) exits with that status, so a supervisor can tell "another master
+took over" from a crash (status 1) or a user error (status 2).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from concurrent import futures
 
 import grpc
 
 from elasticps.config import MasterConfig
-from elasticps.coord.store import JobStore
+from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
 from elasticps.errors import CoordinationError, PortInUseError
+from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.service import MasterService
-from elasticps.master.taskqueue import QueueConfig, TaskQueue, split_into_tasks
+from elasticps.master.taskqueue import QueueConfig
 from elasticps.proto import master_pb2_grpc
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_STEPPED_DOWN",
+    "build_spec",
+    "queue_config",
+    "run_master",
+    "serve_master",
+]
 
 log = logging.getLogger(__name__)
 
+EXIT_OK = 0
+"""Exit status of a master stopped on request (or a standby stopped before taking over)."""
 
-def build_queue(config: MasterConfig) -> TaskQueue:
-    """Split the configured Parquet files into tasks.
+EXIT_STEPPED_DOWN = 3
+"""Exit status of a master that lost its lease or its lock: another master may serve."""
+
+#: Longest wait on one watch of the lock before trying to acquire it again, seconds.
+_STANDBY_RECHECK_S = 1.0
+
+
+def build_spec(config: MasterConfig) -> LedgerSpec:
+    """The data split of a master configuration (reads the Parquet row counts).
 
     Raises:
         DataError: a data file is missing or unreadable.
     """
-    files = [(str(path), count_rows(path)) for path in config.data_files]
-    ranges = split_into_tasks(files, config.records_per_task)
-    return TaskQueue(
-        ranges,
-        QueueConfig(
-            task_timeout_s=config.task_timeout_s,
-            max_task_timeouts=config.max_task_timeouts,
-            num_passes=config.num_passes,
-        ),
+    return LedgerSpec(
+        files=tuple((str(path), count_rows(path)) for path in config.data_files),
+        records_per_task=config.records_per_task,
+        num_passes=config.num_passes,
+    )
+
+
+def queue_config(config: MasterConfig) -> QueueConfig:
+    """The task queue's settings of a master configuration.
+
+    Raises:
+        ConfigError: a value is out of range for the queue.
+    """
+    return QueueConfig(
+        task_timeout_s=config.task_timeout_s,
+        max_task_timeouts=config.max_task_timeouts,
+        num_passes=config.num_passes,
     )
 
 
 def run_master(config: MasterConfig, stop: threading.Event) -> None:
-    """Run the master until ``stop`` is set or its etcd lease is lost.
+    """The ``elasticps master`` role: :func:`serve_master`, exiting with status 3 on step-down.
+
+    Raises:
+        SystemExit: with :data:`EXIT_STEPPED_DOWN`, if the master stepped down.
+        Everything :func:`serve_master` raises.
+    """
+    status = serve_master(config, stop)
+    if status != EXIT_OK:
+        raise SystemExit(status)
+
+
+def serve_master(config: MasterConfig, stop: threading.Event) -> int:
+    """Run a master (active or standby) until ``stop`` is set or it steps down.
 
     Args:
         config: master configuration.
-        stop: set it to shut the master down.
+        stop: set it to shut the master down; also set when it steps down.
+
+    Returns:
+        :data:`EXIT_OK` when stopped, :data:`EXIT_STEPPED_DOWN` when it lost
+        its lease or the master lock.
 
     Raises:
+        DataError: a data file is missing or unreadable.
+        ConfigError: the ledger in etcd belongs to another configuration.
         PortInUseError: the gRPC port is taken.
-        CoordinationError: etcd is unreachable, or another master holds the lock.
+        CoordinationError: etcd is unreachable, or the ledger is malformed.
     """
-    queue = build_queue(config)
-    log.info("%d tasks of up to %d records", queue.stats().total, config.records_per_task)
-    store = JobStore(config.common.etcd_endpoint, config.common.job)
-    lost = threading.Event()
+    spec = build_spec(config)
+    qconfig = queue_config(config)
+    job = config.common.job
+    store = JobStore(config.common.etcd_endpoint, job)
+    stepped_down = threading.Event()
+    service: MasterService | None = None
 
-    def on_lease_lost() -> None:
-        log.error("master lease lost: stepping down")
-        lost.set()
+    def step_down(reason: str) -> None:
+        stepped_down.set()
         stop.set()
+        if service is not None:
+            service.step_down(reason)
+        else:
+            log.error("master of job %s stepping down: %s", job, reason)
 
-    lease = store.grant_lease(config.common.lease_ttl_s, on_lost=on_lease_lost)
-    service = MasterService(
-        queue,
-        config.task_timeout_s,
-        on_finished=lambda: store.set_job_state("finished"),
-    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"))
-    master_pb2_grpc.add_MasterServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    lease: KeptLease | None = None
+    watch: Watch | None = None
+    try:
+        address = _bind(server, config)
+        lease = store.grant_lease(
+            config.common.lease_ttl_s, on_lost=lambda: step_down("lease lost")
+        )
+        if not _wait_for_lock(store, address, lease, stop):
+            return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
+        log.info("master of job %s holds the lock (lease %x)", job, lease.id)
+        ledger = Ledger(store, lease)
+        queue, restored = ledger.open(spec, qconfig, time.monotonic())
+        service = MasterService(
+            queue,
+            ledger,
+            on_finished=lambda: store.set_job_state("finished"),
+            on_stepped_down=step_down,
+        )
+        if stop.is_set():  # the lease was lost while restoring
+            return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
+        master_pb2_grpc.add_MasterServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+        server.start()
+        stats = queue.stats()
+        store.set_job_state("finished" if stats.finished else "running")
+        log.info(
+            "master serving on %s (%s ledger, %d tasks)",
+            address,
+            "restored" if restored else "new",
+            stats.total,
+        )
+        watch = _watch_trainers(store, service)
+        stop.wait()
+    finally:
+        if watch is not None:
+            watch.cancel()
+        server.stop(grace=1.0).wait(5)
+        if service is not None:
+            service.stop()
+        if lease is not None and not lease.lost.is_set():
+            lease.revoke()  # releases the lock at once, so a standby takes over now
+        store.close()
+    return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
+
+
+def _bind(server: grpc.Server, config: MasterConfig) -> str:
+    """Bind the gRPC port (without serving yet) and return ``host:port``."""
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError as exc:
@@ -74,31 +188,52 @@ def run_master(config: MasterConfig, stop: threading.Event) -> None:
         ) from exc
     if port == 0:
         raise PortInUseError(f"--master-port {config.host}:{config.port} is already in use")
-    server.start()
-    address = f"{config.host}:{port}"
-    watch = None
-    try:
-        if not store.acquire_master_lock(address, lease):
-            raise CoordinationError(f"another master holds the lock of job {config.common.job}")
-        store.set_job_state("running")
-        log.info("master serving on %s", address)
-        live, revision = store.live_trainers()
-        known = set(live)
-        known_lock = threading.Lock()
+    return f"{config.host}:{port}"
 
-        def on_trainers(current: dict[str, dict[str, object]]) -> None:
-            nonlocal known
-            with known_lock:
-                previous, known = known, set(current)
-            service.trainers_changed(set(current), previous)
 
-        watch = store.watch_trainers(on_trainers, revision + 1)
-        stop.wait()
-    finally:
-        if watch is not None:
-            watch.cancel()
-        server.stop(grace=1.0).wait(5)
-        service.stop()
-        if not lost.is_set():
-            lease.revoke()
-        store.close()
+def _wait_for_lock(store: JobStore, address: str, lease: KeptLease, stop: threading.Event) -> bool:
+    """Acquire the master lock, waiting as a standby while another master holds it.
+
+    The lock's value is ``{"address", "pid"}``. Watches the lock key, so the
+    takeover starts as soon as etcd deletes it (released, or its lease
+    expired). Rides out an etcd restart. Returns False if ``stop`` was set
+    first (it is also set when the lease is lost).
+    """
+    announced = False
+    value = {"address": address, "pid": os.getpid()}
+    while not stop.is_set():
+        try:
+            if store.acquire_master_lock_with(value, lease):
+                return True
+            if not announced:
+                log.info(
+                    "standby: another master holds the lock of job %s; waiting", store.keys.job
+                )
+                announced = True
+            store.wait_for_deletion(store.keys.master_lock, _STANDBY_RECHECK_S, cancel=stop)
+        except CoordinationError as exc:
+            # etcd restarting: wait for it, as the lease does (until it is lost).
+            if not is_transient(exc):
+                raise
+            log.warning("standby: etcd unreachable (%s); retrying", exc)
+            stop.wait(_STANDBY_RECHECK_S)
+    return False
+
+
+def _watch_trainers(store: JobStore, service: MasterService) -> Watch:
+    """Requeue the tasks of trainers that are gone now, then of those that leave."""
+    live, revision = store.live_trainers()
+    known = set(live)
+    known_lock = threading.Lock()
+    # After a restore, pending attempts may belong to trainers that died with
+    # the old master: they registered before their dispatch was persisted, so
+    # if they are not live at this later revision, they are gone.
+    service.trainers_changed(known, service.pending_trainers() | known)
+
+    def on_trainers(current: dict[str, dict[str, object]]) -> None:
+        nonlocal known
+        with known_lock:
+            previous, known = known, set(current)
+        service.trainers_changed(set(current), previous)
+
+    return store.watch_trainers(on_trainers, revision + 1)

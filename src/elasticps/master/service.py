@@ -1,21 +1,33 @@
 """The master's gRPC service: a thin shell around the pure :class:`TaskQueue`.
 
-The service translates messages, holds the queue's lock, runs the timer that
-expires overdue tasks, and turns trainer deaths seen in etcd into
-``trainer_lost`` calls. Every decision is the queue's.
+The service translates messages, runs the timer that expires overdue tasks, and
+turns trainer deaths seen in etcd into ``trainer_lost`` calls. Every decision is
+the queue's.
+
+Persist before replying: each mutation of the queue and the ledger write of the
+records it changed happen in one critical section, and the reply is sent only
+after the write succeeded. So the ledger sees mutations in the queue's order,
+and a trainer never holds a dispatch (or a "done") that the ledger does not
+have. If the write fails, the in-memory queue may be ahead of the ledger, so the
+master *steps down*: it answers UNAVAILABLE from then on and calls
+``on_stepped_down``; a standby restores the queue from the ledger.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 
 from elasticps.errors import StaleTaskError, UnknownTaskError
+from elasticps.master.ledger import Journal, SteppedDownError
 from elasticps.master.taskqueue import (
     Dispatch,
     EventKind,
@@ -28,33 +40,42 @@ from elasticps.proto import master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+_R = TypeVar("_R")
+
 
 class MasterService(master_pb2_grpc.MasterServicer):
-    """Serves ``GetTask`` / ``ReportTask`` / ``GetJobStatus`` from a :class:`TaskQueue`.
+    """Serves ``GetTask`` / ``ReportTask`` / ``ReportProgress`` / ``GetJobStatus``.
 
     Args:
         queue: the task queue; the service owns it from now on.
-        task_timeout_s: sent to trainers with each task, seconds.
+        journal: makes each mutation durable before the reply (the
+            :class:`~elasticps.master.ledger.Ledger`).
         clock: monotonic clock in seconds (injected for tests).
         on_finished: called once when the last pass is over.
+        on_stepped_down: called once, with the reason, when the service stops
+            serving because a ledger write failed (or :meth:`step_down` was
+            called).
     """
 
     def __init__(
         self,
         queue: TaskQueue,
-        task_timeout_s: float,
+        journal: Journal,
         *,
         clock: Callable[[], float] = time.monotonic,
         on_finished: Callable[[], None] | None = None,
+        on_stepped_down: Callable[[str], None] | None = None,
     ) -> None:
         self._queue = queue
-        self._timeout_s = task_timeout_s
+        self._journal = journal
+        self._timeout_s = queue.config.task_timeout_s
         self._clock = clock
         self._on_finished = on_finished
+        self._on_stepped_down = on_stepped_down
         self._lock = threading.Condition()
         self._samples_done = 0
         self._last_loss = math.nan
-        self._done_all_passes = 0
+        self._stepped_down: str | None = None  # the reason, once stepped down
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._expire_loop, name="task-timer", daemon=True)
         self._timer.start()
@@ -65,10 +86,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.GetTaskRequest, context: grpc.ServicerContext
     ) -> master_pb2.GetTaskResponse:
         """Hand a task to ``request.trainer_id``, or say wait / finished."""
-        with self._lock:
-            result, events = self._queue.get_task(request.trainer_id, self._clock())
-            self._lock.notify_all()  # the timer may need an earlier wake-up
-        self._log_events(events)
+        with _rpc_errors(context, request.trainer_id):
+            result = self._mutate(lambda now: self._queue.get_task(request.trainer_id, now))
         if isinstance(result, Dispatch):
             return master_pb2.GetTaskResponse(
                 task=master_pb2.Task(
@@ -79,6 +98,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     start=result.data.start,
                     end=result.data.end,
                     timeout_s=self._timeout_s,
+                    offset=result.offset,
                 )
             )
         if isinstance(result, Wait):
@@ -94,34 +114,53 @@ class MasterService(master_pb2_grpc.MasterServicer):
         A stale attempt is answered with FAILED_PRECONDITION, an unknown task
         with NOT_FOUND; neither changes anything.
         """
-        try:
-            with self._lock:
-                events = self._queue.report_task(
-                    request.task_id,
-                    request.pass_id,
-                    request.attempt,
-                    success=request.success,
-                    now=self._clock(),
-                    error=request.error,
-                )
-                if request.success:
-                    self._samples_done += request.samples
-                    self._done_all_passes += 1
-                    if request.samples:
-                        self._last_loss = request.mean_loss
-        except StaleTaskError as exc:
-            log.info("rejected report from %s: %s", request.trainer_id, exc)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except UnknownTaskError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        self._log_events(events)
+
+        def report(now: float) -> tuple[None, list[TaskEvent]]:
+            events = self._queue.report_task(
+                request.task_id,
+                request.pass_id,
+                request.attempt,
+                success=request.success,
+                now=now,
+                error=request.error,
+            )
+            if request.success:
+                self._samples_done += request.samples
+                if request.samples:
+                    self._last_loss = request.mean_loss
+            return None, events
+
+        with _rpc_errors(context, request.trainer_id):
+            self._mutate(report)
         return master_pb2.ReportTaskResponse()
+
+    def ReportProgress(  # noqa: N802
+        self, request: master_pb2.ReportProgressRequest, context: grpc.ServicerContext
+    ) -> master_pb2.ReportProgressResponse:
+        """Record progress inside a task attempt and renew its deadline.
+
+        A stale attempt (or an offset beyond the task's end) is answered with
+        FAILED_PRECONDITION, an unknown task with NOT_FOUND; neither changes
+        anything.
+        """
+        with _rpc_errors(context, request.trainer_id):
+            self._mutate(
+                lambda now: (
+                    None,
+                    self._queue.report_progress(
+                        request.task_id, request.pass_id, request.attempt, request.offset, now
+                    ),
+                )
+            )
+        return master_pb2.ReportProgressResponse()
 
     def GetJobStatus(  # noqa: N802
         self, request: master_pb2.GetJobStatusRequest, context: grpc.ServicerContext
     ) -> master_pb2.JobStatus:
         """Progress counters of the job."""
-        with self._lock:
+        with _rpc_errors(context, trainer_id=""), self._lock:
+            if self._stepped_down is not None:
+                raise SteppedDownError(self._stepped_down)
             s = self._queue.stats()
             return master_pb2.JobStatus(
                 pass_id=s.pass_id,
@@ -134,18 +173,48 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 finished=s.finished,
                 samples_done=self._samples_done,
                 last_loss=self._last_loss,
-                tasks_done_all_passes=self._done_all_passes,
+                tasks_done_all_passes=s.done_all_passes,
             )
 
-    # --- membership ------------------------------------------------------------
+    # --- membership and lifecycle ------------------------------------------------
+
+    def pending_trainers(self) -> set[str]:
+        """Return the trainers that hold pending attempts (after a restore, too)."""
+        with self._lock:
+            return self._queue.trainers()
 
     def trainers_changed(self, live: set[str], previous: set[str]) -> None:
-        """Requeue at once the pending tasks of trainers that left etcd."""
+        """Requeue at once the pending tasks of trainers that left etcd.
+
+        Args:
+            live: the trainers registered in etcd now.
+            previous: the trainers known before; those not in ``live`` are lost.
+        """
         for trainer_id in sorted(previous - live):
-            with self._lock:
-                events = self._queue.trainer_lost(trainer_id, self._clock())
+            try:
+                events = self._mutate_events(
+                    functools.partial(self._queue.trainer_lost, trainer_id)
+                )
+            except SteppedDownError:
+                return
             log.info("trainer %s left; %d task(s) requeued", trainer_id, len(events))
-            self._log_events(events)
+
+    @property
+    def stepped_down(self) -> bool:
+        """Whether the service stopped serving because it lost the master lock."""
+        with self._lock:
+            return self._stepped_down is not None
+
+    def step_down(self, reason: str) -> None:
+        """Stop serving: every call is answered UNAVAILABLE from now on. Idempotent.
+
+        Args:
+            reason: logged, and passed to ``on_stepped_down``.
+        """
+        with self._lock:
+            first = self._mark_stepped_down(reason)
+        if first:
+            self._announce_step_down(reason)
 
     def stop(self) -> None:
         """Stop the timer thread."""
@@ -156,20 +225,79 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     # --- internals ---------------------------------------------------------------
 
+    def _mutate(self, mutate: Callable[[float], tuple[_R, list[TaskEvent]]]) -> _R:
+        """Apply one queue mutation and persist its events, in one critical section.
+
+        Raises:
+            SteppedDownError: the service has stepped down, or does now because
+                the ledger write failed.
+            StaleTaskError / UnknownTaskError: from the queue; nothing changed.
+        """
+        with self._lock:
+            if self._stepped_down is not None:
+                raise SteppedDownError(self._stepped_down)
+            result, events = mutate(self._clock())
+            try:
+                self._journal.persist(self._queue, events)
+            except Exception as exc:
+                # The queue is now ahead of the ledger; only a restore from the
+                # ledger is safe. Any failure counts, not only the fence.
+                reason = str(exc) if isinstance(exc, SteppedDownError) else repr(exc)
+                first = self._mark_stepped_down(reason)
+                failure: Exception | None = exc
+            else:
+                failure = None
+                if events:
+                    self._lock.notify_all()  # the timer may need an earlier wake-up
+        if failure is not None:
+            if first:
+                self._announce_step_down(reason)
+            raise SteppedDownError(reason) from failure
+        self._after(events)
+        return result
+
+    def _mark_stepped_down(self, reason: str) -> bool:
+        """Record the step-down (lock held); return whether it is the first."""
+        if self._stepped_down is not None:
+            return False
+        self._stepped_down = reason
+        self._lock.notify_all()
+        return True
+
+    def _announce_step_down(self, reason: str) -> None:
+        log.error("master stepping down: %s", reason)
+        if self._on_stepped_down is not None:
+            self._on_stepped_down(reason)
+
+    def _mutate_events(self, mutate: Callable[[float], list[TaskEvent]]) -> list[TaskEvent]:
+        events: list[TaskEvent] = []
+
+        def wrapped(now: float) -> tuple[None, list[TaskEvent]]:
+            events.extend(mutate(now))
+            return None, events
+
+        self._mutate(wrapped)
+        return events
+
     def _expire_loop(self) -> None:
         # Sleeps until the earliest pending deadline (or until woken because a
-        # new task was dispatched), then expires what is overdue.
+        # new deadline was set), then expires what is overdue.
         while not self._stop.is_set():
             with self._lock:
+                if self._stepped_down is not None:
+                    return
                 deadline = self._queue.next_deadline()
                 now = self._clock()
                 if deadline is None or deadline > now:
                     self._lock.wait(timeout=1.0 if deadline is None else min(1.0, deadline - now))
                     continue
-                events = self._queue.expire(now)
-            self._log_events(events)
+            try:
+                self._mutate_events(self._queue.expire)
+            except SteppedDownError:
+                return
 
-    def _log_events(self, events: list[TaskEvent]) -> None:
+    def _after(self, events: list[TaskEvent]) -> None:
+        """Log what happened (outside the lock) and signal the end of the job."""
         for e in events:
             if e.kind is EventKind.FAILED:
                 log.warning(
@@ -180,10 +308,49 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     e.reason,
                 )
             elif e.kind is EventKind.REQUEUED:
-                log.info("task %s requeued (%s), timeouts=%d", e.task_id, e.reason, e.timeout_count)
+                log.info(
+                    "task %s attempt %d requeued at offset %d (%s), timeouts=%d",
+                    e.task_id,
+                    e.attempt,
+                    e.offset,
+                    e.reason,
+                    e.timeout_count,
+                )
+            elif e.kind is EventKind.PASS_COMPLETED and e.summary is not None:
+                s = e.summary
+                log.log(
+                    logging.INFO if s.exactly_once else logging.ERROR,
+                    "pass %d completed: %d/%d tasks done, %d failed, %d records trained, "
+                    "exactly once: %s (duplicated %d, missing %d)",
+                    s.pass_id,
+                    s.done,
+                    s.tasks,
+                    s.failed,
+                    s.records_trained,
+                    s.exactly_once,
+                    s.duplicated_records,
+                    s.missing_records,
+                )
             elif e.kind is EventKind.PASS_STARTED:
                 log.info("pass %d started", e.pass_id)
             elif e.kind is EventKind.JOB_FINISHED:
                 log.info("all passes finished")
                 if self._on_finished is not None:
                     self._on_finished()
+
+
+@contextlib.contextmanager
+def _rpc_errors(context: grpc.ServicerContext, trainer_id: str) -> Iterator[None]:
+    """Translate the errors of a mutation into gRPC status codes (the one mapping)."""
+    try:
+        yield
+    except StaleTaskError as exc:
+        log.info("rejected report from trainer %s: %s", trainer_id, exc)
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    except UnknownTaskError as exc:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except SteppedDownError as exc:
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"this master stepped down ({exc}); ask etcd for the new one",
+        )

@@ -7,37 +7,60 @@ attempt number. A report or a timeout for an attempt that is no longer current
 (it timed out and was re-dispatched, or belongs to an earlier pass) is rejected
 or ignored, so a task is never counted twice.
 
+Trainers report progress inside a task (:meth:`TaskQueue.report_progress`): the
+queue keeps each task's *offset* (records trained in the current pass) and the
+*segments* ``(attempt, from, to)`` that trained them, so a re-dispatched task
+resumes where the last attempt stopped, and the end of each pass is audited: the
+segments of every done task must tile its range exactly once
+(:class:`PassSummary`).
+
 This module does no I/O, starts no threads and reads no clock: the caller
 passes ``now`` (seconds on a monotonic clock) into every mutation. Every
 mutation returns the :class:`TaskEvent` records it caused, so the service shell
 can log and persist them before it replies.
 
-Cost: ``get_task``, ``report_task`` and ``trainer_lost`` are O(log n) per task
-they touch (heap operations), ``expire`` is O(log n) per entry it pops, and
-``stats`` is O(1). The only O(n) step is the reset at the start of a pass,
-which happens once per n completed tasks.
+Persistence. The queue's durable state is one JSON-ready record per task
+(:meth:`TaskQueue.record`) plus one small ``meta`` record
+(:meth:`TaskQueue.meta`); :meth:`TaskQueue.restore` rebuilds the queue from
+them. After a mutation, the records to write are those of the tasks named by
+its events, plus ``meta`` if a queue event (PASS_COMPLETED, PASS_STARTED,
+JOB_FINISHED) occurred. A pass transition therefore writes O(1) records: each
+record carries the pass it belongs to, and a record of an earlier pass *is*, by
+definition, a task still todo in the current pass with zero counts (a lazy
+reset, applied in memory when the task is next dispatched).
+
+Cost: ``get_task``, ``report_task``, ``report_progress`` and ``trainer_lost``
+are O(log n) per task they touch (heap operations; the audit of a done task is
+O(its segments), at most one per attempt), ``expire`` is O(log n) per entry it
+pops, ``stats`` and pass transitions are O(1). ``restore`` is O(n).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from elasticps.errors import ConfigError, StaleTaskError, UnknownTaskError
+from elasticps.errors import ConfigError, CoordinationError, StaleTaskError, UnknownTaskError
 
 __all__ = [
     "MAX_RETRY_AFTER_S",
     "MIN_RETRY_AFTER_S",
+    "QUEUE_EVENTS",
+    "QUEUE_FORMAT",
     "DataRange",
     "Dispatch",
     "EventKind",
     "Finished",
     "GetTaskResult",
+    "InvalidRecordError",
+    "PassSummary",
     "QueueConfig",
     "QueueStats",
+    "Segment",
     "TaskEvent",
     "TaskQueue",
     "TaskState",
@@ -50,6 +73,16 @@ MAX_RETRY_AFTER_S = 1.0
 
 MIN_RETRY_AFTER_S = 0.01
 """Shortest :class:`Wait` hint, in seconds, so a trainer never busy-polls."""
+
+QUEUE_FORMAT = 1
+"""Version of the record and meta layout; :meth:`TaskQueue.restore` refuses others."""
+
+
+class InvalidRecordError(CoordinationError, ValueError):
+    """A persisted task record or queue meta record does not have the expected shape.
+
+    Raised by :meth:`TaskQueue.restore`; the message names the task and the field.
+    """
 
 
 # --- data ranges ---------------------------------------------------------------
@@ -128,13 +161,14 @@ class TaskState(enum.Enum):
     """Timed out or failed more than ``max_task_timeouts`` times in this pass."""
 
 
-# The one table of allowed transitions; ``TaskQueue._transition`` enforces it.
-# DONE/FAILED -> TODO happens only at the start of a new pass.
+# The one table of allowed transitions within a pass; ``TaskQueue._transition``
+# enforces it. DONE and FAILED are final for the pass: a task becomes TODO again
+# only through the lazy reset of a later pass (``TaskQueue._begin_pass``).
 _ALLOWED_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
     TaskState.TODO: frozenset({TaskState.PENDING}),
     TaskState.PENDING: frozenset({TaskState.TODO, TaskState.DONE, TaskState.FAILED}),
-    TaskState.DONE: frozenset({TaskState.TODO}),
-    TaskState.FAILED: frozenset({TaskState.TODO}),
+    TaskState.DONE: frozenset(),
+    TaskState.FAILED: frozenset(),
 }
 
 
@@ -143,7 +177,8 @@ class QueueConfig:
     """Settings of a :class:`TaskQueue`.
 
     Attributes:
-        task_timeout_s: seconds a trainer has to report a dispatched task, > 0.
+        task_timeout_s: seconds a trainer has to report a dispatched task (or
+            its progress), > 0.
         max_task_timeouts: how many timeouts or reported failures a task may
             have within one pass, >= 1; one more and it is FAILED for that pass.
         num_passes: how many passes (epochs) over all tasks, >= 1.
@@ -167,6 +202,21 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Records ``[start, end)`` of a task (relative to its first row) trained by one attempt.
+
+    Attributes:
+        attempt: the attempt that trained them.
+        start: first record, relative to the task's start, inclusive.
+        end: last record, exclusive.
+    """
+
+    attempt: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Dispatch:
     """A task handed to a trainer: a lease on one attempt.
 
@@ -175,8 +225,11 @@ class Dispatch:
         pass_id: pass (epoch) this attempt belongs to, 0-based.
         attempt: dispatch number of this task, starting at 1 and never reused,
             across passes too. Reports must quote it.
-        data: the rows to train on.
-        deadline: monotonic time, in seconds, after which the attempt times out.
+        data: the rows of the whole task.
+        deadline: monotonic time, in seconds, after which the attempt times out
+            unless the trainer reports progress (which renews it).
+        offset: records of the task already trained in this pass by earlier
+            attempts; the attempt trains rows ``[data.start + offset, data.end)``.
     """
 
     task_id: int
@@ -184,6 +237,7 @@ class Dispatch:
     attempt: int
     data: DataRange
     deadline: float
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,15 +260,57 @@ GetTaskResult = Dispatch | Wait | Finished
 """What :meth:`TaskQueue.get_task` hands back."""
 
 
+@dataclass(frozen=True)
+class PassSummary:
+    """The audit of one completed pass.
+
+    Attributes:
+        pass_id: the pass, 0-based.
+        tasks: number of tasks.
+        records: records in all tasks.
+        done: tasks done in the pass.
+        failed: tasks failed in the pass.
+        records_trained: records in every segment of the pass (failed tasks'
+            partial progress included).
+        duplicated_records: records of done tasks covered by more than one
+            segment (counted once per extra coverage).
+        missing_records: records of done tasks covered by no segment.
+    """
+
+    pass_id: int
+    tasks: int
+    records: int
+    done: int
+    failed: int
+    records_trained: int
+    duplicated_records: int
+    missing_records: int
+
+    @property
+    def exactly_once(self) -> bool:
+        """Whether the segments of every done task tile its range exactly once."""
+        return self.duplicated_records == 0 and self.missing_records == 0
+
+    def as_dict(self) -> dict[str, object]:
+        """The summary as a JSON-ready dict, ``exactly_once`` included."""
+        return {**dataclasses.asdict(self), "exactly_once": self.exactly_once}
+
+
 class EventKind(enum.Enum):
     """What a :class:`TaskEvent` records."""
 
     DISPATCHED = "dispatched"
+    PROGRESS = "progress"
     DONE = "done"
     REQUEUED = "requeued"
     FAILED = "failed"
+    PASS_COMPLETED = "pass_completed"
     PASS_STARTED = "pass_started"
     JOB_FINISHED = "job_finished"
+
+
+QUEUE_EVENTS = frozenset({EventKind.PASS_COMPLETED, EventKind.PASS_STARTED, EventKind.JOB_FINISHED})
+"""Event kinds that change the queue's :meth:`TaskQueue.meta` rather than a task."""
 
 
 @dataclass(frozen=True)
@@ -223,14 +319,18 @@ class TaskEvent:
 
     Attributes:
         kind: what happened.
-        task_id: the task concerned; None for PASS_STARTED and JOB_FINISHED.
-        pass_id: the pass the event belongs to (the new pass for PASS_STARTED).
+        task_id: the task concerned; None for the queue events (PASS_COMPLETED,
+            PASS_STARTED, JOB_FINISHED).
+        pass_id: the pass the event belongs to (the new pass for PASS_STARTED,
+            the completed one for PASS_COMPLETED).
         attempt: the task's attempt number after the event; 0 for queue events.
         timeout_count: the task's timeouts and failures in this pass after the
             event; 0 for queue events.
         trainer_id: the trainer holding (or that held) the attempt, if any.
         reason: why a task was requeued or failed: ``"timeout"``,
             ``"trainer lost"`` or ``"reported failure: <message>"``.
+        offset: the task's offset after the event; 0 for queue events.
+        summary: the audit of the pass, for PASS_COMPLETED only.
     """
 
     kind: EventKind
@@ -240,6 +340,8 @@ class TaskEvent:
     timeout_count: int
     trainer_id: str | None
     reason: str = ""
+    offset: int = 0
+    summary: PassSummary | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +357,7 @@ class QueueStats:
         done: tasks done in the current pass.
         failed: tasks failed in the current pass.
         finished: True once every pass is over.
+        done_all_passes: tasks done, summed over all passes so far.
     """
 
     pass_id: int
@@ -265,6 +368,7 @@ class QueueStats:
     done: int
     failed: int
     finished: bool
+    done_all_passes: int
 
 
 # --- the queue ------------------------------------------------------------------
@@ -272,13 +376,22 @@ class QueueStats:
 
 @dataclass
 class _Task:
-    """Mutable bookkeeping of one task; never leaves this module."""
+    """Mutable bookkeeping of one task; never leaves this module.
+
+    The per-pass fields (state, timeout_count, offset, segments, seq) belong to
+    pass ``pass_id``; if that is older than the queue's pass, they are stale and
+    the task is todo with zero counts (see ``TaskQueue._begin_pass``).
+    """
 
     data: DataRange
+    pass_id: int = 0
     state: TaskState = TaskState.TODO
     attempt: int = 0
     timeout_count: int = 0
-    dispatch: Dispatch | None = None  # set while PENDING
+    offset: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    seq: int | None = None  # order among requeued todo tasks; None if never requeued
+    dispatch: Dispatch | None = None  # set while PENDING; its deadline is the live one
     trainer_id: str | None = None  # set while PENDING
 
 
@@ -289,8 +402,13 @@ class TaskQueue:
     successful report, or back to the end of TODO on a timeout, a reported
     failure or the loss of their trainer. A task that times out or fails more
     than ``max_task_timeouts`` times in a pass is FAILED for that pass. When no
-    task is TODO or PENDING, the next pass starts with every task back in TODO,
-    or the job finishes after the last pass.
+    task is TODO or PENDING, the pass is audited (PASS_COMPLETED) and the next
+    pass starts with every task back in TODO, or the job finishes after the
+    last pass.
+
+    The todo queue is the tasks not yet dispatched in this pass, in id order
+    (a cursor over ids), followed by the requeued tasks in requeue order. Both
+    survive :meth:`restore`.
 
     Not thread-safe: the shell serialises calls (it holds the master lock).
 
@@ -307,11 +425,17 @@ class TaskQueue:
             raise ConfigError("a task queue needs at least one data range")
         self._config = config
         self._tasks = [_Task(data=r) for r in ranges]
-        self._todo: deque[int] = deque(range(len(self._tasks)))
+        self._records_total = sum(r.num_rows for r in ranges)
+        # Tasks [_fresh_next, n) have not been dispatched in this pass. Their
+        # order is their id order, so a pass starts in O(1) by resetting this.
+        self._fresh_next = 0
+        self._requeued: deque[int] = deque()
+        self._next_seq = 0
         # Min-heap of (deadline, task_id, attempt). Entries are not removed
-        # when a task is reported or requeued; they are skipped when popped
-        # (lazy deletion) because their attempt no longer matches, and the heap
-        # is compacted when dead entries outnumber live ones.
+        # when a task is reported, requeued or its deadline renewed; they are
+        # skipped when popped (lazy deletion) because their attempt or deadline
+        # no longer matches, and the heap is compacted when dead entries
+        # outnumber live ones.
         self._deadlines: list[tuple[float, int, int]] = []
         self._by_trainer: dict[str, set[int]] = {}
         self._pass_id = 0
@@ -319,8 +443,23 @@ class TaskQueue:
         self._num_pending = 0
         self._num_done = 0
         self._num_failed = 0
+        self._done_before = 0  # tasks done in earlier passes
+        # The running audit of the current pass.
+        self._records_trained = 0
+        self._duplicated = 0
+        self._missing = 0
 
     # --- queries -----------------------------------------------------------
+
+    @property
+    def config(self) -> QueueConfig:
+        """The queue's settings."""
+        return self._config
+
+    @property
+    def num_tasks(self) -> int:
+        """Number of tasks per pass."""
+        return len(self._tasks)
 
     def stats(self) -> QueueStats:
         """Return the queue's counters in O(1).
@@ -332,11 +471,12 @@ class TaskQueue:
             pass_id=self._pass_id,
             num_passes=self._config.num_passes,
             total=len(self._tasks),
-            todo=len(self._todo),
+            todo=self._num_todo(),
             pending=self._num_pending,
             done=self._num_done,
             failed=self._num_failed,
             finished=self._finished,
+            done_all_passes=self._done_before + self._num_done,
         )
 
     def state_of(self, task_id: int) -> TaskState:
@@ -351,7 +491,26 @@ class TaskQueue:
         Raises:
             UnknownTaskError: no such task.
         """
-        return self._task(task_id).state
+        task = self._task(task_id)
+        return task.state if self._in_pass(task) else TaskState.TODO
+
+    def offset_of(self, task_id: int) -> int:
+        """Return the records of a task trained so far in the current pass.
+
+        Raises:
+            UnknownTaskError: no such task.
+        """
+        task = self._task(task_id)
+        return task.offset if self._in_pass(task) else 0
+
+    def segments_of(self, task_id: int) -> list[Segment]:
+        """Return the segments that trained a task in the current pass, in order.
+
+        Raises:
+            UnknownTaskError: no such task.
+        """
+        task = self._task(task_id)
+        return list(task.segments) if self._in_pass(task) else []
 
     def pending_of(self, trainer_id: str) -> list[Dispatch]:
         """Return the attempts a trainer currently holds, by task id.
@@ -360,7 +519,8 @@ class TaskQueue:
             trainer_id: the trainer; an unknown trainer holds nothing.
 
         Returns:
-            Its pending dispatches, sorted by task id.
+            Its pending dispatches, sorted by task id, with their current
+            deadlines (renewed by progress reports).
         """
         dispatches: list[Dispatch] = []
         for task_id in sorted(self._by_trainer.get(trainer_id, ())):
@@ -368,6 +528,10 @@ class TaskQueue:
             if dispatch is not None:
                 dispatches.append(dispatch)
         return dispatches
+
+    def trainers(self) -> set[str]:
+        """Return the trainers that hold at least one pending attempt."""
+        return set(self._by_trainer)
 
     def next_deadline(self) -> float | None:
         """Return the earliest deadline of a pending attempt, for the shell's timer.
@@ -393,24 +557,29 @@ class TaskQueue:
         Returns:
             ``(result, events)``: a :class:`Dispatch` (with a DISPATCHED event),
             a :class:`Wait` if every remaining task is pending elsewhere, or
-            :class:`Finished` once all passes are over.
+            :class:`Finished` once all passes are over. A task dispatched again
+            after a timeout, failure or trainer loss keeps its offset, so the
+            new attempt resumes where the last one stopped.
         """
         if self._finished:
             return Finished(), []
-        if not self._todo:
+        task_id = self._pop_todo()
+        if task_id is None:
             # The pass-transition check after every mutation guarantees that
             # an empty todo queue here means something is pending.
             return Wait(retry_after_s=self._retry_after_s(now)), []
-        task_id = self._todo.popleft()
         task = self._tasks[task_id]
+        self._begin_pass(task)
         self._transition(task, TaskState.PENDING)
         task.attempt += 1
+        task.seq = None
         dispatch = Dispatch(
             task_id=task_id,
             pass_id=self._pass_id,
             attempt=task.attempt,
             data=task.data,
             deadline=now + self._config.task_timeout_s,
+            offset=task.offset,
         )
         task.dispatch = dispatch
         task.trainer_id = trainer_id
@@ -418,6 +587,47 @@ class TaskQueue:
         heapq.heappush(self._deadlines, (dispatch.deadline, task_id, dispatch.attempt))
         self._compact_deadlines()
         return dispatch, [self._event(EventKind.DISPATCHED, task_id, trainer_id=trainer_id)]
+
+    def report_progress(
+        self, task_id: int, pass_id: int, attempt: int, offset: int, now: float
+    ) -> list[TaskEvent]:
+        """Record that a trainer has trained a task's records up to ``offset``.
+
+        Progress is also a heartbeat: it renews the attempt's deadline to
+        ``now + task_timeout_s``. A larger offset than the recorded one records
+        the segment ``(attempt, recorded offset, offset)`` and emits PROGRESS; an
+        offset at or below it (a retried or reordered report) records nothing
+        and emits nothing, but still renews the deadline.
+
+        Args:
+            task_id: the task, as in the :class:`Dispatch`.
+            pass_id: the pass, as in the :class:`Dispatch`.
+            attempt: the attempt, as in the :class:`Dispatch`.
+            offset: records trained, counted from the task's first row (not from
+                the attempt's offset), ``<= data.num_rows``.
+            now: current monotonic time, in seconds.
+
+        Returns:
+            A PROGRESS event if the offset advanced, else nothing.
+
+        Raises:
+            UnknownTaskError: no such task.
+            StaleTaskError: ``(pass_id, attempt)`` is not the task's current
+                pending attempt, or ``offset`` is beyond the task's end.
+                Nothing is changed.
+        """
+        task = self._current_attempt(task_id, pass_id, attempt)
+        if offset > task.data.num_rows:
+            raise StaleTaskError(
+                f"task {task_id}: progress offset {offset} is beyond the task's end "
+                f"({task.data.num_rows} records)"
+            )
+        self._renew_deadline(task_id, task, now + self._config.task_timeout_s)
+        if offset <= task.offset:
+            return []
+        self._add_segment(task, task.offset, offset)
+        task.offset = offset
+        return [self._event(EventKind.PROGRESS, task_id, trainer_id=task.trainer_id)]
 
     def report_task(
         self,
@@ -431,11 +641,13 @@ class TaskQueue:
     ) -> list[TaskEvent]:
         """Record a trainer's report on one attempt.
 
-        A successful report marks the task DONE. A failed report counts like a
-        timeout: the task goes to the end of the todo queue, or is FAILED for
-        this pass past ``max_task_timeouts``. A report that arrives after the
-        deadline but before :meth:`expire` ran is still accepted: the attempt
-        is current until it is expired.
+        A successful report marks the task DONE: the attempt trained the rest of
+        the task, so the segment ``(attempt, offset, num_rows)`` is recorded. A
+        failed report counts like a timeout: the task goes to the end of the
+        todo queue (keeping its offset), or is FAILED for this pass past
+        ``max_task_timeouts``. A report that arrives after the deadline but
+        before :meth:`expire` ran is still accepted: the attempt is current
+        until it is expired.
 
         Args:
             task_id: the task, as in the :class:`Dispatch`.
@@ -446,7 +658,8 @@ class TaskQueue:
             error: the trainer's failure message, if ``success`` is False.
 
         Returns:
-            The events caused, possibly including PASS_STARTED or JOB_FINISHED.
+            The events caused, possibly including PASS_COMPLETED followed by
+            PASS_STARTED or JOB_FINISHED.
 
         Raises:
             UnknownTaskError: no such task.
@@ -454,20 +667,13 @@ class TaskQueue:
                 pending attempt. Nothing is changed.
         """
         del now  # Reports do not depend on time; kept for a uniform interface.
-        task = self._task(task_id)
-        if (
-            task.state is not TaskState.PENDING
-            or pass_id != self._pass_id
-            or attempt != task.attempt
-        ):
-            raise StaleTaskError(
-                f"task {task_id}: report for pass {pass_id} attempt {attempt} is stale; "
-                f"current is pass {self._pass_id} attempt {task.attempt} "
-                f"({task.state.value})"
-            )
+        task = self._current_attempt(task_id, pass_id, attempt)
         if success:
             trainer_id = self._release(task_id, task)
+            self._add_segment(task, task.offset, task.data.num_rows)
+            task.offset = task.data.num_rows
             self._transition(task, TaskState.DONE)
+            self._audit_done(task)
             events = [self._event(EventKind.DONE, task_id, trainer_id=trainer_id)]
         else:
             events = self._count_failure(task_id, task, reason=f"reported failure: {error}")
@@ -486,7 +692,7 @@ class TaskQueue:
 
         Returns:
             The events caused, in deadline order, possibly followed by
-            PASS_STARTED or JOB_FINISHED.
+            PASS_COMPLETED and PASS_STARTED or JOB_FINISHED.
         """
         events: list[TaskEvent] = []
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -501,7 +707,8 @@ class TaskQueue:
         """Requeue at once every attempt a lost trainer holds.
 
         The trainer is not at fault for its tasks, so their timeout counts are
-        not raised. The tasks go to the end of the todo queue in id order.
+        not raised. The tasks go to the end of the todo queue in id order and
+        keep their offsets.
 
         Args:
             trainer_id: the trainer whose lease expired; unknown ids are ignored.
@@ -515,8 +722,7 @@ class TaskQueue:
         for task_id in sorted(self._by_trainer.get(trainer_id, ())):
             task = self._tasks[task_id]
             self._release(task_id, task)
-            self._transition(task, TaskState.TODO)
-            self._todo.append(task_id)
+            self._requeue(task_id, task)
             events.append(
                 self._event(
                     EventKind.REQUEUED, task_id, trainer_id=trainer_id, reason="trainer lost"
@@ -527,7 +733,165 @@ class TaskQueue:
         events.extend(self._maybe_advance_pass())
         return events
 
+    def settle(self) -> list[TaskEvent]:
+        """Complete the current pass if nothing is todo or pending.
+
+        Every other mutation does this itself; it is needed only after
+        :meth:`restore` from records whose pass was complete but whose meta
+        record was not yet advanced (a crash between two ledger writes).
+
+        Returns:
+            PASS_COMPLETED followed by PASS_STARTED or JOB_FINISHED, or nothing.
+        """
+        return self._maybe_advance_pass()
+
+    # --- persistence -------------------------------------------------------
+
+    def record(self, task_id: int) -> dict[str, object]:
+        """Return the persisted form of one task, JSON-ready.
+
+        Keys: ``pass`` (the pass the other fields belong to; a record of an
+        earlier pass means todo with zero counts), ``state``, ``attempt`` (the
+        last attempt number, across passes), ``timeouts``, ``offset``,
+        ``segments`` (``[[attempt, from, to], ...]``), ``trainer`` (the holder
+        while pending, else null) and ``seq`` (order among requeued todo tasks,
+        or null). The deadline is not persisted: monotonic clocks differ between
+        processes, and :meth:`restore` gives pending attempts a fresh one.
+
+        Raises:
+            UnknownTaskError: no such task.
+        """
+        task = self._task(task_id)
+        return {
+            "pass": task.pass_id,
+            "state": task.state.value,
+            "attempt": task.attempt,
+            "timeouts": task.timeout_count,
+            "offset": task.offset,
+            "segments": [[s.attempt, s.start, s.end] for s in task.segments],
+            "trainer": task.trainer_id,
+            "seq": task.seq,
+        }
+
+    def meta(self) -> dict[str, object]:
+        """Return the persisted form of the queue-wide state, JSON-ready.
+
+        Keys: ``format`` (:data:`QUEUE_FORMAT`), ``pass``, ``num_passes``,
+        ``finished`` and ``done_before`` (tasks done in earlier passes). It
+        changes only with the queue events (see :data:`QUEUE_EVENTS`).
+        """
+        return {
+            "format": QUEUE_FORMAT,
+            "pass": self._pass_id,
+            "num_passes": self._config.num_passes,
+            "finished": self._finished,
+            "done_before": self._done_before,
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        ranges: Sequence[DataRange],
+        config: QueueConfig,
+        meta: Mapping[str, object],
+        records: Mapping[int, Mapping[str, object]],
+        now: float,
+    ) -> TaskQueue:
+        """Rebuild a queue from its persisted records.
+
+        Records of the current pass keep their state. A PENDING attempt gets a
+        fresh deadline ``now + task_timeout_s``: its trainer may still be
+        working on it and can still report it (or its progress). Records of an
+        earlier pass are todo. The todo order is restored too: tasks not yet
+        dispatched in this pass by id, then requeued tasks by ``seq``.
+
+        Call :meth:`settle` afterwards and persist its events.
+
+        Args:
+            ranges: the data ranges the records were created for.
+            config: timeouts and passes; ``num_passes`` must match the meta.
+            meta: what :meth:`meta` returned.
+            records: task id -> what :meth:`record` returned, for every task.
+            now: current monotonic time, in seconds.
+
+        Returns:
+            The restored queue.
+
+        Raises:
+            ConfigError: ``ranges`` is empty.
+            InvalidRecordError: the meta or a record is malformed, does not
+                match ``ranges`` or ``config``, or a task has no record.
+        """
+        queue = cls(ranges, config)
+        pass_id, finished, done_before = _parse_meta(meta, config)
+        ids = set(records)
+        expected = set(range(len(ranges)))
+        if ids != expected:
+            missing = sorted(expected - ids)[:5]
+            extra = sorted(ids - expected)[:5]
+            raise InvalidRecordError(
+                f"the ledger does not have exactly one record per task (0..{len(ranges) - 1}): "
+                f"missing {missing}, unexpected {extra} (at most 5 of each shown)"
+            )
+        queue._pass_id = pass_id
+        queue._finished = finished
+        queue._done_before = done_before
+        queue._tasks = [
+            _parse_record(task_id, records[task_id], ranges[task_id], pass_id)
+            for task_id in range(len(ranges))
+        ]
+        queue._rebuild(now)
+        return queue
+
     # --- internals ---------------------------------------------------------
+
+    def _rebuild(self, now: float) -> None:
+        """Derive the todo queue, leases, counters and audit from the tasks (restore)."""
+        fresh: list[int] = []
+        requeued: list[tuple[int, int]] = []
+        for task_id, task in enumerate(self._tasks):
+            if not self._in_pass(task) or (task.state is TaskState.TODO and task.seq is None):
+                fresh.append(task_id)
+                continue
+            self._records_trained += sum(s.end - s.start for s in task.segments)
+            if task.state is TaskState.TODO:
+                assert task.seq is not None
+                requeued.append((task.seq, task_id))
+            elif task.state is TaskState.PENDING:
+                assert task.trainer_id is not None
+                self._num_pending += 1
+                first = next((s.start for s in task.segments if s.attempt == task.attempt), None)
+                task.dispatch = Dispatch(
+                    task_id=task_id,
+                    pass_id=self._pass_id,
+                    attempt=task.attempt,
+                    data=task.data,
+                    deadline=now + self._config.task_timeout_s,
+                    offset=task.offset if first is None else first,
+                )
+                self._by_trainer.setdefault(task.trainer_id, set()).add(task_id)
+                self._deadlines.append((task.dispatch.deadline, task_id, task.attempt))
+            elif task.state is TaskState.DONE:
+                self._num_done += 1
+                self._audit_done(task)
+            else:
+                self._num_failed += 1
+        heapq.heapify(self._deadlines)
+        # Not-yet-dispatched tasks form a suffix of the ids when the queue wrote
+        # the records; if they do not, those below the suffix go first among
+        # the requeued ones, in id order.
+        n = len(self._tasks)
+        self._fresh_next = n
+        while fresh and fresh[-1] == self._fresh_next - 1:
+            self._fresh_next = fresh.pop()
+        requeued.sort()
+        self._requeued = deque([*fresh, *(task_id for _, task_id in requeued)])
+        self._next_seq = requeued[-1][0] + 1 if requeued else 0
+        if self._finished and (self._num_todo() or self._num_pending):
+            raise InvalidRecordError(
+                f"the ledger says the job is finished, but pass {self._pass_id} still has "
+                f"{self._num_todo()} todo and {self._num_pending} pending task(s)"
+            )
 
     def _task(self, task_id: int) -> _Task:
         if not 0 <= task_id < len(self._tasks):
@@ -536,8 +900,41 @@ class TaskQueue:
             )
         return self._tasks[task_id]
 
+    def _in_pass(self, task: _Task) -> bool:
+        """Whether a task's per-pass fields belong to the current pass."""
+        return task.pass_id == self._pass_id
+
+    def _current_attempt(self, task_id: int, pass_id: int, attempt: int) -> _Task:
+        """Return the task if ``(pass_id, attempt)`` is its current pending attempt."""
+        task = self._task(task_id)
+        state = task.state if self._in_pass(task) else TaskState.TODO
+        if state is not TaskState.PENDING or pass_id != self._pass_id or attempt != task.attempt:
+            raise StaleTaskError(
+                f"task {task_id}: report for pass {pass_id} attempt {attempt} is stale; "
+                f"current is pass {self._pass_id} attempt {task.attempt} ({state.value})"
+            )
+        return task
+
+    def _begin_pass(self, task: _Task) -> None:
+        """The lazy reset: give a task of an earlier pass fresh per-pass fields.
+
+        Its state goes straight to TODO without :meth:`_transition`: the
+        counters of the old pass were reset when the new pass started.
+        """
+        if task.pass_id == self._pass_id:
+            return
+        task.pass_id = self._pass_id
+        task.state = TaskState.TODO
+        task.timeout_count = 0
+        task.offset = 0
+        task.segments = []
+        task.seq = None
+        task.dispatch = None
+        task.trainer_id = None
+
     def _transition(self, task: _Task, new: TaskState) -> None:
-        """Move a task to ``new``, keeping the counters; the only place that sets state."""
+        """Move a task to ``new``, keeping the counters; the only place that sets state
+        within a pass."""
         old = task.state
         if new not in _ALLOWED_TRANSITIONS[old]:
             # A bug in this module, not a caller's mistake.
@@ -551,10 +948,25 @@ class TaskQueue:
                 self._num_failed += delta
         task.state = new
 
+    def _num_todo(self) -> int:
+        return len(self._tasks) - self._fresh_next + len(self._requeued)
+
+    def _pop_todo(self) -> int | None:
+        if self._fresh_next < len(self._tasks):
+            self._fresh_next += 1
+            return self._fresh_next - 1
+        return self._requeued.popleft() if self._requeued else None
+
+    def _requeue(self, task_id: int, task: _Task) -> None:
+        self._transition(task, TaskState.TODO)
+        task.seq = self._next_seq
+        self._next_seq += 1
+        self._requeued.append(task_id)
+
     def _release(self, task_id: int, task: _Task) -> str | None:
         """Forget a pending attempt's lease; return the trainer that held it.
 
-        Its heap entry stays behind and is skipped when popped.
+        Its heap entries stay behind and are skipped when popped.
         """
         trainer_id = task.trainer_id
         if trainer_id is not None:
@@ -566,6 +978,39 @@ class TaskQueue:
         task.trainer_id = None
         return trainer_id
 
+    def _renew_deadline(self, task_id: int, task: _Task, deadline: float) -> None:
+        assert task.dispatch is not None
+        if deadline <= task.dispatch.deadline:
+            return
+        task.dispatch = dataclasses.replace(task.dispatch, deadline=deadline)
+        heapq.heappush(self._deadlines, (deadline, task_id, task.attempt))
+        self._compact_deadlines()
+
+    def _add_segment(self, task: _Task, start: int, end: int) -> None:
+        """Record that the current attempt trained records ``[start, end)``.
+
+        A segment that continues the previous one of the same attempt extends
+        it, so a task has at most one segment per attempt.
+        """
+        if end <= start:
+            return
+        self._records_trained += end - start
+        last = task.segments[-1] if task.segments else None
+        if last is not None and last.attempt == task.attempt and last.end == start:
+            task.segments[-1] = Segment(task.attempt, last.start, end)
+        else:
+            task.segments.append(Segment(task.attempt, start, end))
+
+    def _audit_done(self, task: _Task) -> None:
+        """Add a done task's duplicated and missing records to the pass audit."""
+        covered_to = 0
+        for s in sorted(task.segments, key=lambda s: (s.start, s.end)):
+            if s.start > covered_to:
+                self._missing += s.start - covered_to
+            self._duplicated += max(0, min(s.end, covered_to) - s.start)
+            covered_to = max(covered_to, s.end)
+        self._missing += max(0, task.data.num_rows - covered_to)
+
     def _count_failure(self, task_id: int, task: _Task, *, reason: str) -> list[TaskEvent]:
         """Requeue a pending task after a timeout or failure, or fail it past the limit."""
         trainer_id = self._release(task_id, task)
@@ -574,26 +1019,40 @@ class TaskQueue:
             self._transition(task, TaskState.FAILED)
             kind = EventKind.FAILED
         else:
-            self._transition(task, TaskState.TODO)
-            self._todo.append(task_id)
+            self._requeue(task_id, task)
             kind = EventKind.REQUEUED
         return [self._event(kind, task_id, trainer_id=trainer_id, reason=reason)]
 
     def _maybe_advance_pass(self) -> list[TaskEvent]:
-        """Start the next pass, or finish the job, once no task is todo or pending."""
-        if self._finished or self._todo or self._num_pending:
+        """Audit the pass and start the next one, or finish the job, once no task
+        is todo or pending. O(1): task records are reset lazily."""
+        if self._finished or self._num_todo() or self._num_pending:
             return []
+        summary = PassSummary(
+            pass_id=self._pass_id,
+            tasks=len(self._tasks),
+            records=self._records_total,
+            done=self._num_done,
+            failed=self._num_failed,
+            records_trained=self._records_trained,
+            duplicated_records=self._duplicated,
+            missing_records=self._missing,
+        )
+        events = [self._queue_event(EventKind.PASS_COMPLETED, summary)]
         if self._pass_id + 1 >= self._config.num_passes:
             self._finished = True
-            return [self._queue_event(EventKind.JOB_FINISHED)]
+            events.append(self._queue_event(EventKind.JOB_FINISHED))
+            return events
         self._pass_id += 1
+        self._done_before += self._num_done
         # Nothing is pending, so every heap entry is dead.
         self._deadlines.clear()
-        for task in self._tasks:
-            self._transition(task, TaskState.TODO)
-            task.timeout_count = 0
-        self._todo.extend(range(len(self._tasks)))
-        return [self._queue_event(EventKind.PASS_STARTED)]
+        self._fresh_next = 0
+        self._next_seq = 0
+        self._num_done = self._num_failed = 0
+        self._records_trained = self._duplicated = self._missing = 0
+        events.append(self._queue_event(EventKind.PASS_STARTED))
+        return events
 
     def _retry_after_s(self, now: float) -> float:
         deadline = self.next_deadline()
@@ -607,10 +1066,16 @@ class TaskQueue:
             heapq.heappop(heap)
 
     def _is_live(self, entry: tuple[float, int, int]) -> bool:
-        """Whether a heap entry is the current attempt of a pending task."""
-        _, task_id, attempt = entry
+        """Whether a heap entry is the current deadline of a pending attempt."""
+        deadline, task_id, attempt = entry
         task = self._tasks[task_id]
-        return task.state is TaskState.PENDING and task.attempt == attempt
+        return (
+            task.dispatch is not None
+            and task.state is TaskState.PENDING
+            and self._in_pass(task)
+            and task.attempt == attempt
+            and task.dispatch.deadline == deadline
+        )
 
     def _compact_deadlines(self) -> None:
         # Amortised O(1): rebuild only when dead entries outnumber live ones,
@@ -633,9 +1098,10 @@ class TaskQueue:
             timeout_count=task.timeout_count,
             trainer_id=trainer_id,
             reason=reason,
+            offset=task.offset,
         )
 
-    def _queue_event(self, kind: EventKind) -> TaskEvent:
+    def _queue_event(self, kind: EventKind, summary: PassSummary | None = None) -> TaskEvent:
         return TaskEvent(
             kind=kind,
             task_id=None,
@@ -643,5 +1109,112 @@ class TaskQueue:
             attempt=0,
             timeout_count=0,
             trainer_id=None,
-            reason="",
+            summary=summary,
         )
+
+
+# --- record validation (restore) --------------------------------------------------
+
+_RECORD_KEYS = frozenset(
+    {"pass", "state", "attempt", "timeouts", "offset", "segments", "trainer", "seq"}
+)
+_META_KEYS = frozenset({"format", "pass", "num_passes", "finished", "done_before"})
+
+
+def _check_keys(what: str, obj: Mapping[str, object], keys: frozenset[str]) -> None:
+    if not isinstance(obj, Mapping):
+        raise InvalidRecordError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+    missing = sorted(keys - set(obj))
+    unknown = sorted(set(obj) - keys)
+    if missing or unknown:
+        raise InvalidRecordError(f"{what}: missing fields {missing}, unknown fields {unknown}")
+
+
+def _int(what: str, name: str, value: object, low: int, high: int | None = None) -> int:
+    # bool is an int subclass; JSON true is not a count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRecordError(f"{what}: {name!r} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidRecordError(f"{what}: {name!r} must be {bound}, got {value}")
+    return value
+
+
+def _parse_meta(meta: Mapping[str, object], config: QueueConfig) -> tuple[int, bool, int]:
+    what = "queue meta record"
+    _check_keys(what, meta, _META_KEYS)
+    fmt = meta["format"]
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != QUEUE_FORMAT:
+        raise InvalidRecordError(
+            f"{what}: format {meta['format']!r} is not supported (expected {QUEUE_FORMAT})"
+        )
+    num_passes = _int(what, "num_passes", meta["num_passes"], 1)
+    if num_passes != config.num_passes:
+        raise InvalidRecordError(
+            f"{what}: the ledger has {num_passes} passes, the configuration {config.num_passes}"
+        )
+    pass_id = _int(what, "pass", meta["pass"], 0, num_passes - 1)
+    finished = meta["finished"]
+    if not isinstance(finished, bool):
+        raise InvalidRecordError(f"{what}: 'finished' must be true or false, got {finished!r}")
+    done_before = _int(what, "done_before", meta["done_before"], 0)
+    return pass_id, finished, done_before
+
+
+def _parse_record(
+    task_id: int, record: Mapping[str, object], data: DataRange, current_pass: int
+) -> _Task:
+    what = f"ledger record of task {task_id}"
+    _check_keys(what, record, _RECORD_KEYS)
+    length = data.num_rows
+    pass_id = _int(what, "pass", record["pass"], 0, current_pass)
+    try:
+        state = TaskState(record["state"])
+    except ValueError:
+        raise InvalidRecordError(
+            f"{what}: 'state' must be one of {[s.value for s in TaskState]}, "
+            f"got {record['state']!r}"
+        ) from None
+    attempt = _int(what, "attempt", record["attempt"], 0)
+    timeouts = _int(what, "timeouts", record["timeouts"], 0)
+    offset = _int(what, "offset", record["offset"], 0, length)
+    raw_segments = record["segments"]
+    if not isinstance(raw_segments, list):
+        raise InvalidRecordError(f"{what}: 'segments' must be a list, got {raw_segments!r}")
+    segments: list[Segment] = []
+    for raw in raw_segments:
+        if not isinstance(raw, list) or len(raw) != 3:
+            raise InvalidRecordError(
+                f"{what}: each segment must be [attempt, from, to], got {raw!r}"
+            )
+        seg_attempt = _int(what, "segment attempt", raw[0], 1, attempt)
+        start = _int(what, "segment from", raw[1], 0, length - 1)
+        end = _int(what, "segment to", raw[2], start + 1, length)
+        segments.append(Segment(seg_attempt, start, end))
+    if offset != max((s.end for s in segments), default=0):
+        raise InvalidRecordError(
+            f"{what}: 'offset' {offset} is not where its last segment ends ({raw_segments!r})"
+        )
+    if state is TaskState.DONE and offset != length:
+        raise InvalidRecordError(
+            f"{what}: done, but its offset {offset} is not its length {length}"
+        )
+    trainer = record["trainer"]
+    if trainer is not None and not isinstance(trainer, str):
+        raise InvalidRecordError(f"{what}: 'trainer' must be a string or null, got {trainer!r}")
+    if state is TaskState.PENDING and (trainer is None or attempt < 1):
+        raise InvalidRecordError(f"{what}: pending, but without a trainer or an attempt")
+    seq = record["seq"]
+    if seq is not None:
+        seq = _int(what, "seq", seq, 0)
+    return _Task(
+        data=data,
+        pass_id=pass_id,
+        state=state,
+        attempt=attempt,
+        timeout_count=timeouts,
+        offset=offset,
+        segments=segments,
+        seq=seq,
+        trainer_id=trainer if state is TaskState.PENDING else None,
+    )
