@@ -460,6 +460,7 @@ class ParameterServer:
             "initialized": shard is not None,
             "version": version,
             "mode": self.mode.value,
+            "open_round": 0 if shard is None else shard.stats().open_round,
         }
 
     def _release_freeze(self, conn: socket.socket) -> None:

@@ -1,0 +1,314 @@
+"""Whole jobs run by ``elasticps train`` as real local processes.
+
+Each test starts the launcher (``python -m elasticps train``), which starts
+etcd, the master, the parameter servers and the trainers. The launcher must
+stop every one of them by itself, whatever the outcome; the fixture finalizer
+only backs that up, killing by PID anything in ``pids.json`` still running
+when a test failed midway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from elasticps.evaluate import evaluate
+from elasticps.model_file import load_model_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MLP = EXAMPLES / "mnist_mlp.py"
+TRAIN_ROWS = 4000
+# A small job takes about 10 s on two cores; this bounds a hung one.
+JOB_TIMEOUT_S = 150.0
+# The launcher reaps its children before exiting, but the kernel may take a
+# moment to release a PID (etcd's, for example).
+GONE_DEADLINE_S = 5.0
+
+# Trains like examples/mnist_mlp.py's logistic-regression cousin, but its
+# batch_to_tensors fails on every call after the first.
+FAILING_MODEL = """
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+COLUMNS = ("pixels", "label")
+_calls = 0
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(784, 10)
+
+    def forward(self, inputs):
+        return self.linear(inputs)
+
+
+def loss(outputs, targets):
+    return F.cross_entropy(outputs, targets)
+
+
+def batch_to_tensors(batch):
+    global _calls
+    _calls += 1
+    if _calls > 1:
+        raise RuntimeError("boom")
+    pixels = batch.column("pixels").combine_chunks().flatten().to_numpy()
+    images = pixels.reshape(batch.num_rows, 784).astype(np.float32) / 255.0
+    labels = batch.column("label").to_numpy().astype(np.int64)
+    return torch.from_numpy(images), torch.from_numpy(labels)
+"""
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float) -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def is_ours(pid: int) -> bool:
+    """Whether ``pid`` still runs an elasticps role or etcd (and not a reused PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"elasticps" in cmdline or b"etcd" in cmdline
+
+
+@dataclass
+class Job:
+    """One ``elasticps train`` launcher process and its files."""
+
+    proc: subprocess.Popen[bytes]
+    output: Path
+    stdout_path: Path
+    stderr_path: Path
+
+    @property
+    def pids_path(self) -> Path:
+        return self.output / "pids.json"
+
+    def pids(self) -> dict[str, int]:
+        return {role: int(pid) for role, pid in json.loads(self.pids_path.read_text()).items()}
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float = JOB_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"the job did not finish in {timeout_s} s; stderr:\n{self.stderr()[-4000:]}"
+            )
+
+    def result_line(self) -> dict[str, object]:
+        lines = self.stdout().splitlines()
+        assert lines, f"no result line on stdout; stderr:\n{self.stderr()[-4000:]}"
+        result: dict[str, object] = json.loads(lines[-1])
+        return result
+
+    def assert_every_process_gone(self) -> None:
+        pids = self.pids()
+        for role in ("etcd", "master", "ps-", "trainer-"):
+            assert any(name.startswith(role) for name in pids), (role, pids)
+        wait_for(
+            lambda: all(pid_gone(pid) for pid in pids.values()),
+            f"every process of the job to be gone: {pids}",
+            GONE_DEADLINE_S,
+        )
+
+
+@pytest.fixture
+def start_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
+    """Start ``elasticps train`` jobs; kill by PID whatever is left of them afterwards."""
+    jobs: list[Job] = []
+
+    def start(*args: str | Path, name: str = "out") -> Job:
+        output = tmp_path / name
+        stdout_path, stderr_path = tmp_path / f"{name}.stdout", tmp_path / f"{name}.stderr"
+        command = [sys.executable, "-m", "elasticps", "train", "--output", str(output)]
+        command += ["--no-progress", *map(str, args)]
+        with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+            proc = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=tmp_path,
+            )
+        job = Job(proc, output, stdout_path, stderr_path)
+        jobs.append(job)
+        return job
+
+    try:
+        yield start
+    finally:
+        for job in jobs:
+            if job.proc.poll() is None:
+                job.proc.kill()
+                job.proc.wait()
+            if job.pids_path.exists():
+                for pid in job.pids().values():
+                    if is_ours(pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``elasticps data mnist`` run once for this module."""
+    out = tmp_path_factory.mktemp("mnist")
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def untrained_accuracy(mnist_dir: Path) -> float:
+    """Test accuracy of the MLP with the initial parameters every trainer starts from."""
+    spec = load_model_file(MLP)
+    model = spec.instantiate(0)
+    return evaluate(spec, model.state_dict(), mnist_dir / "test.parquet")["accuracy"]
+
+
+def small_job_args(mnist_dir: Path, *extra: str) -> list[str | Path]:
+    return [
+        "--model", MLP,
+        "--data", mnist_dir,
+        "--trainers", "2",
+        "--ps", "2",
+        "--epochs", "1",
+        "--records-per-task", "500",
+        "--lease-ttl-s", "2",
+        *extra,
+    ]  # fmt: skip
+
+
+def evaluate_checkpoint(checkpoint: Path, data: Path) -> dict[str, float]:
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticps", "evaluate", "--model", str(MLP),
+         "--checkpoint", str(checkpoint), "--data", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def test_sync_job_trains_one_pass_beats_the_untrained_model_and_leaves_no_process(
+    start_job: Callable[..., Job], mnist_dir: Path, untrained_accuracy: float
+) -> None:
+    job = start_job(*small_job_args(mnist_dir, "--mode", "sync"))
+
+    assert job.wait() == 0, job.stderr()[-4000:]
+
+    line = job.result_line()
+    assert line["samples_trained"] == TRAIN_ROWS
+    assert line["test_samples"] == 1000
+    accuracy = float(line["accuracy"])  # type: ignore[arg-type]
+    assert accuracy >= 0.8
+    assert accuracy >= untrained_accuracy + 0.3
+    for name in ("model.safetensors", "manifest.json", "run.json", "pids.json"):
+        assert (job.output / name).is_file(), name
+    assert Path(str(line["checkpoint"])).resolve() == job.output.resolve()
+    job.assert_every_process_gone()
+
+    evaluated = evaluate_checkpoint(job.output, mnist_dir / "test.parquet")
+    assert evaluated["accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert evaluated["loss"] == pytest.approx(float(line["loss"]), rel=1e-6)  # type: ignore[arg-type]
+
+
+def test_async_job_with_push_and_pull_intervals_trains_to_good_accuracy(
+    start_job: Callable[..., Job], mnist_dir: Path
+) -> None:
+    job = start_job(
+        *small_job_args(mnist_dir, "--mode", "async", "--push-every", "2", "--pull-every", "3")
+    )
+
+    assert job.wait() == 0, job.stderr()[-4000:]
+
+    line = job.result_line()
+    assert line["samples_trained"] == TRAIN_ROWS
+    assert float(line["accuracy"]) >= 0.8  # type: ignore[arg-type]
+    job.assert_every_process_gone()
+
+
+def test_sigint_to_the_launcher_stops_every_process_and_exits_130(
+    start_job: Callable[..., Job], mnist_dir: Path
+) -> None:
+    job = start_job(*small_job_args(mnist_dir, "--mode", "sync", "--epochs", "50"))
+
+    def training_under_way() -> bool:
+        assert job.proc.poll() is None, f"the job ended early:\n{job.stderr()[-4000:]}"
+        # The master logs "pass 1 started" once every task of pass 0 was dispatched and done.
+        return job.pids_path.exists() and "pass 1 started" in job.stderr()
+
+    wait_for(training_under_way, "the first pass to finish", timeout_s=90)
+    pids = job.pids()
+    assert not any(pid_gone(pid) for pid in pids.values()), pids
+
+    job.proc.send_signal(signal.SIGINT)
+
+    assert job.wait(timeout_s=20) == 130, job.stderr()[-4000:]
+    assert "interrupted" in job.stderr()
+    job.assert_every_process_gone()
+
+
+def test_trainer_failure_fails_the_job_with_its_traceback_and_leaves_no_process(
+    start_job: Callable[..., Job], mnist_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "failing_model.py"
+    model.write_text(textwrap.dedent(FAILING_MODEL))
+    args = small_job_args(mnist_dir, "--mode", "sync")
+    args[args.index(MLP)] = model
+    job = start_job(*args)
+
+    code = job.wait()
+
+    stderr = job.stderr()
+    assert code == 1, stderr[-4000:]
+    trainer_lines = [line for line in stderr.splitlines() if line.startswith("[trainer-")]
+    assert any("Traceback" in line for line in trainer_lines), stderr[-4000:]
+    assert any("RuntimeError: boom" in line for line in trainer_lines), stderr[-4000:]
+    assert any(
+        line.startswith("elasticps: JobFailedError: trainer-") for line in stderr.splitlines()
+    ), stderr[-4000:]
+    assert not (job.output / "model.safetensors").exists()
+    job.assert_every_process_gone()

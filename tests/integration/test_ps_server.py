@@ -1,0 +1,528 @@
+"""The tensor-plane server against real ParameterClients and raw sockets.
+
+Each test runs fresh in-process ParameterServers on 127.0.0.1, port 0, each
+serving in its own thread; a fixture finalizer stops them and closes every
+client and socket the test opened.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from elasticps.config import OptimizerConfig, UpdateMode
+from elasticps.errors import RemoteError
+from elasticps.netutil import LOOPBACK
+from elasticps.placement import Placement
+from elasticps.pserver.server import ParameterServer
+from elasticps.trainer.client import ParameterClient, parse_address
+from elasticps.trainer.flat import FlatModel, bind_flat_buffers
+from elasticps.wire.frame import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_JSON_BYTES,
+    PROTO_VERSION,
+    DType,
+    Flags,
+    FrameHeader,
+    MsgType,
+    recv_header,
+    recv_json,
+    send_frame,
+    send_json,
+    tensor_view,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+# SGD with lr=1: an applied update changes the values by exactly -grad.
+SGD_LR1 = OptimizerConfig(name="sgd", lr=1.0)
+# Small enough that TinyModel's first weight (4 * width elements) is sliced
+# over all servers, large enough that the other parameters go whole.
+BIG_ARRAY_BOUND = 8
+# Every wait on a socket or a thread ends after this many seconds.
+DEADLINE_S = 10.0
+INITIALIZER, SECOND, THIRD = 1, 2, 3
+# Trainer id of the clients a test uses only to look at the shards.
+OBSERVER = 9
+
+
+class TinyModel(nn.Module):
+    """4 -> width -> 2; with width 3: 12 + 3 + 6 + 2 parameters."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.head = nn.Linear(width, 2)
+
+
+def dyadic_values(numel: int, offset: float) -> torch.Tensor:
+    """Values with few mantissa bits, so sums, averages and differences are exact."""
+    return torch.arange(numel, dtype=torch.float32) * 0.125 + offset
+
+
+@dataclass
+class Peer:
+    """A trainer-side view: the model bound to flat buffers, and its client."""
+
+    flat: FlatModel
+    client: ParameterClient
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self.flat.params
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.flat.grads
+
+    @property
+    def placement(self) -> Placement:
+        return self.flat.placement
+
+
+class Cluster:
+    """Parameter servers in threads, and the clients and raw sockets a test opens."""
+
+    def __init__(self) -> None:
+        self.servers: list[ParameterServer] = []
+        self._threads: list[threading.Thread] = []
+        self._clients: list[ParameterClient] = []
+        self._socks: list[socket.socket] = []
+
+    def start(self, num_servers: int, mode: UpdateMode) -> None:
+        for index in range(num_servers):
+            server = ParameterServer(
+                index, mode, SGD_LR1, host=LOOPBACK, port=0, init_timeout_s=DEADLINE_S
+            )
+            self.servers.append(server)
+            thread = threading.Thread(target=server.serve_forever, name=f"ps-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [server.address for server in self.servers]
+
+    def peer(self, trainer_id: int, *, width: int = 3, values: torch.Tensor | None = None) -> Peer:
+        """Bind a TinyModel to flat buffers and connect a client (no HELLO yet)."""
+        flat = bind_flat_buffers(TinyModel(width), len(self.servers), BIG_ARRAY_BOUND)
+        if values is not None:
+            flat.params.copy_(values)
+        client = ParameterClient(
+            flat.placement,
+            self.addresses,
+            flat.params,
+            flat.grads,
+            trainer_id,
+            timeout_s=DEADLINE_S,
+        )
+        self._clients.append(client)
+        return Peer(flat, client)
+
+    def raw(self, index: int = 0) -> socket.socket:
+        """A plain TCP connection to server ``index``, with a receive deadline."""
+        sock = socket.create_connection(parse_address(self.addresses[index]), timeout=DEADLINE_S)
+        self._socks.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._socks:
+            sock.close()
+        for client in self._clients:
+            client.close()
+        for server in self.servers:
+            server.stop()
+        for thread in self._threads:
+            thread.join(timeout=DEADLINE_S)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        assert not alive, f"serve_forever did not return after stop(): {alive}"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def reference_placement(num_servers: int) -> Placement:
+    """The placement of TinyModel() over ``num_servers`` servers."""
+    return bind_flat_buffers(TinyModel(), num_servers, BIG_ARRAY_BOUND).placement
+
+
+def initialized(cluster: Cluster, num_servers: int, mode: UpdateMode) -> torch.Tensor:
+    """Start servers and initialize their shards from known values; return the values."""
+    cluster.start(num_servers, mode)
+    values = dyadic_values(reference_placement(num_servers).total_numel, -1.0)
+    first = cluster.peer(INITIALIZER, values=values)
+    first.client.hello(initialize=True)
+    first.client.close()
+    return values
+
+
+def observer(cluster: Cluster) -> Peer:
+    """A new client with the reference layout that has said HELLO (and so pulled)."""
+    numel = reference_placement(len(cluster.servers)).total_numel
+    peer = cluster.peer(OBSERVER, values=torch.full((numel,), 7.0))
+    peer.client.hello(initialize=False)
+    return peer
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    """Poll ``predicate`` every 10 ms until it holds; fail after DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {DEADLINE_S} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def shard_stats(peer: Peer) -> list[dict[str, int]]:
+    """The ``stats`` counters of every server the peer is connected to."""
+    return [answer["stats"] for answer in peer.client.stats()]  # type: ignore[misc]
+
+
+def sliced_params(placement: Placement) -> list[str]:
+    """Names of the parameters split over more than one shard."""
+    shards_of: dict[str, set[int]] = {}
+    for layout in placement.shards:
+        for piece in layout.pieces:
+            shards_of.setdefault(piece.name, set()).add(layout.index)
+    return [name for name, shards in shards_of.items() if len(shards) > 1]
+
+
+def assert_shard_untouched(cluster: Cluster, values: torch.Tensor) -> None:
+    """A new client pulls ``values`` at version 0, and no push was ever counted."""
+    fresh = observer(cluster)
+    assert torch.equal(fresh.params, values)
+    assert fresh.client.versions == [0] * len(cluster.servers)
+    assert [s["pushes"] for s in shard_stats(fresh)] == [0] * len(cluster.servers)
+
+
+# --- a trainer's view ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_first_client_initializes_shards_and_second_client_receives_the_same_values(
+    cluster: Cluster, num_servers: int
+) -> None:
+    cluster.start(num_servers, UpdateMode.ASYNC)
+    first = cluster.peer(INITIALIZER)
+    if num_servers > 1:
+        assert sliced_params(first.placement) == ["embed.weight"]  # the layout under test
+    values = dyadic_values(first.placement.total_numel, -1.0)
+    first.params.copy_(values)
+
+    first.client.hello(initialize=True)
+
+    assert torch.equal(first.params, values)  # the pull after HELLO returned our own values
+    second = cluster.peer(SECOND, values=torch.zeros(first.placement.total_numel))
+    # initialize=False: the client raises if a server asks it for initial values.
+    second.client.hello(initialize=False)
+    assert torch.equal(second.params, values)
+    assert second.client.versions == [0] * num_servers
+    for answer in second.client.stats():
+        assert answer["initialized"] is True
+        assert answer["stats"]["version"] == 0  # type: ignore[index]
+
+
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_async_push_with_sgd_lr_one_changes_values_by_exactly_minus_grad(
+    cluster: Cluster, num_servers: int
+) -> None:
+    values = initialized(cluster, num_servers, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=False)
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    peer.client.push(num_samples=4, want_params=True)
+
+    assert torch.equal(peer.params, values - grad)
+    assert peer.client.versions == [1] * num_servers
+    fresh = observer(cluster)
+    assert torch.equal(fresh.params, values - grad)
+    assert fresh.client.versions == [1] * num_servers
+
+
+def test_async_push_without_want_params_leaves_local_values_until_the_next_pull(
+    cluster: Cluster,
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=False)
+    grad = dyadic_values(peer.placement.total_numel, 0.25)
+    peer.grads.copy_(grad)
+
+    peer.client.push(num_samples=1, want_params=False)
+    assert torch.equal(peer.params, values)
+
+    peer.client.pull()
+    assert torch.equal(peer.params, values - grad)
+    assert peer.client.versions == [1, 1]
+
+
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_sync_pushes_from_two_trainers_both_receive_the_sample_weighted_average_update(
+    cluster: Cluster, num_servers: int
+) -> None:
+    values = initialized(cluster, num_servers, UpdateMode.SYNC)
+    for server in cluster.servers:
+        server.set_live_trainers({SECOND, THIRD})
+    a, b = cluster.peer(SECOND), cluster.peer(THIRD)
+    a.client.hello(initialize=False)
+    b.client.hello(initialize=False)
+    numel = a.placement.total_numel
+    grad_a = dyadic_values(numel, 1.0)
+    grad_b = -2.0 * dyadic_values(numel, 0.0)
+    a.grads.copy_(grad_a)
+    b.grads.copy_(grad_b)
+
+    # Not a with-block: if a push hangs, the test fails at once and the
+    # fixture's server.stop() releases the thread.
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        pushes = [
+            pool.submit(a.client.push, 1, want_params=True),
+            pool.submit(b.client.push, 3, want_params=True),
+        ]
+        for push in pushes:
+            push.result(timeout=DEADLINE_S)
+    finally:
+        pool.shutdown(wait=False)
+
+    expected = values - (grad_a * 1 + grad_b * 3) / 4
+    assert torch.equal(a.params, expected)
+    assert torch.equal(b.params, expected)
+    assert a.client.versions == b.client.versions == [1] * num_servers
+
+
+def test_sync_push_waits_for_every_live_trainer_before_applying(cluster: Cluster) -> None:
+    values = initialized(cluster, 1, UpdateMode.SYNC)
+    cluster.servers[0].set_live_trainers({SECOND, THIRD})
+    a, b = cluster.peer(SECOND), cluster.peer(THIRD)
+    a.client.hello(initialize=False)
+    b.client.hello(initialize=False)
+    a.grads.copy_(dyadic_values(a.placement.total_numel, 1.0))
+
+    watcher = observer(cluster)
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        waiting = pool.submit(a.client.push, 1, want_params=True)
+        wait_for(lambda: shard_stats(watcher)[0]["pushes"] == 1, "the server to receive the push")
+        # The step cannot complete while trainer THIRD has not taken part.
+        assert shard_stats(watcher)[0]["version"] == 0
+        assert not waiting.done()
+        b.client.push_empty()
+        waiting.result(timeout=DEADLINE_S)
+    finally:
+        pool.shutdown(wait=False)
+
+    assert torch.equal(a.params, values - a.grads)
+    assert torch.equal(b.params, a.params)
+
+
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_client_with_a_different_layout_is_refused_and_the_shard_is_unchanged(
+    cluster: Cluster, num_servers: int
+) -> None:
+    values = initialized(cluster, num_servers, UpdateMode.ASYNC)
+    other = cluster.peer(SECOND, width=5)
+    other.params.fill_(3.0)
+
+    with pytest.raises(RemoteError) as refused:
+        other.client.hello(initialize=True)
+
+    assert refused.value.code == "layout_mismatch"
+    assert_shard_untouched(cluster, values)
+
+
+# --- raw frames -------------------------------------------------------------------
+
+
+def raw_header(
+    msg_type: int,
+    *,
+    body_nbytes: int = 0,
+    dtype: int = DType.BYTES,
+    flags: int = 0,
+    magic: bytes = MAGIC,
+    version: int = PROTO_VERSION,
+) -> bytes:
+    """A 40-byte header packed without validation, so it can be malformed."""
+    return HEADER.pack(magic, version, msg_type, dtype, flags, 0, 0, 0, 0, body_nbytes)
+
+
+def read_reply(sock: socket.socket) -> tuple[FrameHeader, dict[str, object] | None]:
+    """Receive one frame; return its header and, for JSON frames, its body."""
+    header = recv_header(sock, bytearray(HEADER_SIZE), max_body_bytes=1 << 20)
+    body = recv_json(sock, header) if header.msg_type is not MsgType.PARAMS else None
+    return header, body
+
+
+def expect_error(sock: socket.socket, code: str) -> str:
+    """Receive one ERROR frame with ``code``; return its message."""
+    header, body = read_reply(sock)
+    assert header.msg_type is MsgType.ERROR, header
+    assert body is not None
+    assert body["code"] == code, body
+    return str(body["message"])
+
+
+def assert_closed_by_server(sock: socket.socket) -> None:
+    """The server closed the connection: EOF (or a reset) before the deadline."""
+    try:
+        data = sock.recv(1)
+    except ConnectionResetError:
+        return
+    assert data == b"", f"expected the server to close the connection, got {data!r}"
+
+
+def raw_hello(sock: socket.socket, cluster: Cluster, trainer_id: int = SECOND) -> int:
+    """Say HELLO to shard 0 with the reference layout; return the shard's numel."""
+    layout = reference_placement(len(cluster.servers)).shards[0]
+    send_json(
+        sock,
+        MsgType.HELLO,
+        {"trainer_id": trainer_id, "layout": layout.describe(), "fingerprint": layout.fingerprint},
+    )
+    header, body = read_reply(sock)
+    assert header.msg_type is MsgType.HELLO_OK, body
+    assert body is not None
+    assert body["need_values"] is False
+    return layout.numel
+
+
+@pytest.mark.parametrize(
+    ("name", "header", "mentions"),
+    [
+        ("bad magic", lambda numel: raw_header(MsgType.PULL, magic=b"JUNK"), "magic"),
+        ("bad version", lambda numel: raw_header(MsgType.PULL, version=99), "version"),
+        (
+            "oversized push body",
+            lambda numel: raw_header(MsgType.PUSH, dtype=DType.FLOAT32, body_nbytes=numel * 4 + 4),
+            "exceeds",
+        ),
+        (
+            "oversized json body",
+            lambda numel: raw_header(MsgType.CONTROL, body_nbytes=MAX_JSON_BYTES + 1),
+            "exceeds",
+        ),
+        ("unknown msg_type", lambda numel: raw_header(200), "msg_type"),
+    ],
+)
+def test_malformed_header_gets_an_error_frame_and_the_connection_is_closed(
+    cluster: Cluster, name: str, header: Callable[[int], bytes], mentions: str
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+    numel = raw_hello(sock, cluster)
+
+    sock.sendall(header(numel))
+
+    assert mentions in expect_error(sock, "bad_frame")
+    assert_closed_by_server(sock)
+    assert_shard_untouched(cluster, values)
+
+
+@pytest.mark.parametrize("cut_in", ["header", "body"])
+def test_truncated_push_closes_the_connection_and_applies_nothing(
+    cluster: Cluster, cut_in: str
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+    numel = raw_hello(sock, cluster)
+    header = raw_header(MsgType.PUSH, dtype=DType.FLOAT32, body_nbytes=numel * 4)
+    grad = torch.ones(numel, dtype=torch.float32)
+
+    if cut_in == "header":
+        sock.sendall(header[: HEADER_SIZE // 2])
+    else:
+        sock.sendall(header)
+        sock.sendall(tensor_view(grad)[: numel * 2])
+    sock.shutdown(socket.SHUT_WR)  # the frame ends half-way
+
+    assert_closed_by_server(sock)
+    assert_shard_untouched(cluster, values)
+
+
+@pytest.mark.parametrize("request_kind", ["push", "empty push", "pull"])
+def test_request_before_hello_gets_no_hello_and_the_connection_stays_usable(
+    cluster: Cluster, request_kind: str
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    numel = reference_placement(2).shards[0].numel
+    sock = cluster.raw(0)
+
+    if request_kind == "push":
+        grad = torch.ones(numel, dtype=torch.float32)
+        send_frame(
+            sock,
+            FrameHeader(MsgType.PUSH, dtype=DType.FLOAT32, body_nbytes=numel * 4),
+            [tensor_view(grad)],
+        )
+    elif request_kind == "empty push":
+        send_frame(sock, FrameHeader(MsgType.PUSH, dtype=DType.FLOAT32, flags=Flags.EMPTY))
+    else:
+        send_frame(sock, FrameHeader(MsgType.PULL))
+    expect_error(sock, "no_hello")
+
+    # The same connection can still say HELLO and pull.
+    raw_hello(sock, cluster)
+    send_frame(sock, FrameHeader(MsgType.PULL))
+    header = recv_header(sock, bytearray(HEADER_SIZE), max_body_bytes=numel * 4)
+    assert header.msg_type is MsgType.PARAMS
+    assert header.body_nbytes == numel * 4
+    assert_shard_untouched(cluster, values)
+
+
+def test_stats_control_op_answers_before_and_after_initialization(cluster: Cluster) -> None:
+    cluster.start(1, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header, body = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert body == {"shard": 0, "initialized": False, "stats": None}
+
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=True)
+    peer.grads.fill_(1.0)
+    peer.client.push(num_samples=2, want_params=True)
+
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header, body = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert body is not None
+    assert body["initialized"] is True
+    expected = {"version": 1, "pushes": 1, "stale_pushes": 0, "steps": 1, "live_trainers": 0}
+    stats = body["stats"]
+    assert isinstance(stats, dict)
+    assert {key: stats.get(key) for key in expected} == expected
+
+
+def test_unknown_control_op_gets_an_error_and_the_connection_stays_usable(
+    cluster: Cluster,
+) -> None:
+    cluster.start(1, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+
+    send_json(sock, MsgType.CONTROL, {"op": "explode"})
+    assert "explode" in expect_error(sock, "bad_control")
+
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header, _ = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
