@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
+import sys
 
 from elasticps.errors import PortInUseError
 
@@ -38,3 +40,22 @@ def check_port_free(port: int, host: str = LOOPBACK, *, what: str = "port") -> N
             sock.bind((host, port))
         except OSError as exc:
             raise PortInUseError(f"{what} {host}:{port} is already in use") from exc
+
+
+def die_with_parent_prefix() -> list[str]:
+    """A command prefix that makes the child get SIGTERM when its parent dies.
+
+    ``setpriv --pdeathsig TERM`` (util-linux) sets ``PR_SET_PDEATHSIG`` and
+    then execs the command, so even a SIGKILLed launcher or test runner
+    leaves no orphaned etcd or role process behind. This avoids a Python
+    ``preexec_fn``, which is unsafe in a process with gRPC threads. Returns
+    ``[]`` where ``setpriv`` is missing (the children then rely on their own
+    checks, and on being stopped by PID).
+
+    Note that the signal fires when the *thread* that started the child
+    exits, so start long-lived children from the main thread.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or not sys.platform.startswith("linux"):
+        return []
+    return [setpriv, "--pdeathsig", "TERM"]

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import IO, Self
 
 from elasticps.errors import ConfigError, CoordinationError, PortInUseError
-from elasticps.netutil import LOOPBACK, check_port_free, free_port
+from elasticps.netutil import LOOPBACK, check_port_free, die_with_parent_prefix, free_port
 
 __all__ = ["EtcdServer", "EtcdServerConfig", "etcd_binary", "parse_endpoint"]
 
@@ -352,6 +352,7 @@ class EtcdServer:
         client_url = f"http://{_netloc(host, self.port)}"
         peer_url = f"http://{_netloc(host, self.peer_port)}"
         return [
+            *die_with_parent_prefix(),
             str(etcd_binary()),
             "--name",
             _MEMBER_NAME,

@@ -42,7 +42,7 @@ from elasticps.evaluate import evaluate
 from elasticps.launcher.chaos import ChaosEvent
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
-from elasticps.netutil import check_port_free
+from elasticps.netutil import check_port_free, die_with_parent_prefix
 from elasticps.snapshot import take_consistent_checkpoint
 from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import bind_flat_buffers
@@ -303,7 +303,7 @@ class LocalLauncher:
         # The child stops itself if the launcher dies (even by SIGKILL).
         env["ELASTICPS_PARENT_PID"] = str(os.getpid())
         return subprocess.Popen(
-            [sys.executable, "-m", "elasticps", *args],
+            [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -518,7 +518,7 @@ class LocalLauncher:
         audits: list[dict[str, object]] = []
         for n in range(self.config.epochs):
             with contextlib.suppress(ElasticPSError):
-                audit = store.get_json(f"{store.keys.root}/passes/{n}")
+                audit = store.get_json(store.keys.pass_summary(n))
                 if audit is not None:
                     audits.append(audit)
         return audits
