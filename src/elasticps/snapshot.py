@@ -38,7 +38,7 @@ from typing import Final, NamedTuple
 
 import torch
 
-from elasticps.errors import DataError, ProtocolError, ServiceUnavailableError
+from elasticps.errors import DataError, ProtocolError, RemoteError, ServiceUnavailableError
 from elasticps.placement import even_split
 from elasticps.pserver.checkpoint import decode_shard, write_atomic
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
@@ -211,24 +211,30 @@ def take_consistent_checkpoint(
 def catch_up_targets(freezes: Sequence[Mapping[str, object]]) -> dict[int, int]:
     """Which frozen shards must run on, and to which version (pure).
 
-    In sync mode every shard takes the same steps, so a consistent checkpoint
-    has one version: shards frozen behind the others catch up to the highest
-    version. In async mode versions differ by nature and are kept as they are.
+    In sync mode every trainer pushes each step to every shard at once, so a
+    shard frozen with a half-collected step (``open_round`` > 0: some
+    trainers' gradients for it are in, others are on their way) may be one
+    step behind shards that already applied it. Such a shard runs on until
+    that step is applied. Versions alone cannot tell this, because a shard
+    restored from its periodic checkpoint keeps its own version count. In
+    async mode every push is applied on arrival and nothing is half-done.
 
     Args:
         freezes: the ``freeze`` answers, in server order (``initialized``,
-            ``version``, ``mode``).
+            ``version``, ``mode``, ``open_round``).
 
     Returns:
-        Server index -> version to freeze at, for the shards behind; empty if
-        none (or not every initialized shard runs in sync mode).
+        Server index -> version to freeze at, for the shards mid-step; empty
+        if none (or not every initialized shard runs in sync mode).
     """
     live = {i: f for i, f in enumerate(freezes) if f.get("initialized")}
     if not live or not all(f.get("mode") == "sync" for f in live.values()):
         return {}
-    versions = {i: _int(f.get("version"), "version") for i, f in live.items()}
-    target = max(versions.values())
-    return {i: target for i, v in versions.items() if v < target}
+    return {
+        i: _int(f.get("version"), "version") + 1
+        for i, f in live.items()
+        if _int(f.get("open_round", 0), "open_round") > 0
+    }
 
 
 def _align_sync_versions(
@@ -240,16 +246,20 @@ def _align_sync_versions(
     out = list(freezes)
     for i, target in catch_up_targets(freezes).items():
         client = clients[i]
-        out[i] = client.request(
-            {"op": "freeze", "version": target, "timeout_s": timeout_s},
-            timeout_s=timeout_s + 10.0,
-        )
-        if out[i].get("version") != target:
-            raise DataError(
-                f"parameter server at {client.address} froze at version "
-                f"{out[i].get('version')}, not {target}; try again"
+        try:
+            out[i] = client.request(
+                {"op": "freeze", "version": target, "timeout_s": timeout_s},
+                timeout_s=timeout_s + 10.0,
             )
-        log.info("parameter server %d caught up to version %d", i, target)
+        except RemoteError as exc:
+            if exc.code != "freeze_timeout":
+                raise
+            # A trainer died mid-step and the step can only complete once its
+            # lease expires; take the checkpoint without that step, and say so.
+            log.warning("parameter server %d: open step not applied in time: %s", i, exc)
+            out[i] = {**client.request({"op": "freeze"}), "incomplete_step": True}
+            continue
+        log.info("parameter server %d finished its open step: version %s", i, out[i]["version"])
     return out
 
 
@@ -278,6 +288,7 @@ def _shard_entry(
         "pieces": layout.get("pieces", []),
         "mode": snap.get("mode", freeze.get("mode")),
         "optimizer": snap.get("optimizer"),
+        "incomplete_step": bool(freeze.get("incomplete_step", False)),
     }
 
 
@@ -303,7 +314,7 @@ def build_manifest(
         ``{"format", "created_unix_s", "version" (max over shards), "versions"
         (per shard, None if not initialized), "num_ps", "mode", "optimizer"
         (None if the shards disagree), "parameters" (name -> numel),
-        "ledger_revision", "shards", "extra"}``.
+        "ledger_revision", "complete_steps", "shards", "extra"}``.
 
     Raises:
         DataError: the pieces do not tile each parameter exactly.
@@ -324,6 +335,9 @@ def build_manifest(
         "optimizer": json.loads(optimizers.pop()) if len(optimizers) == 1 else None,
         "parameters": _parameter_sizes(pieces),
         "ledger_revision": ledger_revision,
+        # False when a sync step was half-collected on some shard at freeze
+        # time and did not complete in time (a trainer died mid-step).
+        "complete_steps": not any(s.get("incomplete_step") for s in shards),
         "shards": [dict(s) for s in shards],
         "extra": dict(extra),
     }

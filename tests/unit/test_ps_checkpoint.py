@@ -519,21 +519,39 @@ def test_a_whole_parameter_fits_only_its_own_size() -> None:
 # --- bringing sync shards to one version -------------------------------------------------
 
 
-def _freeze(version: int | None, mode: str = "sync") -> dict[str, object]:
-    return {"initialized": version is not None, "version": version, "mode": mode}
+def _freeze(version: int | None, mode: str = "sync", open_round: int = 0) -> dict[str, object]:
+    return {
+        "initialized": version is not None,
+        "version": version,
+        "mode": mode,
+        "open_round": open_round,
+    }
 
 
-def test_sync_shards_frozen_behind_the_others_catch_up_to_the_highest_version() -> None:
-    freezes = [_freeze(7), _freeze(6), _freeze(None), _freeze(7), _freeze(5)]
+def test_sync_shards_frozen_mid_step_finish_that_step_first() -> None:
+    freezes = [
+        _freeze(7),
+        _freeze(6, open_round=1),
+        _freeze(None),
+        _freeze(7),
+        _freeze(5, open_round=2),
+    ]
 
-    assert catch_up_targets(freezes) == {1: 7, 4: 7}
+    assert catch_up_targets(freezes) == {1: 7, 4: 6}
+
+
+def test_sync_shards_with_different_version_counts_but_no_open_step_stay_as_they_are() -> None:
+    # A shard restored from its periodic checkpoint counts versions from there.
+    freezes = [_freeze(40), _freeze(37)]
+
+    assert catch_up_targets(freezes) == {}
 
 
 @pytest.mark.parametrize(
     "freezes",
     [
         [_freeze(3), _freeze(3)],
-        [_freeze(3, "async"), _freeze(9, "async")],
+        [_freeze(3, "async", open_round=1), _freeze(9, "async")],
         [_freeze(None), _freeze(None)],
     ],
     ids=["sync-aligned", "async", "uninitialized"],

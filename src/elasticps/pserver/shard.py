@@ -101,6 +101,8 @@ class ShardStats:
     steps: int
     live_trainers: int
     frozen: bool = False
+    # Trainers that have pushed into the sync step not yet applied.
+    open_round: int = 0
 
 
 class ParameterShard:
@@ -184,6 +186,7 @@ class ParameterShard:
                 self._steps,
                 len(self._live),
                 self._frozen,
+                len(self._contributors),
             )
 
     def check_fingerprint(self, fingerprint: str) -> None:
