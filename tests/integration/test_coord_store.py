@@ -322,7 +322,14 @@ def test_lease_survives_an_etcd_restart_shorter_than_the_grace(
         # Down for longer than the TTL: etcd extends the lease when it is back.
         assert not lease.lost.wait(timeout=3.0)
         server.restart()
-        wait_for(lambda: "7" in job_store.live_trainers()[0], "the key to be readable again")
+
+        def registered() -> bool:
+            try:
+                return "7" in job_store.live_trainers()[0]
+            except CoordinationError:
+                return False  # the client is still reconnecting
+
+        wait_for(registered, "the key to be readable again")
         # Refreshes succeed again: the key outlives another TTL.
         assert not lease.lost.wait(timeout=3.0)
         assert "7" in job_store.live_trainers()[0]

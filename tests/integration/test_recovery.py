@@ -1,0 +1,182 @@
+"""Fault injection on whole jobs: SIGKILL real trainers, PS, masters and etcd.
+
+Every scenario runs ``elasticps train`` with a ``--chaos`` schedule and
+checks three things against a run without faults (same seed and config):
+
+- the job finishes every pass;
+- the master's ledger audit shows every record trained exactly once in
+  every pass (``passes`` in ``run.json``, from ``/elasticps/<job>/passes/<n>``);
+- the final test accuracy is within 1.5 points of the fault-free run.
+
+Afterwards every process the job ever started (restarts included) is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "examples" / "mnist_mlp.py"
+EPOCHS = 2
+ACCURACY_TOLERANCE = 0.015
+JOB_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What one ``elasticps train`` run left behind."""
+
+    returncode: int
+    line: dict[str, object]
+    record: dict[str, object]
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mnist")
+    subprocess.run(
+        [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return out
+
+
+def _kill_leftovers(pids_file: Path) -> list[int]:
+    """SIGKILL every still-running pid of ``pids.json``; return the ones that were alive."""
+    alive = []
+    if not pids_file.exists():
+        return alive
+    for pid in json.loads(pids_file.read_text()).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            alive.append(pid)
+    return alive
+
+
+def _all_gone(pids: dict[str, int], timeout_s: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for role, pid in pids.items():
+            try:
+                os.kill(pid, 0)
+                left.append(f"{role}:{pid}")
+            except ProcessLookupError:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def run_job(mnist_dir: Path, out: Path, mode: str, *extra: str) -> JobRun:
+    """Run one job to the end and check that it left no process behind."""
+    cmd = [
+        sys.executable, "-m", "elasticps", "train",
+        "--model", str(MLP), "--data", str(mnist_dir), "--output", str(out),
+        "--trainers", "3", "--ps", "2", "--mode", mode, "--epochs", str(EPOCHS),
+        "--records-per-task", "200", "--lease-ttl-s", "2", "--seed", "0",
+        "--checkpoint-every-s", "1", "--no-progress", *extra,
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, check=False, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+        )
+    finally:
+        leftovers = _kill_leftovers(out / "pids.json")
+    assert not leftovers, f"processes left running after the job: {leftovers}"
+    pids = json.loads((out / "pids.json").read_text())
+    assert not _all_gone(pids), "some processes of the job are still alive"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    record = json.loads((out / "run.json").read_text())
+    return JobRun(proc.returncode, line, record, proc.stderr)
+
+
+def assert_exactly_once(run: JobRun) -> None:
+    passes = run.record["passes"]
+    assert isinstance(passes, list)
+    assert len(passes) == EPOCHS, passes
+    for audit in passes:
+        assert isinstance(audit, dict)
+        assert audit["exactly_once"] is True, audit
+        assert audit["failed"] == 0, audit
+
+
+@pytest.fixture(scope="module")
+def baselines(mnist_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, JobRun]:
+    """Fault-free runs, one per mode."""
+    out = tmp_path_factory.mktemp("baseline")
+    return {mode: run_job(mnist_dir, out / mode, mode) for mode in ("sync", "async")}
+
+
+def check_against_baseline(run: JobRun, baseline: JobRun) -> None:
+    assert_exactly_once(run)
+    accuracy, reference = float(run.line["accuracy"]), float(baseline.line["accuracy"])
+    assert abs(accuracy - reference) <= ACCURACY_TOLERANCE, (accuracy, reference)
+
+
+def test_baselines_train_every_record_exactly_once(baselines: dict[str, JobRun]) -> None:
+    for run in baselines.values():
+        assert_exactly_once(run)
+        assert float(run.line["accuracy"]) >= 0.85
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_job_survives_a_trainer_killed_mid_pass(
+    mode: str, mnist_dir: Path, tmp_path: Path, baselines: dict[str, JobRun]
+) -> None:
+    run = run_job(mnist_dir, tmp_path / "out", mode, "--chaos", "kill:trainer@30%")
+    chaos = run.record["chaos"]
+    assert isinstance(chaos, list) and chaos and chaos[0]["pid"], chaos
+    check_against_baseline(run, baselines[mode])
+
+
+def test_job_survives_a_parameter_server_killed_mid_pass(
+    mnist_dir: Path, tmp_path: Path, baselines: dict[str, JobRun]
+) -> None:
+    run = run_job(mnist_dir, tmp_path / "out", "sync", "--chaos", "kill:ps@30%")
+    restarts = run.record["restarts"]
+    assert isinstance(restarts, dict) and restarts.get("ps-0") == 1, restarts
+    check_against_baseline(run, baselines["sync"])
+
+
+def test_standby_master_takes_over_when_the_active_one_is_killed(
+    mnist_dir: Path, tmp_path: Path, baselines: dict[str, JobRun]
+) -> None:
+    run = run_job(
+        mnist_dir, tmp_path / "out", "sync", "--standby-masters", "1", "--chaos", "kill:master@30%"
+    )
+    assert "standby" in run.stderr
+    check_against_baseline(run, baselines["sync"])
+
+
+def test_job_recovers_when_its_only_master_is_killed_and_restarted(
+    mnist_dir: Path, tmp_path: Path, baselines: dict[str, JobRun]
+) -> None:
+    run = run_job(mnist_dir, tmp_path / "out", "sync", "--chaos", "kill:master@30%")
+    restarts = run.record["restarts"]
+    assert isinstance(restarts, dict) and restarts.get("master-0") == 1, restarts
+    check_against_baseline(run, baselines["sync"])
+
+
+def test_job_survives_etcd_killed_and_restarted(
+    mnist_dir: Path, tmp_path: Path, baselines: dict[str, JobRun]
+) -> None:
+    run = run_job(mnist_dir, tmp_path / "out", "sync", "--chaos", "kill:etcd@30%")
+    assert run.record["etcd_restarts"] == 1
+    check_against_baseline(run, baselines["sync"])
