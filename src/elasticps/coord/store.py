@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import queue
 import re
 import threading
@@ -765,6 +766,40 @@ class JobStore:
             raw, _ = self._client.get(key)
         return None if raw is None else _decode_object(raw, key)
 
+    def delete_if_pid(self, key: str, pid: int) -> bool:
+        """Delete ``key`` if its JSON value names process ``pid``, atomically.
+
+        The local launcher calls this when it has reaped a process (so it is
+        certainly dead) to release its lease-held key at once rather than one
+        TTL later. The compare on the key's mod revision makes sure a value
+        written meanwhile by a successor (a new lock holder, a restarted PS)
+        is never deleted.
+
+        Returns:
+            True if the key was deleted.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        with self._etcd(f"reading {key}"):
+            raw, meta = self._client.get(key)
+        if raw is None:
+            return False
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return False
+        if not isinstance(value, dict) or value.get("pid") != pid:
+            return False
+        txns = self._client.transactions
+        succeeded, _ = self._txn(
+            f"deleting {key}",
+            compare=[txns.mod(key) == int(meta.mod_revision)],
+            success=[txns.delete(key)],
+            failure=[],
+        )
+        return bool(succeeded)
+
     def put_json(self, key: str, obj: Mapping[str, object], lease: KeptLease | None = None) -> None:
         """Write a JSON object, attached to ``lease`` if given.
 
@@ -986,7 +1021,7 @@ class JobStore:
         if n is None:
             raise CoordinationError(f"cannot claim a PS slot: {self.keys.ps_desired} is not set")
         txns = self._client.transactions
-        value = _encode({"address": address})
+        value = _encode({"address": address, "pid": os.getpid()})
         for index in range(n):
             key = self.keys.ps(index)
             succeeded, _ = self._txn(

@@ -385,6 +385,7 @@ class LocalLauncher:
                 continue
             if child.pump is not None:
                 child.pump.join(timeout=2)  # flush its last lines (the traceback)
+            self._release_keys(child)
             if child.kind == "trainer":
                 child.ended = True
                 if code > 0:
@@ -410,6 +411,32 @@ class LocalLauncher:
             )
             self._restart(child)
         return running_trainers
+
+    def _release_keys(self, child: Child) -> None:
+        """Delete the etcd keys a reaped child held under its lease.
+
+        The process is certainly dead (we reaped it), so its trainer key,
+        PS slot or master lock can go now instead of one lease TTL later:
+        the master re-queues a dead trainer's tasks and the sync barrier
+        drops it at once, a restarted PS reclaims its slot at once, and a
+        standby master takes over at once. Keys are deleted only if they
+        still name this pid. Where the launcher cannot see a death (another
+        host), the lease TTL does the same, later.
+        """
+        store = self._store
+        if store is None:
+            return
+        index = child.role.split("-", 1)[1]
+        key = {
+            "trainer": lambda: store.keys.trainer(index),
+            "ps": lambda: store.keys.ps(int(index)),
+            "master": lambda: store.keys.master_lock,
+        }[child.kind]()
+        try:
+            if store.delete_if_pid(key, child.pid):
+                log.info("released %s of %s (pid %d)", key, child.role, child.pid)
+        except ElasticPSError as exc:  # etcd down: the lease will expire on its own
+            log.info("could not release %s of %s: %s", key, child.role, exc)
 
     def _wait_for_master(self, store: JobStore, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

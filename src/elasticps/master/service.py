@@ -69,6 +69,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._queue = queue
         self._journal = journal
         self._timeout_s = queue.config.task_timeout_s
+        self._dispatched_any = False
         self._clock = clock
         self._on_finished = on_finished
         self._on_stepped_down = on_stepped_down
@@ -89,6 +90,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
         with _rpc_errors(context, request.trainer_id):
             result = self._mutate(lambda now: self._queue.get_task(request.trainer_id, now))
         if isinstance(result, Dispatch):
+            if not self._dispatched_any:
+                # Marks the end of a recovery in logs (benchmarks/recovery.py reads it).
+                self._dispatched_any = True
+                log.info("first task dispatched by this master: task %d", result.task_id)
             return master_pb2.GetTaskResponse(
                 task=master_pb2.Task(
                     task_id=result.task_id,

@@ -137,6 +137,7 @@ class ParameterServer:
         self._conns: set[socket.socket] = set()
         # Connections holding a freeze (CONTROL "freeze"); the shard is frozen
         # while this is not empty.
+        self._updated_any = False
         self._freezers: set[socket.socket] = set()
         self._resume: ConsistentCheckpoint | None = None
 
@@ -373,6 +374,10 @@ class ParameterServer:
             recv_body_into(state.conn, header, [tensor_view(state.grad_buffer)])
             grad = state.grad_buffer
         result = shard.push(state.trainer_id, grad, header.model_version, header.num_samples)
+        if result.accepted and not self._updated_any:
+            # Marks the end of a recovery in logs (benchmarks/recovery.py reads it).
+            self._updated_any = True
+            log.info("ps %d: first gradient accepted by this server", self.shard_index)
         if header.flags & Flags.WANT_PARAMS:
             self._send_params(state.conn, shard)
         else:
