@@ -7,7 +7,7 @@ dispatches, and prints one JSON line:
 - ``recovery_s``: from the kill to the event that shows the job is moving
   again. For a trainer: its pending tasks re-queued by the master (the log
   line ``trainer N left``). For a PS: the restarted PS accepting its first
-  gradient. For a master: the new (standby or restarted) master dispatching
+  gradient (with ``--standby-ps 1``: the warm spare that took its slot). For a master: the new (standby or restarted) master dispatching
   its first task. For etcd: the first gradient step applied after etcd is
   back, i.e. the longest stall.
 - ``max_stall_s``: the longest time, from 1 s before the kill to the end of
@@ -73,6 +73,14 @@ SCENARIOS = (
     Scenario("trainer-async", "async", "kill:trainer@40%", "left;", 2.0),
     Scenario("ps-restart", "sync", "kill:ps@40%", "first gradient accepted", 5.0),
     Scenario(
+        "ps-standby",
+        "sync",
+        "kill:ps@40%",
+        "first gradient accepted",
+        5.0,
+        ("--standby-ps", "1"),
+    ),
+    Scenario(
         "master-standby",
         "sync",
         "kill:master@40%",
@@ -107,7 +115,7 @@ class VersionPoller:
             try:
                 if store is None:
                     store = JobStore(self._endpoint, self._job, timeout_s=0.5)
-                for index in range(2):
+                for index in range(2):  # the job's two shards
                     client = clients.get(index)
                     if client is None:
                         info = store.get_json(store.keys.ps(index))

@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra masters that wait on the master lock and take over",
     )
     train.add_argument(
+        "--standby-ps",
+        type=int,
+        default=0,
+        help="extra (warm) parameter servers that take over a dead one's slot at once",
+    )
+    train.add_argument(
         "--max-restarts",
         type=int,
         default=3,
@@ -284,6 +290,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         master_port=args.master_port,
         progress=not args.no_progress,
         standby_masters=args.standby_masters,
+        standby_ps=args.standby_ps,
         max_restarts=args.max_restarts,
         chaos=parse_chaos(args.chaos),
         checkpoint_every_s=args.checkpoint_every_s,

@@ -263,6 +263,7 @@ class JobConfig:
         master_port: master gRPC port; 0 picks a free one.
         progress: show a progress bar.
         standby_masters: extra masters waiting on the master lock, >= 0.
+        standby_ps: extra parameter servers waiting for a free slot, >= 0.
         max_restarts: restarts allowed per master, PS and etcd process, >= 0.
         chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
         checkpoint_every_s: seconds between a PS's shard checkpoints.
@@ -293,6 +294,7 @@ class JobConfig:
     master_port: int = 0
     progress: bool = True
     standby_masters: int = 0
+    standby_ps: int = 0
     max_restarts: int = 3
     chaos: tuple[ChaosEvent, ...] = ()
     checkpoint_every_s: float = 10.0
@@ -320,6 +322,8 @@ class JobConfig:
         _check_port(self.master_port, "--master-port")
         if self.standby_masters < 0:
             raise ConfigError(f"--standby-masters must be >= 0, got {self.standby_masters}")
+        if self.standby_ps < 0:
+            raise ConfigError(f"--standby-ps must be >= 0, got {self.standby_ps}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.checkpoint_every_s > 0:

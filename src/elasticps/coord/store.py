@@ -1136,7 +1136,7 @@ class JobStore:
     def _try_claim_ps_slot(self, address: str, lease: KeptLease, n: int) -> int | None:
         """One pass of put-if-absent transactions over slots 0..n-1; the index won, or None."""
         txns = self._client.transactions
-        value = _encode({"address": address})
+        value = _encode({"address": address, "pid": os.getpid()})
         for index in range(n):
             key = self.keys.ps(index)
             succeeded, _ = self._txn(

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # Trainer id used by the launcher to pull the final parameters; never a real trainer's.
 LAUNCHER_CLIENT_ID = 2**31 - 1
 _POLL_S = 0.25
+# "Wait as long as it takes", in seconds, for flags that need a number.
+_FOREVER_S = 10.0 * 365 * 24 * 3600
 # Exit status of a role process for a user error (see elasticps.cli).
 EXIT_USER_ERROR = 2
 
@@ -236,7 +238,10 @@ class LocalLauncher:
                 ],
             )  # fmt: skip
         checkpoints = (cfg.output / "ps-checkpoints").resolve()
-        for i in range(cfg.ps):
+        # cfg.standby_ps extra servers wait for a slot to free (warm spares);
+        # every PS waits as long as it takes, because a restarted PS whose
+        # slot a spare took becomes the new spare.
+        for i in range(cfg.ps + cfg.standby_ps):
             resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
             self._spawn(
                 f"ps-{i}",
@@ -249,6 +254,7 @@ class LocalLauncher:
                     "--weight-decay", repr(cfg.optimizer.weight_decay),
                     "--checkpoint-dir", str(checkpoints),
                     "--checkpoint-every-s", str(cfg.checkpoint_every_s),
+                    "--claim-timeout-s", str(_FOREVER_S),
                     *resume,
                 ],
             )  # fmt: skip
@@ -426,17 +432,21 @@ class LocalLauncher:
         store = self._store
         if store is None:
             return
-        index = child.role.split("-", 1)[1]
-        key = {
-            "trainer": lambda: store.keys.trainer(index),
-            "ps": lambda: store.keys.ps(int(index)),
-            "master": lambda: store.keys.master_lock,
-        }[child.kind]()
-        try:
-            if store.delete_if_pid(key, child.pid):
-                log.info("released %s of %s (pid %d)", key, child.role, child.pid)
-        except ElasticPSError as exc:  # etcd down: the lease will expire on its own
-            log.info("could not release %s of %s: %s", key, child.role, exc)
+        if child.kind == "trainer":
+            keys = [store.keys.trainer(child.role.split("-", 1)[1])]
+        elif child.kind == "ps":
+            # A spare may hold any slot: try each.
+            keys = [store.keys.ps(i) for i in range(self.config.ps)]
+        else:
+            keys = [store.keys.master_lock]
+        for key in keys:
+            try:
+                if store.delete_if_pid(key, child.pid):
+                    log.info("released %s of %s (pid %d)", key, child.role, child.pid)
+                    return
+            except ElasticPSError as exc:  # etcd down: the lease will expire on its own
+                log.info("could not release %s of %s: %s", key, child.role, exc)
+                return
 
     def _wait_for_master(self, store: JobStore, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -506,6 +516,10 @@ class LocalLauncher:
             pid = self._etcd.pid if self._etcd is not None else None
         elif event.role == "master" and event.target == "master":
             pid = self._active_master_pid(store)
+        elif event.role == "ps":
+            # The server holding slot i (ps-<i>), or slot 0 for "ps".
+            index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
+            pid = self._slot_pid(store, store.keys.ps(index))
         else:
             candidates = [
                 c for c in self.children
@@ -530,6 +544,15 @@ class LocalLauncher:
         self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+    @staticmethod
+    def _slot_pid(store: JobStore, key: str) -> int | None:
+        with contextlib.suppress(ElasticPSError):
+            info = store.get_json(key)
+            pid = None if info is None else info.get("pid")
+            if isinstance(pid, int):
+                return pid
+        return None
 
     def _active_master_pid(self, store: JobStore) -> int | None:
         with contextlib.suppress(ElasticPSError):

@@ -19,12 +19,14 @@ import logging
 import threading
 from pathlib import Path
 
+import torch
+
 from elasticps.config import PSConfig
 from elasticps.coord.store import JobStore
 from elasticps.errors import CoordinationError, DataError
 from elasticps.pserver.checkpoint import ShardCheckpointer, load_shard, shard_checkpoint_path
 from elasticps.pserver.server import ParameterServer
-from elasticps.pserver.shard import ParameterShard
+from elasticps.pserver.shard import ParameterShard, make_optimizer
 from elasticps.snapshot import load_consistent_checkpoint
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         DataError: the shard checkpoint or the resume checkpoint is corrupt.
         OSError: the port cannot be bound.
     """
+    _prewarm_optimizer(config)
     store = JobStore(config.common.etcd_endpoint, config.common.job)
     lease = store.grant_lease(config.common.lease_ttl_s, on_lost=stop.set)
     # Bind before claiming, so the address we publish is already accepting.
@@ -111,6 +114,20 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
             f"parameter server {server.shard_index}: lease lost; exiting so that it is "
             "restarted and reloads its checkpoint"
         )
+
+
+def _prewarm_optimizer(config: PSConfig) -> None:
+    """Take one optimizer step on a dummy tensor before claiming a slot.
+
+    The first ``torch.optim`` step of a process imports ``torch._dynamo``,
+    which takes 1-2 s here. Paying it before the claim keeps it off the
+    recovery path: a standby PS (one started while every slot is taken)
+    is then ready to serve within milliseconds of claiming a freed slot.
+    """
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = make_optimizer([param], config.optimizer)
+    param.grad = torch.zeros(1)
+    optimizer.step()
 
 
 def _restore(config: PSConfig, server: ParameterServer) -> int | None:
