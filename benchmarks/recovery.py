@@ -6,10 +6,10 @@ dispatches, and prints one JSON line:
 
 - ``recovery_s``: from the kill to the event that shows the job is moving
   again. For a trainer: its pending tasks re-queued by the master (the log
-  line ``trainer N left``). For a PS: the restarted PS accepting its first
-  gradient (with ``--standby-ps 1``: the warm spare that took its slot). For a master: the new (standby or restarted) master dispatching
-  its first task. For etcd: the first gradient step applied after etcd is
-  back, i.e. the longest stall.
+  line ``trainer N left``). For a PS: the restarted PS (or, with
+  ``--standby-ps 1``, the warm spare that took its slot) accepting its first
+  gradient. For a master: the new (standby or restarted) master dispatching
+  its first task. For etcd: the end of the longest stall of gradient steps.
 - ``max_stall_s``: the longest time, from 1 s before the kill to the end of
   the job, in which no parameter server applied a step (PS versions are
   polled every 50 ms through the tensor plane's ``stats`` command).
