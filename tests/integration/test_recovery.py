@@ -151,7 +151,9 @@ def test_job_survives_a_parameter_server_killed_mid_pass(
 ) -> None:
     run = run_job(mnist_dir, tmp_path / "out", "sync", "--chaos", "kill:ps@30%")
     restarts = run.record["restarts"]
-    assert isinstance(restarts, dict) and restarts.get("ps-0") == 1, restarts
+    # The PS holding slot 0 was killed (whichever process claimed it) and restarted once.
+    assert isinstance(restarts, dict), restarts
+    assert list(restarts.values()) == [1] and next(iter(restarts)).startswith("ps-"), restarts
     check_against_baseline(run, baselines["sync"])
 
 
