@@ -58,6 +58,7 @@ class MasterClient:
         self.address: str | None = None
         self._channel: grpc.Channel | None = None
         self._stub: master_pb2_grpc.MasterStub | None = None
+        self._retired: list[grpc.Channel] = []  # replaced channels, closed by close()
         self._retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_retryable),
             wait=tenacity.wait_random_exponential(multiplier=0.02, max=max_backoff_s),
@@ -68,8 +69,10 @@ class MasterClient:
     def close(self) -> None:
         """Close the channel."""
         with self._lock:
-            if self._channel is not None:
-                self._channel.close()
+            for channel in [*self._retired, self._channel]:
+                if channel is not None:
+                    channel.close()
+            self._retired.clear()
             self._channel = self._stub = None
 
     def get_task(self, trainer_id: str) -> master_pb2.GetTaskResponse:
@@ -124,7 +127,9 @@ class MasterClient:
     def _forget(self, stub: master_pb2_grpc.MasterStub) -> None:
         with self._lock:
             if self._stub is stub and self._channel is not None:
-                self._channel.close()
+                # Not closed here: another thread (the progress reporter) may
+                # have a call in flight on it, which closing would cancel.
+                self._retired.append(self._channel)
                 self._channel = self._stub = None
 
     def _attempt(self, method: str, request: object) -> object:
