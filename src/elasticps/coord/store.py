@@ -971,6 +971,42 @@ class JobStore:
             self._watches.append(watch)
         return watch
 
+    def watch_ps(
+        self, on_change: Callable[[dict[int, str]], None], start_revision: int = 0
+    ) -> Watch:
+        """Call ``on_change`` with slot index -> address after each change of ``ps/``.
+
+        Args:
+            on_change: receives a fresh dict of claimed slots; runs on the
+                watch's thread.
+            start_revision: first etcd revision to report; 0 reads the current
+                slots first and watches from there.
+
+        Returns:
+            The watch; :meth:`Watch.cancel` it when done.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        if start_revision <= 0:
+            _, start_revision = self.get_prefix_json(self.keys.ps_prefix)
+            start_revision += 1
+
+        def report(slots: dict[str, dict[str, object]]) -> None:
+            on_change(
+                {
+                    int(k): str(v["address"])
+                    for k, v in slots.items()
+                    if k.isdigit() and isinstance(v.get("address"), str)
+                }
+            )
+
+        with self._etcd("watching parameter servers"):
+            watch = Watch(self._client, self.keys.ps_prefix, _decode_object, report, start_revision)
+        with self._lock:
+            self._watches.append(watch)
+        return watch
+
     # --- parameter servers ------------------------------------------------------------
 
     def set_ps_desired(self, n: int) -> None:

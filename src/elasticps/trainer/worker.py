@@ -132,6 +132,10 @@ class Trainer:
         self._checked_columns: set[str] = set()
         self._lease_lost = threading.Event()
         self._lease: KeptLease | None = None
+        # PS slot -> address, kept current by a watch on ps/; a lost PS's
+        # successor is found here.
+        self._ps_cond = threading.Condition()
+        self._ps_slots: dict[int, str] = {}
 
     def run(self) -> None:
         """Train until the master says the job is finished or ``stop`` is set.
@@ -142,6 +146,7 @@ class Trainer:
         """
         cfg = self.config
         addresses = self.store.ps_addresses(timeout_s=cfg.connect_timeout_s)
+        ps_watch = self.store.watch_ps(self._on_ps_slots)
         client = ParameterClient(
             self.flat.placement,
             addresses,
@@ -162,6 +167,7 @@ class Trainer:
             self._register()
             self._loop(master, client, progress)
         finally:
+            ps_watch.cancel()
             progress.close()
             master.close()
             client.close()
@@ -177,11 +183,19 @@ class Trainer:
         self.store.register_trainer(self.name, {"pid": os.getpid()}, self._lease)
 
     def _ps_address(self, index: int) -> str:
-        info = self.store.get_json(self.store.keys.ps(index))
-        address = None if info is None else info.get("address")
-        if not isinstance(address, str):
+        """The current address of PS ``index``, as the watch on ``ps/`` last saw it."""
+        with self._ps_cond:
+            # Give the watch a moment to report a new claim before retrying.
+            self._ps_cond.wait_for(lambda: index in self._ps_slots, timeout=0.5)
+            address = self._ps_slots.get(index)
+        if address is None:
             raise CoordinationError(f"parameter server slot {index} is not claimed")
         return address
+
+    def _on_ps_slots(self, slots: dict[int, str]) -> None:
+        with self._ps_cond:
+            self._ps_slots = slots
+            self._ps_cond.notify_all()
 
     def _loop(
         self, master: MasterClient, client: ParameterClient, progress: ProgressReporter
