@@ -47,6 +47,9 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         DataError: the shard checkpoint or the resume checkpoint is corrupt.
         OSError: the port cannot be bound.
     """
+    # One intra-op thread: the fused optimizer step is memory-bound, and a
+    # second thread only competes with the trainers on a small machine.
+    torch.set_num_threads(1)
     _prewarm_optimizer(config)
     store = JobStore(config.common.etcd_endpoint, config.common.job)
     lease = store.grant_lease(config.common.lease_ttl_s, on_lost=stop.set)

@@ -379,18 +379,22 @@ class ParameterServer:
             self._updated_any = True
             log.info("ps %d: first gradient accepted by this server", self.shard_index)
         if header.flags & Flags.WANT_PARAMS:
-            self._send_params(state.conn, shard)
+            self._send_params(state.conn, shard, result.version)
         else:
             send_frame(state.conn, FrameHeader(MsgType.PUSH_OK, model_version=result.version))
 
-    def _send_params(self, conn: socket.socket, shard: ParameterShard) -> None:
+    def _send_params(
+        self, conn: socket.socket, shard: ParameterShard, version: int | None = None
+    ) -> None:
         values = shard.values
         send_frame(
             conn,
             FrameHeader(
                 MsgType.PARAMS,
                 dtype=DType.FLOAT32,
-                model_version=shard.version,
+                # A push's result already knows the version: no need to take
+                # the shard lock (contended by other trainers' pushes) again.
+                model_version=shard.version if version is None else version,
                 body_nbytes=values.numel() * 4,
             ),
             [tensor_view(values)],

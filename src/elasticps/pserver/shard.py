@@ -53,7 +53,11 @@ def make_optimizer(params: list[torch.Tensor], config: OptimizerConfig) -> torch
 
     Returns:
         ``torch.optim.SGD`` (``sgd``; ``momentum`` sets its momentum),
-        ``torch.optim.Adam`` or ``torch.optim.Adagrad``.
+        ``torch.optim.Adam`` or ``torch.optim.Adagrad``. Adam and AdaGrad use
+        the fused CPU kernels: on a 10M-element shard here a step takes 5.5 ms
+        instead of 45 ms (Adam) and 3.5 ms instead of 24.5 ms (AdaGrad), with
+        results equal within 5e-7 (``benchmarks/README.md``). Fused SGD is
+        no faster, so SGD keeps the default kernel.
     """
     if config.name == "sgd":
         return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -62,9 +66,11 @@ def make_optimizer(params: list[torch.Tensor], config: OptimizerConfig) -> torch
             params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
         )
     if config.name == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
     if config.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.Adagrad(
+            params, lr=config.lr, weight_decay=config.weight_decay, fused=True
+        )
     raise ValueError(f"unknown optimizer {config.name!r}")  # unreachable: config validates
 
 
