@@ -1,0 +1,153 @@
+"""The benchmarks under ``benchmarks/`` run to the end in their ``--quick`` configuration.
+
+These tests keep the benchmarks' code paths from rotting: each script runs as
+a real subprocess (real parameter servers, real ``elasticps train`` jobs, real
+torchrun), must exit 0 and print JSON lines with the keys the README
+documents, and must leave no process behind. No timing is asserted: the
+figures are only meaningful from a full run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# --quick takes about 15-30 s on an idle 2-core machine; this bounds a hung run.
+RUN_TIMEOUT_S = 300.0
+GONE_DEADLINE_S = 10.0
+
+
+def run_quick(script: str) -> list[dict[str, Any]]:
+    """Run ``benchmarks/<script> --quick``; return its stdout's JSON lines.
+
+    On a timeout the script gets SIGTERM (it then stops everything it
+    started), then its process group gets SIGKILL.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{script} --quick ran over {RUN_TIMEOUT_S:.0f} s:\n{err.decode()[-3000:]}")
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{err.decode()[-3000:]}"
+    lines = [line for line in out.decode().splitlines() if line.strip()]
+    assert lines, f"{script} printed nothing"
+    return [json.loads(line) for line in lines]
+
+
+def processes_matching(needles: list[str]) -> list[str]:
+    """Command lines of live processes that contain any of ``needles``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(needle in cmdline for needle in needles):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def wait_until_gone(pids: list[int]) -> list[int]:
+    """PIDs from ``pids`` still alive (not zombies) after GONE_DEADLINE_S."""
+    deadline = time.monotonic() + GONE_DEADLINE_S
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_tensor_plane_quick_prints_every_case_and_the_ratios() -> None:
+    lines = run_quick("tensor_plane.py")
+
+    summary = lines[-1]
+    assert summary.get("summary") is True
+    for key in ("ms_median", "cpu_s_per_gb", "ratios", "issue4", "server_pids"):
+        assert key in summary, key
+    cases = [line for line in lines[:-1] if "ms_median" in line]
+    seen = {(line["case"], line["num_ps"]) for line in cases}
+    for num_ps in (1, 2):
+        for case in ("elasticps-tcp", "elasticps-tcp-2msg", "raw-tcp", "raw-unix", "grpc-stream"):
+            assert (case, num_ps) in seen, (case, num_ps)
+    assert ("limit", 0) in seen
+    for line in cases:
+        for key in ("ms_median", "ms_min", "cpu_s_per_gb", "gb_per_s", "verified_round_trips"):
+            assert isinstance(line[key], int | float), (line["case"], key)
+    skipped = [line for line in lines if line.get("case") == "elasticps-unix"]
+    assert skipped and all(line["skipped"] == "not implemented" for line in skipped)
+    for key in ("1", "2"):
+        ratios = summary["ratios"][key]
+        assert ratios["elasticps_over_raw_tcp"] > 0
+        assert ratios["elasticps_speedup_vs_grpc"] > 0
+    assert wait_until_gone(summary["server_pids"]) == []
+
+
+def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:
+    lines = run_quick("training.py")
+
+    start = lines[0]
+    assert start.get("start") is True
+    runs = [line for line in lines if "rep" in line]
+    assert {line["case"] for line in runs} == {"elasticps-sync-2ps", "ddp", "compute-limit"}
+    for line in runs:
+        for key in ("model", "samples_per_s", "window_s", "samples", "wall_s"):
+            assert key in line, (line["case"], key)
+        assert line["samples"] > 0
+    elasticps = next(line for line in runs if line["case"] == "elasticps-sync-2ps")
+    assert 0.0 <= elasticps["accuracy"] <= 1.0
+    tta = next(line for line in lines if line.get("tta"))
+    for key in ("elasticps_wall_s", "ddp_wall_s", "elasticps_over_ddp", "ddp_accuracy_per_epoch"):
+        assert tta[key] is not None, key
+    summary = lines[-1]
+    assert summary.get("summary") is True
+    for key in ("samples_per_s", "ratios", "time_to_accuracy", "issue4"):
+        assert key in summary, key
+    leftovers = processes_matching([start["workdir"], start["job_prefix"]])
+    assert leftovers == [], leftovers
+
+
+def test_recovery_quick_kills_a_trainer_and_reports_its_recovery() -> None:
+    lines = run_quick("recovery.py")
+
+    runs = [line for line in lines if "scenario" in line]
+    assert runs, lines
+    for run in runs:
+        assert "error" not in run, run
+        for key in ("recovery_s", "max_stall_s", "samples_per_s_before", "samples_per_s_after"):
+            assert key in run, key
+        assert run["exactly_once"] is True
+    assert "summary" in lines[-1]
