@@ -21,17 +21,9 @@ from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, TrainerMap
 from elasticps.errors import CoordinationError, PortInUseError
 from elasticps.netutil import LOOPBACK, free_port
+from elasticps.testing import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    """Poll ``predicate`` every 10 ms until it holds; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def next_map(changes: queue.Queue[TrainerMap], want: Callable[[TrainerMap], bool]) -> TrainerMap:

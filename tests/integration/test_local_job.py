@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 
 from elasticps.evaluate import evaluate
 from elasticps.model_file import load_model_file
+from elasticps.testing import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -71,15 +71,6 @@ def batch_to_tensors(batch):
     labels = batch.column("label").to_numpy().astype(np.int64)
     return torch.from_numpy(images), torch.from_numpy(labels)
 """
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float) -> None:
-    """Poll ``predicate`` every 50 ms until it holds; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def pid_gone(pid: int) -> bool:

@@ -33,6 +33,7 @@ from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import Dispatch, QueueConfig, TaskQueue, TaskState
 from elasticps.netutil import LOOPBACK
 from elasticps.proto import master_pb2
+from elasticps.testing import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -42,15 +43,6 @@ QUEUE_CONFIG = QueueConfig(task_timeout_s=30.0, max_task_timeouts=2, num_passes=
 # Long enough that a lease's refresh thread does not notice a revocation
 # during a test step (it refreshes every ttl/3).
 LONG_TTL_S = 30.0
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    """Poll ``predicate`` every 10 ms until it holds; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture

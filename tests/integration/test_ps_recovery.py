@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from elasticps.errors import RemoteError
 from elasticps.netutil import free_port
 from elasticps.pserver.checkpoint import load_shard, shard_checkpoint_path
 from elasticps.snapshot import ControlClient, load_consistent_checkpoint, take_consistent_checkpoint
+from elasticps.testing import wait_for
 from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers
 
@@ -51,14 +52,6 @@ class TinyModel(nn.Module):
         super().__init__()
         self.embed = nn.Linear(4, 3)
         self.head = nn.Linear(3, 2)
-
-
-def wait_for(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {DEADLINE_S} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @dataclass
@@ -220,6 +213,7 @@ def test_restarted_ps_reclaims_its_index_and_serves_its_checkpointed_values_and_
     wait_for(
         lambda: path.exists() and load_shard(path)[1]["version"] == 3,
         "the checkpoint of version 3",
+        DEADLINE_S,
     )
 
     first.proc.send_signal(signal.SIGKILL)  # a crash: its lease is not revoked
@@ -282,7 +276,7 @@ def test_consistent_checkpoint_during_async_pushes_holds_what_a_client_pulls_whi
     thread.start()
     holds = [ControlClient(a, timeout_s=DEADLINE_S) for a in addresses]
     try:
-        wait_for(lambda: pushed[0] >= 5, "a few async pushes")
+        wait_for(lambda: pushed[0] >= 5, "a few async pushes", DEADLINE_S)
         # Hold every server still, look at it as a client, then checkpoint it. The
         # checkpoint's own freeze and thaw leave our freeze in place.
         frozen_at = [hold.request({"op": "freeze"})["version"] for hold in holds]
@@ -295,7 +289,9 @@ def test_consistent_checkpoint_during_async_pushes_holds_what_a_client_pulls_whi
         after_checkpoint = pushed[0]
         for hold in holds:
             hold.request({"op": "thaw"})
-        wait_for(lambda: pushed[0] >= after_checkpoint + 3, "pushes to go on after the thaw")
+        wait_for(
+            lambda: pushed[0] >= after_checkpoint + 3, "pushes to go on after the thaw", DEADLINE_S
+        )
     finally:
         for hold in holds:
             hold.close()  # thaws, if the test failed while frozen

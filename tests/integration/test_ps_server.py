@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from elasticps.errors import RemoteError
 from elasticps.netutil import LOOPBACK
 from elasticps.placement import Placement
 from elasticps.pserver.server import ParameterServer
+from elasticps.testing import wait_for
 from elasticps.trainer.client import ParameterClient, parse_address
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers
 from elasticps.wire.frame import (
@@ -178,15 +178,6 @@ def observer(cluster: Cluster) -> Peer:
     peer = cluster.peer(OBSERVER, values=torch.full((numel,), 7.0))
     peer.client.hello(initialize=False)
     return peer
-
-
-def wait_for(predicate: Callable[[], bool], what: str) -> None:
-    """Poll ``predicate`` every 10 ms until it holds; fail after DEADLINE_S."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {DEADLINE_S} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def shard_stats(peer: Peer) -> list[dict[str, int]]:

@@ -38,6 +38,7 @@ from elasticps.snapshot import (
     shard_state_for_layout,
     write_manifest,
 )
+from elasticps.testing import wait_for
 
 ADAM = OptimizerConfig(name="adam", lr=0.05)
 ALL_OPTIMIZERS = [
@@ -50,13 +51,6 @@ ALL_OPTIMIZERS = [
 PARAMS = (ParamSpec("embed", (3, 4)), ParamSpec("bias", (5,)), ParamSpec("big", (40,)))
 BIG_ARRAY_BOUND = 16
 TIMEOUT_S = 5.0
-
-
-def wait_until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def named_values(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -261,7 +255,7 @@ def test_checkpointer_saves_once_the_version_moved_far_enough(tmp_path: Path) ->
         time.sleep(0.2)  # several polls: 2 versions are not enough
         assert not path.exists()
         train([shard], 1)
-        wait_until(lambda: checkpointer.saved_version == 3)
+        wait_for(lambda: checkpointer.saved_version == 3)
         assert load_shard(path)[1]["version"] == 3
     finally:
         checkpointer.stop()
@@ -274,7 +268,7 @@ def test_checkpointer_saves_on_time_only_when_the_version_moved(tmp_path: Path) 
     checkpointer = ShardCheckpointer(path, lambda: shard, every_s=0.05, saved_version=0)
     checkpointer.start()
     try:
-        wait_until(lambda: checkpointer.saved_version == 1)
+        wait_for(lambda: checkpointer.saved_version == 1)
         first_write = path.stat().st_mtime_ns
         time.sleep(0.3)  # several periods without a step: nothing to write
         assert path.stat().st_mtime_ns == first_write

@@ -9,7 +9,6 @@ to the step under one lock, which it releases only by waiting.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 
@@ -25,6 +24,7 @@ from elasticps.pserver.shard import (
     PushResult,
     ShardClosedError,
 )
+from elasticps.testing import wait_for
 
 NUMEL = 6
 FINGERPRINT = "f" * 64
@@ -51,14 +51,6 @@ def make_shard() -> Iterator[ShardFactory]:
     yield make
     for shard in shards:
         shard.close()
-
-
-def wait_until(predicate: Callable[[], bool]) -> None:
-    """Poll an observable condition of the shard until it holds (fails after TIMEOUT_S)."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.001)
 
 
 def push_in_thread(
@@ -213,7 +205,7 @@ def test_sync_push_waits_for_every_live_trainer(
     shard.set_live_trainers({0, 1})
 
     first = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     # Trainer 0's push is in, but no step happened and the pusher is still waiting.
     assert shard.stats().steps == 0
@@ -284,7 +276,7 @@ def test_sync_second_push_by_the_same_trainer_in_one_step_is_dropped(
     shard = make_shard()
     shard.set_live_trainers({0, 1})
     first = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     # Returns at once, without joining (or holding up) the step.
     duplicate = push_in_thread(shard, 0, full(100.0)).result(TIMEOUT_S)
@@ -303,7 +295,7 @@ def test_sync_step_completes_without_a_live_trainer_that_left(
     shard = make_shard()
     shard.set_live_trainers({0, 1})
     waiting = push_in_thread(shard, 0, full(2.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     shard.set_live_trainers({0})
 
@@ -318,12 +310,12 @@ def test_sync_trainer_that_joins_is_waited_for_from_the_next_step_on(
     shard = make_shard()
     shard.set_live_trainers({0, 1})
     first = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     shard.set_live_trainers({0, 1, 2})
     # The open step does not wait for trainer 2, but a push it makes on time counts.
     joiner = push_in_thread(shard, 2, full(2.0))
-    wait_until(lambda: shard.stats().pushes == 2)
+    wait_for(lambda: shard.stats().pushes == 2)
     assert shard.version == 0
     last = push_in_thread(shard, 1, full(6.0))
     for push in (first, joiner, last):
@@ -332,7 +324,7 @@ def test_sync_trainer_that_joins_is_waited_for_from_the_next_step_on(
 
     # The next step waits for all three.
     early = [push_in_thread(shard, t, full(1.0), model_version=1) for t in (0, 1)]
-    wait_until(lambda: shard.stats().pushes == 5)
+    wait_for(lambda: shard.stats().pushes == 5)
     done, _ = wait(early, timeout=0.2)  # expected to time out
     assert not done
     late = push_in_thread(shard, 2, full(1.0), model_version=1)
@@ -346,7 +338,7 @@ def test_sync_step_opened_without_a_trainer_that_joins_completes_without_it(
     shard = make_shard()
     shard.set_live_trainers({0, 1})
     first = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     shard.set_live_trainers({0, 1, 2})
     last = push_in_thread(shard, 1, full(3.0))
@@ -363,7 +355,7 @@ def test_pushing_trainer_counts_as_live_before_it_is_reported(
     shard.set_live_trainers({0})  # etcd has not told the shard about trainer 1 yet
 
     early = push_in_thread(shard, 1, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
     assert shard.stats().live_trainers == 2
     assert push_in_thread(shard, 0, full(3.0)).result(TIMEOUT_S) == PushResult(
         accepted=True, version=1
@@ -417,7 +409,7 @@ def test_close_releases_a_waiting_push_with_shard_closed_error(
     shard = make_shard()
     shard.set_live_trainers({0, 1})
     waiting = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     shard.close()
 
@@ -475,7 +467,7 @@ def test_sync_trainer_that_leaves_and_rejoins_during_a_step_is_not_waited_for_in
     shard = make_shard()
     shard.set_live_trainers({0, 1, 2})
     first = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     shard.set_live_trainers({0, 1})  # trainer 2's lease expired...
     shard.set_live_trainers({0, 1, 2})  # ...and it registered again
@@ -492,7 +484,7 @@ def test_sync_step_waits_for_the_remaining_trainers_after_one_leaves(
     shard = make_shard()
     shard.set_live_trainers({0, 1, 2})
     first = push_in_thread(shard, 0, full(1.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     shard.set_live_trainers({0, 1})
 
@@ -529,7 +521,7 @@ def test_frozen_sync_shard_completes_no_step_until_thawed(make_shard: ShardFacto
     shard = make_shard()
     shard.set_live_trainers({0, 1})
     first = push_in_thread(shard, 0, full(2.0))
-    wait_until(lambda: shard.stats().pushes == 1)
+    wait_for(lambda: shard.stats().pushes == 1)
 
     assert shard.freeze() == 0
     # Neither a late push nor a trainer leaving completes the step while frozen.
