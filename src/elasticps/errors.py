@@ -67,6 +67,23 @@ class CoordinationError(ElasticPSError):
     """etcd could not be reached, or a lease, lock or slot claim failed."""
 
 
+class SteppedDownError(CoordinationError):
+    """This master no longer holds the master lock (or cannot prove it does).
+
+    Its ledger write was refused by the fence, its lease is lost, or etcd did
+    not accept the write for a whole lease TTL. The master must stop serving:
+    its in-memory queue may be ahead of the ledger, which is the truth a
+    standby restores from.
+    """
+
+
+class InvalidRecordError(CoordinationError, ValueError):
+    """A persisted task record or queue meta record does not have the expected shape.
+
+    Raised by :meth:`TaskQueue.restore`; the message names the task and the field.
+    """
+
+
 class ServiceUnavailableError(ElasticPSError):
     """A peer (master or parameter server) did not answer before a deadline."""
 

@@ -25,9 +25,9 @@ import pytest
 from elasticps.config import CommonConfig, MasterConfig
 from elasticps.coord.etcd_server import EtcdServer
 from elasticps.coord.store import JobStore, KeptLease
-from elasticps.errors import ConfigError, CoordinationError
+from elasticps.errors import ConfigError, CoordinationError, SteppedDownError
 from elasticps.master.client import MasterClient
-from elasticps.master.ledger import Ledger, LedgerSpec, SteppedDownError
+from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.main import EXIT_OK, EXIT_STEPPED_DOWN, build_spec, serve_master
 from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import Dispatch, QueueConfig, TaskQueue, TaskState

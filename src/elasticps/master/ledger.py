@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from elasticps.coord.store import JobStore, KeptLease, Keys, is_transient
-from elasticps.errors import ConfigError, CoordinationError
+from elasticps.errors import ConfigError, CoordinationError, SteppedDownError
 from elasticps.master.taskqueue import (
     QUEUE_EVENTS,
     DataRange,
@@ -66,16 +66,6 @@ SPEC_FORMAT: Final = 1
 
 _RETRY_FIRST_S: Final = 0.02
 _RETRY_MAX_S: Final = 0.5
-
-
-class SteppedDownError(CoordinationError):
-    """This master no longer holds the master lock (or cannot prove it does).
-
-    Its ledger write was refused by the fence, its lease is lost, or etcd did
-    not accept the write for a whole lease TTL. The master must stop serving:
-    its in-memory queue may be ahead of the ledger, which is the truth a
-    standby restores from.
-    """
 
 
 class Journal(Protocol):

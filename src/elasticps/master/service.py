@@ -26,8 +26,8 @@ from typing import TypeVar
 
 import grpc
 
-from elasticps.errors import StaleTaskError, UnknownTaskError
-from elasticps.master.ledger import Journal, SteppedDownError
+from elasticps.errors import StaleTaskError, SteppedDownError, UnknownTaskError
+from elasticps.master.ledger import Journal
 from elasticps.master.taskqueue import (
     Dispatch,
     EventKind,

@@ -44,7 +44,12 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elasticps.errors import ConfigError, CoordinationError, StaleTaskError, UnknownTaskError
+from elasticps.errors import (
+    ConfigError,
+    InvalidRecordError,
+    StaleTaskError,
+    UnknownTaskError,
+)
 
 __all__ = [
     "MAX_RETRY_AFTER_S",
@@ -76,13 +81,6 @@ MIN_RETRY_AFTER_S = 0.01
 
 QUEUE_FORMAT = 1
 """Version of the record and meta layout; :meth:`TaskQueue.restore` refuses others."""
-
-
-class InvalidRecordError(CoordinationError, ValueError):
-    """A persisted task record or queue meta record does not have the expected shape.
-
-    Raised by :meth:`TaskQueue.restore`; the message names the task and the field.
-    """
 
 
 # --- data ranges ---------------------------------------------------------------
