@@ -1056,19 +1056,10 @@ class JobStore:
         n = self.ps_desired()
         if n is None:
             raise CoordinationError(f"cannot claim a PS slot: {self.keys.ps_desired} is not set")
-        txns = self._client.transactions
-        value = _encode({"address": address, "pid": os.getpid()})
-        for index in range(n):
-            key = self.keys.ps(index)
-            succeeded, _ = self._txn(
-                f"claiming {key}",
-                compare=[txns.version(key) == 0],
-                success=[txns.put(key, value, lease=lease.id)],
-                failure=[],
-            )
-            if succeeded:
-                return index
-        raise CoordinationError(f"cannot claim a PS slot: all {n} slots are taken")
+        index = self._try_claim_ps_slot(address, lease, n)
+        if index is None:
+            raise CoordinationError(f"cannot claim a PS slot: all {n} slots are taken")
+        return index
 
     def _ps_snapshot(self) -> tuple[int | None, dict[int, str]]:
         """ps_desired and the claimed slots, from one consistent read.

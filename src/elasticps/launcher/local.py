@@ -525,7 +525,7 @@ class LocalLauncher:
         elif event.role == "ps":
             # The server holding slot i (ps-<i>), or slot 0 for "ps".
             index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
-            pid = self._slot_pid(store, store.keys.ps(index))
+            pid = self._pid_in_key(store, store.keys.ps(index))
         else:
             candidates = [
                 c for c in self.children
@@ -552,7 +552,7 @@ class LocalLauncher:
             os.kill(pid, signal.SIGKILL)
 
     @staticmethod
-    def _slot_pid(store: JobStore, key: str) -> int | None:
+    def _pid_in_key(store: JobStore, key: str) -> int | None:
         with contextlib.suppress(ElasticPSError):
             info = store.get_json(key)
             pid = None if info is None else info.get("pid")
@@ -561,11 +561,9 @@ class LocalLauncher:
         return None
 
     def _active_master_pid(self, store: JobStore) -> int | None:
-        with contextlib.suppress(ElasticPSError):
-            info = store.get_json(store.keys.master_lock)
-            pid = None if info is None else info.get("pid")
-            if isinstance(pid, int):
-                return pid
+        pid = self._pid_in_key(store, store.keys.master_lock)
+        if pid is not None:
+            return pid
         masters = [c for c in self.children if c.kind == "master" and c.proc.poll() is None]
         return masters[0].pid if masters else None
 
