@@ -109,3 +109,11 @@ class LayoutMismatchError(ElasticPSError):
 
 class JobFailedError(ElasticPSError):
     """A process of the job (master, parameter server or trainer) failed."""
+
+
+class UnschedulableError(ElasticPSError):
+    """A backend cannot place a worker now (no capacity, quota); retried with backoff."""
+
+
+class FrozenParameterError(UserError):
+    """A gradient was pushed for a frozen parameter, or a frozen one was asked to change."""
