@@ -29,7 +29,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mnist_mlp.py"
-EPOCHS = 2
+# Four passes, not two: after two passes the MLP is still on the steep part of
+# its learning curve, where two fault-free async runs differ by up to 3.5
+# points (thread timing decides the order of pushes). After four, 8 async
+# runs (4 fault-free, 4 with a trainer killed) all fall within 0.908-0.919.
+EPOCHS = 4
 ACCURACY_TOLERANCE = 0.015
 JOB_TIMEOUT_S = 180.0
 
@@ -138,17 +142,7 @@ def test_baselines_train_every_record_exactly_once(baselines: dict[str, JobRun])
 
 @pytest.mark.parametrize(
     "mode",
-    [
-        "sync",
-        pytest.param(
-            "async",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="known flaky (issue 3 stays open): the async run after a trainer kill "
-                "sometimes ends ~3 points below the fault-free run (0.873 vs 0.901 seen)",
-            ),
-        ),
-    ],
+    ["sync", "async"],
 )
 def test_job_survives_a_trainer_killed_mid_pass(
     mode: str, mnist_dir: Path, tmp_path: Path, baselines: dict[str, JobRun]
