@@ -24,12 +24,15 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 # gRPC's fork handlers are not needed (children are exec'ed at once) and are noisy.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from elasticps.config import (
+    GRAD_COMPRESSIONS,
     OPTIMIZERS,
+    PS_TRANSPORTS,
     CommonConfig,
     JobConfig,
     MasterConfig,
@@ -77,6 +80,38 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=float(str(_env("lr", 1e-3))))
     p.add_argument("--momentum", type=float, default=float(str(_env("momentum", 0.9))))
     p.add_argument("--weight-decay", type=float, default=float(str(_env("weight-decay", 0.0))))
+    p.add_argument(
+        "--optimizer-class",
+        default=_env("optimizer-class", ""),
+        help="with --optimizer torch: a torch.optim class name, e.g. RMSprop",
+    )
+    p.add_argument(
+        "--optimizer-options",
+        default=_env("optimizer-options", ""),
+        help="extra optimizer keyword arguments, a JSON object (betas, eps...)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        default=_env("lr-schedule", ""),
+        help="learning-rate schedule by model version, a JSON object such as "
+        '{"kind": "step", "every_versions": 500, "gamma": 0.5} (see elasticps.updater)',
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=_int_or_none(_env("max-staleness", None)),
+        help="async: drop gradients more than N model versions behind (default: accept any)",
+    )
+
+
+def _int_or_none(value: object) -> int | None:
+    """``ELASTICPS_*`` integer default; empty or unset is None."""
+    if value is None or value == "":
+        return None
+    try:
+        return int(str(value))
+    except ValueError as exc:
+        raise ConfigError(f"expected an integer, got {value!r}") from exc
 
 
 def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
@@ -114,6 +149,18 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=int(str(_env("seed", 0))))
     p.add_argument("--threads", type=int, default=int(str(_env("threads", 1))),
                    help="torch threads per trainer")  # fmt: skip
+    p.add_argument(
+        "--grad-compression",
+        choices=GRAD_COMPRESSIONS,
+        default=_env("grad-compression", "none"),
+        help="push gradients as float32 (none), float16 or bfloat16 (half the bytes)",
+    )
+    p.add_argument(
+        "--ps-transport",
+        choices=PS_TRANSPORTS,
+        default=_env("ps-transport", "auto"),
+        help="auto: AF_UNIX to parameter servers on this host, TCP to others",
+    )
 
 
 def _add_task_flags(p: argparse.ArgumentParser) -> None:
@@ -148,7 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory with train.parquet (and test.parquet), or a Parquet file",
     )
     train.add_argument("--output", type=Path, default=Path("runs/latest"))
-    train.add_argument("--trainers", type=int, default=2)
+    train.add_argument(
+        "--trainers",
+        default="2",
+        help="N trainers, or MIN:MAX for an elastic range (starts at MIN; "
+        "`elasticps scale` changes the count within it)",
+    )
+    train.add_argument(
+        "--initial-trainers",
+        type=int,
+        default=None,
+        help="with --trainers MIN:MAX: trainers at the start (default MIN)",
+    )
+    train.add_argument(
+        "--stuck-after-s",
+        type=float,
+        default=None,
+        help="replace a trainer that made no progress for this many seconds",
+    )
     train.add_argument("--ps", type=int, default=2)
     train.add_argument("--job", default="job")
     train.add_argument("--lease-ttl-s", type=float, default=5.0)
@@ -186,6 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", type=Path, default=None,
                        help="start from a consistent checkpoint directory")  # fmt: skip
 
+    scale = sub.add_parser("scale", help="change the wanted number of trainers of a running job")
+    scale.add_argument("job", help="the job name (train --job)")
+    scale.add_argument("--trainers", type=int, required=True, help="wanted trainers")
+    scale.add_argument(
+        "--etcd",
+        default=_env("etcd", None),
+        help="etcd endpoint host:port (default: the 'etcd' of OUTPUT/run.json)",
+    )
+    scale.add_argument("--output", type=Path, default=Path("runs/latest"),
+                       help="the job's train --output, to find its etcd")  # fmt: skip
+
     ck = sub.add_parser("checkpoint", help="take a consistent checkpoint of a running job")
     ck.add_argument("--job", default=_env("job", "job"))
     ck.add_argument("--etcd", default=_env("etcd", None), help="etcd endpoint host:port")
@@ -201,9 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     master = sub.add_parser("master", help="(role) run the master")
     _add_common(master)
     _add_task_flags(master)
-    master.add_argument("--data", type=Path, nargs="+", required=_env("data", None) is None,
-                        default=[_env("data", None)])  # fmt: skip
+    master.add_argument("--data", type=Path, nargs="+", default=[_env("data", None)],
+                        help="Parquet files to cut into tasks (or --virtual-records)")  # fmt: skip
     master.add_argument("--host", default=_env("host", "127.0.0.1"))
+    master.add_argument(
+        "--virtual-records", type=int, default=int(str(_env("virtual-records", 0))),
+        help="no files: tasks are ranges of this many records of a virtual source "
+        "(the Python API's reader function); records are batches",
+    )  # fmt: skip
 
     ps = sub.add_parser("ps", help="(role) run a parameter server")
     _add_common(ps)
@@ -233,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ps.add_argument("--claim-timeout-s", type=float,
                     default=float(str(_env("claim-timeout-s", 30.0))))  # fmt: skip
+    ps.add_argument(
+        "--frozen",
+        nargs="+",
+        metavar="PATTERN",
+        default=[p for p in str(_env("frozen", "")).split(",") if p],
+        help="glob patterns of frozen parameter names (ELASTICPS_FROZEN: comma-separated); "
+        "pushes with a non-zero gradient for them are refused",
+    )
 
     trainer = sub.add_parser("trainer", help="(role) run a trainer")
     _add_common(trainer)
@@ -248,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--connect-timeout-s", type=float,
                          default=float(str(_env("connect-timeout-s", 60.0))),
                          help="how long to wait for a lost master or PS to come back")  # fmt: skip
+    _add_kubernetes_commands(sub, master)
     return parser
 
 
@@ -259,7 +348,13 @@ def _common(args: argparse.Namespace) -> CommonConfig:
 
 def _optimizer(args: argparse.Namespace) -> OptimizerConfig:
     return OptimizerConfig(
-        name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        name=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        torch_class=args.optimizer_class,
+        options=args.optimizer_options,
+        schedule=args.lr_schedule,
     )
 
 
@@ -271,7 +366,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         model_class=args.model_class,
         data=args.data,
         output=args.output,
-        trainers=args.trainers,
+        **_trainer_range(args.trainers, args.initial_trainers),
+        stuck_after_s=args.stuck_after_s,
         ps=args.ps,
         mode=UpdateMode(args.mode),
         epochs=args.epochs,
@@ -295,7 +391,30 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         chaos=parse_chaos(args.chaos),
         checkpoint_every_s=args.checkpoint_every_s,
         resume=args.resume,
+        max_staleness=args.max_staleness,
     )
+
+
+def _trainer_range(text: str, initial: int | None) -> dict[str, int]:
+    """``--trainers N`` or ``MIN:MAX`` (and ``--initial-trainers``) as JobConfig fields."""
+    try:
+        parts = [int(part) for part in text.split(":")]
+    except ValueError:
+        raise ConfigError(f"--trainers must be N or MIN:MAX, got {text!r}") from None
+    if len(parts) == 1:
+        if initial is not None:
+            raise ConfigError("--initial-trainers needs --trainers MIN:MAX")
+        return {"trainers": parts[0]}
+    if len(parts) != 2:
+        raise ConfigError(f"--trainers must be N or MIN:MAX, got {text!r}")
+    low, high = parts
+    if low < 1:
+        raise ConfigError(f"--trainers MIN must be >= 1, got {low}")
+    return {
+        "trainers": low if initial is None else initial,
+        "min_trainers": low,
+        "max_trainers": high,
+    }
 
 
 # --- commands ---------------------------------------------------------------------
@@ -313,6 +432,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
     config = job_config(args)
+    # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
+    os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
+    os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
     launcher = LocalLauncher(config)
     with sigterm_as_interrupt():
         try:
@@ -343,6 +465,29 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     with JobStore(args.etcd, args.job) as store:
         manifest = checkpoint_job(store, args.out, {"job": args.job})
     print(json.dumps({"checkpoint": str(args.out), "version": manifest["version"]}))
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from elasticps.coord.store import JobStore
+
+    endpoint = args.etcd
+    if not endpoint:
+        record_path = args.output / "run.json"
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"no --etcd given and cannot read {record_path}: {exc}") from None
+        if not isinstance(record, dict) or record.get("job") != args.job:
+            raise ConfigError(f"{record_path} is not the run record of job {args.job!r}")
+        endpoint = record.get("etcd")
+        if not isinstance(endpoint, str) or record.get("state") != "running":
+            raise ConfigError(f"{record_path} shows no running job; pass --etcd")
+    if args.trainers < 0:
+        raise ConfigError(f"--trainers must be >= 0, got {args.trainers}")
+    with JobStore(endpoint, args.job) as store:
+        store.set_trainers_wanted(args.trainers)
+    print(json.dumps({"job": args.job, "etcd": endpoint, "trainers_wanted": args.trainers}))
     return 0
 
 
@@ -394,8 +539,10 @@ def _cmd_master(args: argparse.Namespace) -> int:
         max_task_timeouts=args.max_task_timeouts,
         host=args.host,
         port=args.master_port,
+        virtual_records=args.virtual_records,
     )
-    return _run_role(lambda stop: run_master(config, stop))
+    on_active = _kubernetes_manager(args)
+    return _run_role(lambda stop: run_master(config, stop, on_active))
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
@@ -412,6 +559,8 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         checkpoint_every_versions=args.checkpoint_every_versions,
         resume_dir=Path(args.resume) if args.resume else None,
         claim_timeout_s=args.claim_timeout_s,
+        frozen=tuple(args.frozen),
+        max_staleness=args.max_staleness,
     )
     return _run_role(lambda stop: run_ps(config, stop))
 
@@ -433,8 +582,276 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         connect_timeout_s=args.connect_timeout_s,
+        grad_compression=args.grad_compression,
+        ps_transport=args.ps_transport,
     )
     return _run_role(lambda stop: run_trainer(config, stop))
+
+
+# --- Kubernetes: submit, status, logs, delete, and the master's worker manager ---
+
+
+def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
+    """``submit``/``status``/``logs``/``delete``, and the master's ``--backend`` flags."""
+    master.add_argument(
+        "--backend",
+        choices=["none", "kubernetes"],
+        default=_env("backend", "none"),
+        help="run the worker manager (PS and trainer pods) on this backend",
+    )
+    master.add_argument(
+        "--trainers",
+        default=_env("trainers", "1"),
+        help="with --backend: N or MIN:MAX trainers the worker manager keeps",
+    )
+    master.add_argument(
+        "--ps",
+        type=int,
+        default=int(str(_env("ps", 1))),
+        help="with --backend: parameter servers the worker manager keeps",
+    )
+    master.add_argument(
+        "--stuck-after-s",
+        type=float,
+        default=_env("stuck-after-s", None),
+        help="with --backend: replace trainers without progress this long",
+    )
+    master.add_argument("--namespace", default=_env("namespace", "default"))
+    master.add_argument(
+        "--image",
+        default=_env("image", None),
+        help="with --backend kubernetes: the image of the worker pods",
+    )
+    master.add_argument(
+        "--volume-claim",
+        default=_env("volume-claim", None),
+        help="with --backend kubernetes: PVC mounted at /data in worker pods",
+    )
+    master.add_argument("--image-pull-policy", default=_env("image-pull-policy", "IfNotPresent"),
+                        choices=["Always", "IfNotPresent", "Never"])  # fmt: skip
+
+    def add_cluster(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--namespace", default="default", help="Kubernetes namespace")
+        p.add_argument("--kubeconfig", default=None,
+                       help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")  # fmt: skip
+
+    submit = sub.add_parser("submit", help="submit a job to a Kubernetes cluster and return")
+    submit.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
+    add_cluster(submit)
+    _add_trainer_flags(submit)
+    _add_mode(submit)
+    _add_optimizer(submit)
+    _add_task_flags(submit)
+    submit.add_argument("--job", default=None, help="job name (default: elasticps-<random>)")
+    submit.add_argument("--image", required=True, help="container image with elasticps")
+    submit.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="Parquet files as seen inside the pods (e.g. on --volume-claim)",
+    )
+    submit.add_argument(
+        "--trainers",
+        default="2",
+        help="N or MIN:MAX trainers (starts at MAX; the manager keeps the "
+        "count in range while pods cannot be scheduled)",
+    )
+    submit.add_argument(
+        "--initial-trainers",
+        type=int,
+        default=None,
+        help="wanted trainers at the start (default MAX)",
+    )
+    submit.add_argument("--ps", type=int, default=2)
+    submit.add_argument("--stuck-after-s", type=float, default=None)
+    submit.add_argument("--lease-ttl-s", type=float, default=5.0)
+    submit.add_argument(
+        "--etcd-endpoints",
+        default=None,
+        help="an existing etcd host:port (default: one etcd pod for the job)",
+    )
+    submit.add_argument(
+        "--volume-claim", default=None, help="PersistentVolumeClaim mounted at /data in every pod"
+    )
+    submit.add_argument("--dry-run", action="store_true",
+                        help="print the objects as YAML instead of creating them")  # fmt: skip
+    submit.add_argument("--image-pull-policy", default="IfNotPresent",
+                        choices=["Always", "IfNotPresent", "Never"])  # fmt: skip
+
+    scale = sub.choices["scale"]  # engineer E's subcommand; --backend kubernetes added here
+    scale.add_argument("--backend", choices=["local", "kubernetes"], default="local",
+                       help="kubernetes: patch the job's <job>-scale ConfigMap")  # fmt: skip
+    add_cluster(scale)
+
+    status = sub.add_parser("status", help="show the pods of a Kubernetes job")
+    status.add_argument("job")
+    add_cluster(status)
+    status.add_argument("--json", action="store_true", help="one JSON object")
+
+    logs = sub.add_parser("logs", help="print the logs of a Kubernetes job's pods")
+    logs.add_argument("job")
+    add_cluster(logs)
+    logs.add_argument("--role", choices=["master", "ps", "trainer", "etcd"], default="master")
+    logs.add_argument("--tail", type=int, default=None, help="last N lines of each pod")
+
+    delete = sub.add_parser("delete", help="delete everything a Kubernetes job created")
+    delete.add_argument("job")
+    add_cluster(delete)
+
+
+def _core_api(args: argparse.Namespace) -> Any:
+    """A ``CoreV1Api`` from ``--kubeconfig`` (or the default kubeconfig, or in-cluster)."""
+    from kubernetes import client
+    from kubernetes import config as kube_config
+
+    try:
+        kube_config.load_kube_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
+    except kube_config.ConfigException:
+        try:
+            kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except kube_config.ConfigException as exc:
+            raise ConfigError(f"no usable kubeconfig and not in a cluster: {exc}") from None
+    return client.CoreV1Api()
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    import uuid
+
+    from elasticps.config import KubernetesConfig
+    from elasticps.launcher.kubernetes import JobRequest, submit_job
+
+    job = args.job or f"elasticps-{uuid.uuid4().hex[:6]}"
+    rng = _trainer_range(args.trainers, None)
+    low, high = rng.get("min_trainers", rng["trainers"]), rng.get("max_trainers", rng["trainers"])
+    try:
+        model_source = Path(args.model).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the model file {args.model}: {exc}") from None
+    env = {
+        "ELASTICPS_MODE": args.mode,
+        "ELASTICPS_MODEL_CLASS": args.model_class,
+        "ELASTICPS_OPTIMIZER": args.optimizer,
+        "ELASTICPS_LR": str(args.lr),
+        "ELASTICPS_MOMENTUM": str(args.momentum),
+        "ELASTICPS_WEIGHT_DECAY": str(args.weight_decay),
+        "ELASTICPS_BATCH_SIZE": str(args.batch_size),
+        "ELASTICPS_PUSH_EVERY": str(args.push_every),
+        "ELASTICPS_PULL_EVERY": str(args.pull_every),
+        "ELASTICPS_BIG_ARRAY_BOUND": str(args.big_array_bound),
+        "ELASTICPS_SEED": str(args.seed),
+        "ELASTICPS_THREADS": str(args.threads),
+        "ELASTICPS_LEASE_TTL_S": str(args.lease_ttl_s),
+    }
+    master_args = (
+        "--epochs", str(args.epochs),
+        "--records-per-task", str(args.records_per_task),
+        "--task-timeout-s", str(args.task_timeout_s),
+        "--max-task-timeouts", str(args.max_task_timeouts),
+    )  # fmt: skip
+    request = JobRequest(
+        job=job,
+        model_source=model_source,
+        min_trainers=low,
+        max_trainers=high,
+        initial_trainers=high if args.initial_trainers is None else args.initial_trainers,
+        ps=args.ps,
+        data=tuple(args.data),
+        master_args=master_args,
+        env=env,
+        etcd_endpoint=args.etcd_endpoints.split(",")[0] if args.etcd_endpoints else None,
+        stuck_after_s=args.stuck_after_s,
+    )
+    config = KubernetesConfig(
+        namespace=args.namespace,
+        image=args.image,
+        volume_claim=args.volume_claim,
+        image_pull_policy=args.image_pull_policy,
+    )
+    if args.dry_run:
+        from elasticps.launcher.kubernetes import job_objects, manifests_yaml
+
+        print(manifests_yaml(job_objects(request, config)), end="")
+        return 0
+    result = submit_job(_core_api(args), request, config)
+    print(json.dumps(result))
+    ns = "" if args.namespace == "default" else f" --namespace {args.namespace}"
+    print(f"job {job} submitted. Follow it with:", file=sys.stderr)
+    print(f"  elasticps status {job}{ns}", file=sys.stderr)
+    print(f"  elasticps logs {job} --role trainer{ns}", file=sys.stderr)
+    print(f"  elasticps scale {job} --trainers N{ns}", file=sys.stderr)
+    print(f"  elasticps delete {job}{ns}", file=sys.stderr)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from elasticps.launcher.kubernetes import job_status
+
+    status = job_status(_core_api(args), args.namespace, args.job)
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(f"job {args.job} (namespace {args.namespace}), wanted trainers: "
+          f"{status['wanted_trainers']}")  # fmt: skip
+    if not status["pods"]:
+        print("no pods")
+    for pod in status["pods"]:
+        print(f"  {pod['name']:<40} {pod['phase']:<10} {pod['state']:<14} {pod['reason']}")
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from elasticps.launcher.kubernetes import job_logs
+
+    for name, text in job_logs(_core_api(args), args.namespace, args.job, args.role, args.tail):
+        for line in text.splitlines():
+            print(f"[{name}] {line}")
+    return 0
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    from elasticps.launcher.kubernetes import delete_job
+
+    counts = delete_job(_core_api(args), args.namespace, args.job)
+    print(json.dumps({"job": args.job, "namespace": args.namespace, "deleted": counts}))
+    return 0
+
+
+def _cmd_scale_any_backend(args: argparse.Namespace) -> int:
+    """``elasticps scale``: etcd for local jobs, the ``<job>-scale`` ConfigMap on Kubernetes."""
+    if args.backend != "kubernetes":
+        return _cmd_scale(args)
+    from elasticps.launcher.kubernetes import set_wanted_trainers
+
+    set_wanted_trainers(_core_api(args), args.namespace, args.job, args.trainers)
+    print(json.dumps({"job": args.job, "namespace": args.namespace,
+                      "trainers_wanted": args.trainers}))  # fmt: skip
+    return 0
+
+
+def _kubernetes_manager(args: argparse.Namespace) -> Any:
+    """The master's ``on_active`` hook for ``--backend kubernetes``, else None."""
+    if getattr(args, "backend", "none") != "kubernetes":
+        return None
+    from elasticps.config import KubernetesConfig, ManagerConfig, check_kubernetes_job_name
+    from elasticps.launcher.kubernetes import in_cluster_manager
+
+    if not args.image:
+        raise ConfigError("--backend kubernetes needs --image (or ELASTICPS_IMAGE)")
+    rng = _trainer_range(str(args.trainers), None)
+    stuck = float(args.stuck_after_s) if args.stuck_after_s not in (None, "") else None
+    manager_config = ManagerConfig(
+        min_trainers=rng.get("min_trainers", rng["trainers"]),
+        max_trainers=rng.get("max_trainers", rng["trainers"]),
+        stuck_after_s=stuck,
+    )
+    config = KubernetesConfig(
+        namespace=args.namespace,
+        image=args.image,
+        etcd_endpoint=args.etcd or "",
+        volume_claim=args.volume_claim or None,
+        image_pull_policy=args.image_pull_policy,
+    )
+    return in_cluster_manager(check_kubernetes_job_name(args.job), manager_config, args.ps, config)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -442,9 +859,14 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _cmd_train,
     "evaluate": _cmd_evaluate,
     "checkpoint": _cmd_checkpoint,
+    "scale": _cmd_scale_any_backend,
     "master": _cmd_master,
     "ps": _cmd_ps,
     "trainer": _cmd_trainer,
+    "submit": _cmd_submit,
+    "status": _cmd_status,
+    "logs": _cmd_logs,
+    "delete": _cmd_delete,
 }
 
 

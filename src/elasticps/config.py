@@ -35,7 +35,7 @@ class UpdateMode(enum.Enum):
     ASYNC = "async"
 
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "torch")
 
 
 @dataclass(frozen=True)
@@ -43,28 +43,61 @@ class OptimizerConfig:
     """The optimizer each parameter server runs on its shard (``torch.optim``).
 
     Attributes:
-        name: one of ``sgd``, ``momentum``, ``adam``, ``adagrad``.
-        lr: learning rate, > 0.
+        name: one of ``sgd``, ``momentum``, ``adam``, ``adagrad``, or
+            ``torch`` for ``torch.optim.<torch_class>``.
+        lr: base learning rate, > 0.
         momentum: momentum factor for ``momentum`` (SGD with momentum), in [0, 1).
         weight_decay: L2 penalty, >= 0.
+        torch_class: with ``name="torch"``: a ``torch.optim`` class name
+            (``RMSprop``); else empty.
+        options: JSON object of extra constructor keyword arguments
+            (``{"betas": [0.9, 0.99]}``); empty for none.
+        schedule: JSON learning-rate schedule by model version
+            (:func:`elasticps.updater.schedule_from_json`); empty for a constant lr.
     """
 
     name: str = "adam"
     lr: float = 1e-3
     momentum: float = 0.9
     weight_decay: float = 0.0
+    torch_class: str = ""
+    options: str = ""
+    schedule: str = ""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
             )
+        self._check_extensions()
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight decay must be >= 0, got {self.weight_decay}")
+
+    def _check_extensions(self) -> None:
+        import json
+
+        if (self.name == "torch") != bool(self.torch_class):
+            raise ConfigError("--optimizer-class is needed with, and only with, --optimizer torch")
+        if self.options:
+            try:
+                options = json.loads(self.options)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--optimizer-options is not valid JSON: {exc}") from exc
+            if not isinstance(options, dict):
+                raise ConfigError("--optimizer-options must be a JSON object")
+            if {"lr", "params"} & options.keys():
+                raise ConfigError("--optimizer-options cannot set 'lr' or 'params'")
+        if self.torch_class or self.schedule:
+            # Imported only then: elasticps.updater imports this module and torch.
+            from elasticps import updater
+
+            if self.torch_class:
+                updater.check_torch_optimizer(self.torch_class)
+            updater.schedule_from_json(self.schedule)
 
 
 def check_job_name(job: str) -> str:
@@ -109,6 +142,11 @@ class MasterConfig:
             pass before it is set aside as failed.
         host: interface the gRPC server binds.
         port: gRPC port; 0 picks a free one.
+        virtual_records: if > 0, the data is a *virtual source* of this many
+            records instead of files: tasks are ranges of record indices of
+            :data:`elasticps.master.main.VIRTUAL_SOURCE` (the Python API uses
+            it for the batches of a reader function). ``data_files`` must then
+            be empty.
     """
 
     common: CommonConfig
@@ -119,10 +157,15 @@ class MasterConfig:
     max_task_timeouts: int = 3
     host: str = "127.0.0.1"
     port: int = 0
+    virtual_records: int = 0
 
     def __post_init__(self) -> None:
-        if not self.data_files:
-            raise ConfigError("the master needs at least one data file")
+        if self.virtual_records < 0:
+            raise ConfigError(f"--virtual-records must be >= 0, got {self.virtual_records}")
+        if self.virtual_records and self.data_files:
+            raise ConfigError("the master takes data files or --virtual-records, not both")
+        if not self.data_files and not self.virtual_records:
+            raise ConfigError("the master needs at least one data file (or --virtual-records)")
         if self.records_per_task < 1:
             raise ConfigError(f"--records-per-task must be >= 1, got {self.records_per_task}")
         if self.num_passes < 1:
@@ -157,6 +200,11 @@ class PSConfig:
             number of servers can resume from it.
         claim_timeout_s: seconds to wait for a free ``/ps/<index>`` slot (a
             restarted server waits for its old lease to expire), >= 0.
+        frozen: glob patterns (``fnmatch``) over parameter names; matching
+            parameters never change and pushes with a non-zero gradient for
+            them are refused.
+        max_staleness: async mode: drop gradients computed more than this
+            many versions behind the shard (bounded staleness); None accepts any.
     """
 
     common: CommonConfig
@@ -170,9 +218,15 @@ class PSConfig:
     checkpoint_every_versions: int = 0
     resume_dir: Path | None = None
     claim_timeout_s: float = 30.0
+    frozen: tuple[str, ...] = ()
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--ps-port")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if any(not p for p in self.frozen):
+            raise ConfigError("--frozen patterns must not be empty")
         if not self.checkpoint_every_s > 0:
             raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
         if self.checkpoint_every_versions < 0:
@@ -181,6 +235,13 @@ class PSConfig:
             )
         if not self.claim_timeout_s >= 0:
             raise ConfigError(f"claim timeout must be >= 0 s, got {self.claim_timeout_s}")
+
+
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
+"""Values of ``--grad-compression`` (:class:`TrainerConfig`)."""
+
+PS_TRANSPORTS = ("auto", "tcp", "unix")
+"""Values of ``--ps-transport`` (:class:`TrainerConfig`)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +261,16 @@ class TrainerConfig:
         seed: seed for the initial parameters (equal on every trainer).
         threads: torch intra-op threads.
         connect_timeout_s: seconds to wait for the PS and the master to appear.
+        grad_compression: dtype gradients are pushed in: ``none`` (float32),
+            ``fp16`` or ``bf16`` (half the bytes; the PS widens them back).
+        ps_transport: ``auto`` (AF_UNIX to parameter servers on this host,
+            TCP to others), ``tcp`` or ``unix``.
+        overlap_push: async mode: send a push that does not pull in the
+            background, overlapping the next mini-batches' compute (1.10-1.25x
+            samples/s with spare CPU, 0.8-0.9x on a saturated machine:
+            benchmarks/push_options.py). Only pushes handed an
+            ``on_acknowledged`` callback go to the background, so progress
+            is never reported for a push in flight.
     """
 
     common: CommonConfig
@@ -215,8 +286,21 @@ class TrainerConfig:
     seed: int = 0
     threads: int = 1
     connect_timeout_s: float = 60.0
+    grad_compression: str = "none"
+    ps_transport: str = "auto"
+    overlap_push: bool = True
 
     def __post_init__(self) -> None:
+        if self.grad_compression not in GRAD_COMPRESSIONS:
+            raise ConfigError(
+                f"--grad-compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "
+                f"got {self.grad_compression!r}"
+            )
+        if self.ps_transport not in PS_TRANSPORTS:
+            raise ConfigError(
+                f"--ps-transport must be one of {', '.join(PS_TRANSPORTS)}, "
+                f"got {self.ps_transport!r}"
+            )
         if self.trainer_id < 0:
             raise ConfigError(f"trainer id must be >= 0, got {self.trainer_id}")
         if self.batch_size < 1:
@@ -244,7 +328,12 @@ class JobConfig:
         data: a directory holding ``train.parquet`` (and optionally
             ``test.parquet``), or one Parquet file.
         output: directory for the final checkpoint and the run record.
-        trainers: number of trainers, >= 1.
+        trainers: number of trainers at the start (the initial wanted count), >= 1.
+        min_trainers: fewest live trainers the worker manager keeps; None: ``trainers``.
+        max_trainers: most live trainers; None: ``trainers``. ``elasticps scale``
+            changes the wanted count within [min_trainers, max_trainers].
+        stuck_after_s: replace a trainer that made no progress for this long,
+            seconds; None disables stuck detection.
         ps: number of parameter servers, >= 1.
         mode: sync or async.
         epochs: passes over the data.
@@ -268,6 +357,8 @@ class JobConfig:
         chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
         checkpoint_every_s: seconds between a PS's shard checkpoints.
         resume: a consistent checkpoint directory to start from, or None.
+        max_staleness: async: the PS drop gradients more than this many
+            versions behind (``--max-staleness``); None accepts any.
     """
 
     job: str
@@ -299,11 +390,24 @@ class JobConfig:
     chaos: tuple[ChaosEvent, ...] = ()
     checkpoint_every_s: float = 10.0
     resume: Path | None = None
+    max_staleness: int | None = None
+    min_trainers: int | None = None
+    max_trainers: int | None = None
+    stuck_after_s: float | None = None
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         if self.trainers < 1:
             raise ConfigError(f"--trainers must be >= 1, got {self.trainers}")
+        if not self.trainer_range[0] <= self.trainers <= self.trainer_range[1]:
+            raise ConfigError(
+                f"--trainers MIN:MAX needs 1 <= MIN <= initial {self.trainers} <= MAX, "
+                f"got {self.trainer_range[0]}:{self.trainer_range[1]}"
+            )
+        if self.stuck_after_s is not None and not self.stuck_after_s > 0:
+            raise ConfigError(f"--stuck-after-s must be > 0, got {self.stuck_after_s}")
         if self.ps < 1:
             raise ConfigError(f"--ps must be >= 1, got {self.ps}")
         if self.epochs < 1:
@@ -329,7 +433,154 @@ class JobConfig:
         if not self.checkpoint_every_s > 0:
             raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
 
+    @property
+    def trainer_range(self) -> tuple[int, int]:
+        """``(min, max)`` live trainers the worker manager keeps."""
+        low = self.trainers if self.min_trainers is None else self.min_trainers
+        high = self.trainers if self.max_trainers is None else self.max_trainers
+        return low, high
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """The worker manager (:mod:`elasticps.launcher.manager`).
+
+    Attributes:
+        min_trainers: fewest live trainers, >= 1 (the wanted count is clamped up to it).
+        max_trainers: most live trainers, >= min_trainers.
+        stuck_after_s: a running trainer with no progress for this long is
+            deleted and replaced, seconds; None disables.
+        backoff_base_s: first delay before re-creating a worker that could not
+            be scheduled, seconds, > 0; it doubles per attempt, plus a uniform
+            jitter in [0, backoff_base_s].
+        backoff_cap_s: longest delay between two attempts, seconds, >= backoff_base_s.
+        tick_s: seconds between two periodic checks (stuck trainers, due retries), > 0.
+    """
+
+    min_trainers: int = 1
+    max_trainers: int = 1
+    stuck_after_s: float | None = None
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    tick_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.min_trainers < 1:
+            raise ConfigError(
+                f"the minimum number of trainers must be >= 1, got {self.min_trainers}"
+            )
+        if self.max_trainers < self.min_trainers:
+            raise ConfigError(
+                f"--trainers MIN:MAX needs MIN <= MAX, got {self.min_trainers}:{self.max_trainers}"
+            )
+        if self.stuck_after_s is not None and not self.stuck_after_s > 0:
+            raise ConfigError(f"--stuck-after-s must be > 0, got {self.stuck_after_s}")
+        if not self.backoff_base_s > 0:
+            raise ConfigError(f"backoff base must be > 0 s, got {self.backoff_base_s}")
+        if self.backoff_cap_s < self.backoff_base_s:
+            raise ConfigError(
+                f"backoff cap {self.backoff_cap_s} s must be >= its base {self.backoff_base_s} s"
+            )
+        if not self.tick_s > 0:
+            raise ConfigError(f"tick must be > 0 s, got {self.tick_s}")
+
+    def clamp(self, wanted: int) -> int:
+        """``wanted`` trainers, clamped to [min_trainers, max_trainers]."""
+        return max(self.min_trainers, min(self.max_trainers, wanted))
+
 
 def _check_port(port: int, flag: str) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{flag} must be in 0..65535, got {port}")
+
+
+# --- Kubernetes (engineer D) ------------------------------------------------------
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+#: Longest job name on Kubernetes: ``<job>-trainer-<index>`` must stay a DNS label (63).
+MAX_KUBERNETES_JOB_NAME = 40
+
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+def check_kubernetes_job_name(job: str) -> str:
+    """Return ``job`` if it can name Kubernetes objects, else raise ConfigError.
+
+    Pod and Service names are ``<job>-<role>-<index>``: lower-case DNS labels
+    (RFC 1123), so the job name must be one too, of at most
+    :data:`MAX_KUBERNETES_JOB_NAME` characters.
+    """
+    check_job_name(job)
+    if not _DNS_LABEL.match(job) or len(job) > MAX_KUBERNETES_JOB_NAME:
+        raise ConfigError(
+            f"on Kubernetes the job name {job!r} must be at most {MAX_KUBERNETES_JOB_NAME} "
+            "lower-case letters, digits and '-', starting and ending with a letter or digit"
+        )
+    return job
+
+
+@dataclass(frozen=True)
+class PodResources:
+    """CPU and memory of one pod's container, as Kubernetes quantities.
+
+    Attributes:
+        cpu_request: CPU the scheduler reserves (``"500m"`` is half a core).
+        cpu_limit: CPU the container may use at most.
+        memory_request: memory the scheduler reserves, bytes (``"1Gi"``).
+        memory_limit: memory above which the container is OOM-killed, bytes.
+    """
+
+    cpu_request: str = "500m"
+    cpu_limit: str = "2"
+    memory_request: str = "1Gi"
+    memory_limit: str = "4Gi"
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_request", "cpu_limit", "memory_request", "memory_limit"):
+            if not re.match(r"^[0-9.]+[a-zA-Z]*$", getattr(self, name)):
+                raise ConfigError(
+                    f"{name} must be a Kubernetes quantity, got {getattr(self, name)!r}"
+                )
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    """Where and how the pods of a job run on Kubernetes.
+
+    Attributes:
+        namespace: the namespace of every object of the job (a DNS label).
+        image: the container image (see ``deploy/kubernetes/Dockerfile``).
+        etcd_endpoint: ``host:port`` of etcd as seen from the pods; empty:
+            the job's own etcd Service, ``<job>-etcd:2379``.
+        service_account: the master's ServiceAccount (``deploy/kubernetes/rbac.yaml``).
+        image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never``.
+        volume_claim: a PersistentVolumeClaim mounted at ``/data`` in every pod
+            (data files and PS checkpoints), or None.
+        master: resources of the master pod.
+        ps: resources of each parameter-server pod.
+        trainer: resources of each trainer pod.
+        etcd_image: the image of the job's etcd pod.
+    """
+
+    namespace: str = "default"
+    image: str = "elasticps:latest"
+    etcd_endpoint: str = ""
+    service_account: str = "elasticps"
+    image_pull_policy: str = "IfNotPresent"
+    volume_claim: str | None = None
+    master: PodResources = PodResources("250m", "1", "512Mi", "1Gi")
+    ps: PodResources = PodResources("500m", "2", "1Gi", "4Gi")
+    trainer: PodResources = PodResources("1", "2", "1Gi", "4Gi")
+    etcd_image: str = "quay.io/coreos/etcd:v3.5.17"
+
+    def __post_init__(self) -> None:
+        if not _DNS_LABEL.match(self.namespace) or len(self.namespace) > 63:
+            raise ConfigError(f"--namespace must be a DNS label, got {self.namespace!r}")
+        if not self.image.strip():
+            raise ConfigError("--image must not be empty")
+        if self.image_pull_policy not in PULL_POLICIES:
+            raise ConfigError(
+                f"image pull policy must be one of {', '.join(PULL_POLICIES)}, "
+                f"got {self.image_pull_policy!r}"
+            )

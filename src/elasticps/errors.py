@@ -117,3 +117,19 @@ class UnschedulableError(ElasticPSError):
 
 class FrozenParameterError(UserError):
     """A gradient was pushed for a frozen parameter, or a frozen one was asked to change."""
+
+
+class MissingParameterError(UserError, KeyError):
+    """A model needs parameters that a ParameterSet does not have (the message names them)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class KubernetesError(ElasticPSError):
+    """The Kubernetes API refused a request (other than a quota) or could not be reached."""
+
+
+class KVStoreError(UserError, ValueError):
+    """A KVStore call is invalid: unknown or duplicate key, wrong shape, an ``init``
+    after the layout was fixed, or a ``dist_*`` push without an optimizer."""

@@ -8,6 +8,7 @@ to the step under one lock, which it releases only by waiting.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
@@ -17,12 +18,13 @@ import torch
 from torch.testing import assert_close
 
 from elasticps.config import OptimizerConfig, UpdateMode
-from elasticps.errors import LayoutMismatchError
+from elasticps.errors import FrozenParameterError, LayoutMismatchError
 from elasticps.pserver.shard import (
     FreezeTimeoutError,
     ParameterShard,
     PushResult,
     ShardClosedError,
+    frozen_pieces,
 )
 from elasticps.testing import wait_for
 
@@ -674,7 +676,15 @@ def test_state_exports_the_optimizer_state_as_flat_tensors_and_scalars(
     assert meta["optimizer_scalars"] == {"step": {"value": 2.0, "dtype": "float32"}}
     assert meta["version"] == 2
     assert meta["mode"] == "async"
-    assert meta["optimizer"] == {"name": "adam", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}
+    assert meta["optimizer"] == {
+        "name": "adam",
+        "lr": 0.1,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+        "torch_class": "",
+        "options": "",
+        "schedule": "",
+    }
 
 
 def test_state_is_a_copy_that_later_steps_do_not_change(make_shard: ShardFactory) -> None:
@@ -711,3 +721,183 @@ def test_load_state_of_another_size_raises_layout_mismatch(make_shard: ShardFact
     with pytest.raises(LayoutMismatchError):
         shard.load_state(tensors, meta)
     assert shard.version == 0
+
+
+# --- learning-rate schedules, torch.optim classes -----------------------------------
+
+
+def test_step_decay_schedule_sets_the_lr_of_each_step_by_model_version(
+    make_shard: ShardFactory,
+) -> None:
+    schedule = json.dumps({"kind": "step", "every_versions": 2, "gamma": 0.5})
+    shard = make_shard(UpdateMode.ASYNC, OptimizerConfig(name="sgd", lr=1.0, schedule=schedule))
+
+    moves = []
+    for version in range(5):
+        before = shard.values.clone()
+        shard.push(0, full(1.0), version, 1)
+        moves.append(float((before - shard.values)[0]))
+
+    assert moves == [1.0, 1.0, 0.5, 0.5, 0.25]
+
+
+def test_sync_step_uses_the_scheduled_lr_of_the_version_it_starts_from(
+    make_shard: ShardFactory,
+) -> None:
+    schedule = json.dumps({"kind": "warmup", "versions": 4})
+    shard = make_shard(UpdateMode.SYNC, OptimizerConfig(name="sgd", lr=1.0, schedule=schedule))
+
+    shard.push(0, full(1.0), 0, 1)
+    shard.push(0, full(1.0), 1, 1)
+
+    assert_close(shard.values, full(-(0.25 + 0.5)))
+
+
+def test_torch_optim_class_by_name_equals_torch_optim_on_the_same_gradients(
+    make_shard: ShardFactory,
+) -> None:
+    config = OptimizerConfig(
+        name="torch", lr=0.01, torch_class="RMSprop", options=json.dumps({"alpha": 0.9})
+    )
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(NUMEL, generator=gen) for _ in range(3)]
+    shard = make_shard(UpdateMode.ASYNC, config)
+    ref = torch.nn.Parameter(torch.zeros(NUMEL))
+    ref_opt = torch.optim.RMSprop([ref], lr=0.01, alpha=0.9)
+
+    for version, grad in enumerate(grads):
+        shard.push(0, grad.clone(), version, 1)
+        ref.grad = grad.clone()
+        ref_opt.step()
+
+    assert_close(shard.values, ref.detach())
+    tensors, _ = shard.state()
+    assert "optim.square_avg" in tensors
+
+
+# --- frozen parameters -----------------------------------------------------------------
+
+# Shard buffer: a.w [0, 2) | D.w [2, 4) | b.w [4, 5) | D.b [5, 6)
+FROZEN_LAYOUT: dict[str, object] = {
+    "shard": 0,
+    "numel": NUMEL,
+    "pieces": [["a.w", 0, 2], ["D.w", 0, 2], ["b.w", 3, 4], ["D.b", 0, 1]],
+}
+
+
+@pytest.fixture
+def make_frozen_shard() -> Iterator[Callable[..., ParameterShard]]:
+    shards: list[ParameterShard] = []
+
+    def make(
+        mode: UpdateMode = UpdateMode.ASYNC,
+        optimizer: OptimizerConfig = SGD_LR1,
+        frozen: tuple[str, ...] = ("D.*",),
+    ) -> ParameterShard:
+        shard = ParameterShard(FROZEN_LAYOUT, FINGERPRINT, optimizer, mode, frozen=frozen)
+        shards.append(shard)
+        return shard
+
+    yield make
+    for shard in shards:
+        shard.close()
+
+
+def test_frozen_ranges_follow_the_layout_pieces_in_order() -> None:
+    assert frozen_pieces(FROZEN_LAYOUT, ["D.*"]) == (("D.w", 2, 4), ("D.b", 5, 6))
+    assert frozen_pieces(FROZEN_LAYOUT, ["?.w"]) == (("a.w", 0, 2), ("D.w", 2, 4), ("b.w", 4, 5))
+    assert frozen_pieces(FROZEN_LAYOUT, ["nothing*"]) == ()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"shard": 0, "numel": 2},
+        {"shard": 0, "numel": 2, "pieces": [["a", 0]]},
+        {"shard": 0, "numel": 2, "pieces": [["a", 2, 0]]},
+        {"shard": 0, "numel": 2, "pieces": [[1, 0, 2]]},
+        {"shard": 0, "numel": 3, "pieces": [["a", 0, 2]]},
+    ],
+    ids=["no-pieces", "short-piece", "negative-size", "name-not-str", "size-mismatch"],
+)
+def test_malformed_layout_with_frozen_patterns_is_rejected(layout: dict[str, object]) -> None:
+    with pytest.raises(LayoutMismatchError):
+        ParameterShard(layout, FINGERPRINT, SGD_LR1, UpdateMode.ASYNC, frozen=("a",))
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.ASYNC, UpdateMode.SYNC])
+def test_push_with_a_nonzero_gradient_for_a_frozen_parameter_is_refused_and_not_applied(
+    make_frozen_shard: Callable[..., ParameterShard], mode: UpdateMode
+) -> None:
+    shard = make_frozen_shard(mode)
+    grad = full(1.0)
+
+    with pytest.raises(FrozenParameterError, match=r"D\.b, D\.w"):
+        shard.push(0, grad, 0, 1)
+
+    assert torch.equal(shard.values, full(0.0))
+    assert shard.version == 0
+    assert shard.stats().open_round == 0
+    # Nothing is lost: the same push with the frozen gradients zeroed goes through.
+    grad[2:4] = 0
+    grad[5] = 0
+    assert shard.push(0, grad, 0, 1).accepted
+    assert_close(shard.values, torch.tensor([-1.0, -1.0, 0.0, 0.0, -1.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        OptimizerConfig(name="adam", lr=0.1, weight_decay=0.5),
+        OptimizerConfig(name="momentum", lr=0.1, momentum=0.9, weight_decay=0.5),
+        OptimizerConfig(name="adagrad", lr=0.1, weight_decay=0.5),
+    ],
+    ids=["adam", "momentum", "adagrad"],
+)
+def test_frozen_values_stay_bit_identical_under_stateful_optimizers(
+    make_frozen_shard: Callable[..., ParameterShard], optimizer: OptimizerConfig
+) -> None:
+    unfrozen = ParameterShard(FROZEN_LAYOUT, FINGERPRINT, optimizer, UpdateMode.ASYNC)
+    gen = torch.Generator().manual_seed(11)
+    init = torch.randn(NUMEL, generator=gen)
+    grads = [torch.randn(NUMEL, generator=gen) for _ in range(4)]
+    # First train everything, so momentum / Adam state exists for the later-frozen part.
+    unfrozen.values.copy_(init)
+    for version, grad in enumerate(grads[:2]):
+        unfrozen.push(0, grad.clone(), version, 1)
+    tensors, meta = unfrozen.state()
+    shard = ParameterShard.from_state(
+        tensors, meta, optimizer=optimizer, mode=UpdateMode.ASYNC, frozen=("D.*",)
+    )
+    before = shard.values.clone()
+
+    for version, raw in enumerate(grads[2:], start=2):
+        grad = raw.clone()
+        grad[2:4] = 0
+        grad[5] = 0
+        shard.push(0, grad, version, 1)
+
+    after = shard.values
+    assert torch.equal(after[2:4], before[2:4])
+    assert torch.equal(after[5:6], before[5:6])
+    assert not torch.equal(after[0:2], before[0:2])
+
+
+def test_zero_gradient_push_without_frozen_patterns_is_never_refused(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    assert shard.push(0, full(1.0), 0, 1).accepted
+    assert shard.frozen_ranges == ()
+
+
+def test_shard_max_staleness_is_the_default_bound_of_async_pushes() -> None:
+    shard = ParameterShard(
+        {"shard": 0, "numel": NUMEL}, FINGERPRINT, SGD_LR1, UpdateMode.ASYNC, max_staleness=1
+    )
+    for version in range(3):
+        shard.push(0, full(1.0), version, 1)
+
+    assert not shard.push(0, full(1.0), 1, 1).accepted  # 2 versions behind
+    assert shard.push(0, full(1.0), 2, 1).accepted
+    assert shard.push(0, full(1.0), 0, 1, max_staleness=10).accepted  # per-call bound wins

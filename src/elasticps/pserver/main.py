@@ -16,6 +16,9 @@ restarts it and it reloads.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -54,6 +57,8 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
     store = JobStore(config.common.etcd_endpoint, config.common.job)
     lease = store.grant_lease(config.common.lease_ttl_s, on_lost=stop.set)
     # Bind before claiming, so the address we publish is already accepting.
+    # Also on AF_UNIX, in a private runtime dir, for trainers on this host.
+    runtime_dir = tempfile.mkdtemp(prefix="elasticps-ps-")
     server = ParameterServer(
         shard_index=-1,
         mode=config.mode,
@@ -62,13 +67,16 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         port=config.port,
         init_timeout_s=config.init_timeout_s,
         on_shutdown=stop.set,
+        frozen=config.frozen,
+        max_staleness=config.max_staleness,
+        unix_path=os.path.join(runtime_dir, "ps.sock"),
     )
     watch = None
     checkpointer: ShardCheckpointer | None = None
     try:
         try:
             server.shard_index = store.claim_ps_slot_within(
-                server.address, lease, config.claim_timeout_s, cancel=stop
+                server.address, lease, config.claim_timeout_s, cancel=stop, unix=server.unix_path
             )
         except CoordinationError:
             if stop.is_set() and not lease.lost.is_set():
@@ -95,6 +103,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         stop.wait()
     finally:
         server.stop()  # no push is applied after this: the shard is closed
+        shutil.rmtree(runtime_dir, ignore_errors=True)
         if checkpointer is not None:
             checkpointer.stop()
             if not lease.lost.is_set():
@@ -150,7 +159,12 @@ def _restore(config: PSConfig, server: ParameterServer) -> int | None:
                     f"{path} holds the shard of parameter server {saved_index!r}, not {index}"
                 )
             shard = ParameterShard.from_state(
-                tensors, meta, optimizer=config.optimizer, mode=config.mode
+                tensors,
+                meta,
+                optimizer=config.optimizer,
+                mode=config.mode,
+                frozen=config.frozen,
+                max_staleness=config.max_staleness,
             )
             server.install_shard(shard)
             log.info(

@@ -23,18 +23,34 @@ Consistent snapshots: :meth:`ParameterShard.freeze` stops the shard between
 two steps; pushes then wait (they are not refused) until
 :meth:`ParameterShard.thaw`, so values and version stay put while a snapshot
 of every shard is written.
+
+Learning-rate schedules: before every step the shard sets each param
+group's ``lr`` to :func:`elasticps.updater.lr_at` of its config at the
+version the step starts from, so the schedule is a pure function of the
+model version (restarts and resumes agree on it).
+
+Frozen parameters: parameters whose names match the shard's ``frozen`` glob
+patterns are pulled like any other but never change. A push whose gradient
+is non-zero anywhere in a frozen range is refused with
+:class:`~elasticps.errors.FrozenParameterError` before it touches any state
+(nothing is applied, the sync round does not count it). Zero gradients are
+accepted, but optimizers with state or weight decay (momentum, Adam) may
+still move a value whose gradient is zero, so the frozen ranges are copied
+before each step and written back after it: frozen values stay bit-identical.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
-from elasticps.errors import ElasticPSError, LayoutMismatchError
+from elasticps.errors import ElasticPSError, FrozenParameterError, LayoutMismatchError
+from elasticps.updater import make_torch_optimizer, schedule_from_json
 
 VALUES_KEY = "values"
 """Name of the parameter tensor in :meth:`ParameterShard.state`."""
@@ -49,29 +65,65 @@ def make_optimizer(params: list[torch.Tensor], config: OptimizerConfig) -> torch
 
     Args:
         params: leaf float32 tensors to optimize.
-        config: optimizer name and hyper-parameters.
+        config: optimizer name, hyper-parameters and extra JSON options.
 
     Returns:
-        ``torch.optim.SGD`` (``sgd``; ``momentum`` sets its momentum),
-        ``torch.optim.Adam`` or ``torch.optim.Adagrad``. Adam and AdaGrad use
-        the fused CPU kernels: on a 10M-element shard here a step takes 5.5 ms
-        instead of 45 ms (Adam) and 3.5 ms instead of 24.5 ms (AdaGrad), with
-        results equal within 5e-7 (``benchmarks/README.md``). Fused SGD is
-        no faster, so SGD keeps the default kernel.
+        See :func:`elasticps.updater.make_torch_optimizer`: ``torch.optim.SGD``
+        (``sgd``, ``momentum``), fused ``Adam`` and ``Adagrad``, or
+        ``torch.optim.<torch_class>``.
+
+    Raises:
+        ConfigError: the options do not fit the optimizer class.
     """
-    if config.name == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
-    if config.name == "momentum":
-        return torch.optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
-    if config.name == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
-    if config.name == "adagrad":
-        return torch.optim.Adagrad(
-            params, lr=config.lr, weight_decay=config.weight_decay, fused=True
-        )
-    raise ValueError(f"unknown optimizer {config.name!r}")  # unreachable: config validates
+    return make_torch_optimizer(params, config)
+
+
+def frozen_pieces(
+    layout: Mapping[str, object], patterns: Sequence[str]
+) -> tuple[tuple[str, int, int], ...]:
+    """The element ranges of a shard that hold frozen parameters.
+
+    Pure. The shard buffer is the concatenation of the layout's pieces in
+    order (see :mod:`elasticps.placement`), so a piece's offset is the sum of
+    the sizes before it.
+
+    Args:
+        layout: ``ShardLayout.describe()``: ``pieces`` is a list of
+            ``[name, param_start, param_end]``.
+        patterns: ``fnmatch`` glob patterns over parameter names (``"D.*"``).
+
+    Returns:
+        ``(name, start, end)`` element ranges of the shard buffer, in order,
+        one per frozen piece (adjacent pieces are not merged, so that errors
+        can name the parameter).
+
+    Raises:
+        LayoutMismatchError: the layout's pieces are malformed or do not add
+            up to its ``numel`` (it arrives over the network).
+    """
+    pieces = layout.get("pieces")
+    numel = layout.get("numel")
+    if not isinstance(pieces, list):
+        raise LayoutMismatchError("layout has no 'pieces' list; cannot locate frozen parameters")
+    out: list[tuple[str, int, int]] = []
+    offset = 0
+    for piece in pieces:
+        if (
+            not isinstance(piece, list)
+            or len(piece) != 3
+            or not isinstance(piece[0], str)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in piece[1:])
+            or not 0 <= piece[1] <= piece[2]
+        ):
+            raise LayoutMismatchError(f"layout piece {piece!r:.80} is not [name, start, end]")
+        name, lo, hi = piece[0], piece[1], piece[2]
+        size = hi - lo
+        if size and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            out.append((name, offset, offset + size))
+        offset += size
+    if offset != numel:
+        raise LayoutMismatchError(f"layout pieces add up to {offset} elements, numel is {numel}")
+    return tuple(out)
 
 
 class ShardClosedError(ElasticPSError):
@@ -122,8 +174,16 @@ class ParameterShard:
         layout: the shard layout as described by the first trainer's HELLO
             (``ShardLayout.describe()``), kept for checkpoints and checks.
         fingerprint: SHA-256 of the layout; later HELLOs must match it.
-        optimizer: optimizer configuration.
+        optimizer: optimizer configuration (with its lr schedule).
         mode: sync-SGD or async-SGD.
+        frozen: ``fnmatch`` glob patterns over parameter names; matching
+            parameters never change (see the module docstring).
+        max_staleness: async only: default bound for :meth:`push` (drop
+            gradients more than this many versions behind); None accepts any.
+
+    Raises:
+        LayoutMismatchError: the layout is malformed.
+        ConfigError: the optimizer config does not build.
     """
 
     def __init__(
@@ -132,6 +192,9 @@ class ParameterShard:
         fingerprint: str,
         optimizer: OptimizerConfig,
         mode: UpdateMode,
+        *,
+        frozen: Sequence[str] = (),
+        max_staleness: int | None = None,
     ) -> None:
         numel = layout.get("numel")
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
@@ -141,6 +204,10 @@ class ParameterShard:
         self.numel = numel
         self.mode = mode
         self.optimizer_config = optimizer
+        self.frozen_patterns = tuple(frozen)
+        self.max_staleness = max_staleness
+        self._frozen_pieces = frozen_pieces(layout, self.frozen_patterns) if frozen else ()
+        self._schedule = schedule_from_json(optimizer.schedule)
         self._param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32))
         self._optimizer = make_optimizer([self._param], optimizer)
         self._acc = torch.zeros(numel, dtype=torch.float32)
@@ -169,6 +236,11 @@ class ParameterShard:
         in sync mode replies are sent between steps, so reads are whole.
         """
         return self._param.data
+
+    @property
+    def frozen_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """``(name, start, end)`` element ranges of frozen parameters in :attr:`values`."""
+        return self._frozen_pieces
 
     @property
     def version(self) -> int:
@@ -262,8 +334,8 @@ class ParameterShard:
 
         Returns:
             True if the optimizer state was restored too; False if it was
-            saved for another optimizer (``meta["optimizer"]["name"]``
-            differs), in which case the optimizer starts fresh.
+            saved for another optimizer (``meta["optimizer"]["name"]`` or
+            ``["torch_class"]`` differs), in which case the optimizer starts fresh.
 
         Raises:
             LayoutMismatchError: a tensor does not have ``numel`` elements.
@@ -278,7 +350,9 @@ class ParameterShard:
             raise ValueError(f"saved version must be a non-negative integer, got {version!r}")
         saved_opt = meta.get("optimizer")
         same_optimizer = (
-            isinstance(saved_opt, Mapping) and saved_opt.get("name") == self.optimizer_config.name
+            isinstance(saved_opt, Mapping)
+            and saved_opt.get("name") == self.optimizer_config.name
+            and saved_opt.get("torch_class", "") == self.optimizer_config.torch_class
         )
         restored: dict[str, object] = {}
         if same_optimizer:
@@ -314,6 +388,8 @@ class ParameterShard:
         *,
         optimizer: OptimizerConfig,
         mode: UpdateMode,
+        frozen: Sequence[str] = (),
+        max_staleness: int | None = None,
     ) -> ParameterShard:
         """A shard rebuilt from :meth:`state`'s output, layout and fingerprint included.
 
@@ -323,6 +399,8 @@ class ParameterShard:
                 and ``fingerprint`` (a string).
             optimizer: the optimizer to run from now on (see :meth:`load_state`).
             mode: the update mode to run from now on.
+            frozen: frozen-parameter patterns to run with from now on.
+            max_staleness: async staleness bound from now on.
 
         Raises:
             LayoutMismatchError: the layout or a tensor size is invalid.
@@ -332,7 +410,9 @@ class ParameterShard:
         fingerprint = meta.get("fingerprint")
         if not isinstance(layout, dict) or not isinstance(fingerprint, str):
             raise ValueError("saved shard state needs a 'layout' object and a 'fingerprint'")
-        shard = cls(layout, fingerprint, optimizer, mode)
+        shard = cls(
+            layout, fingerprint, optimizer, mode, frozen=frozen, max_staleness=max_staleness
+        )
         shard.load_state(tensors, meta)
         return shard
 
@@ -445,21 +525,58 @@ class ParameterShard:
             model_version: the shard version the gradient was computed on.
             num_samples: samples behind the gradient; weights it in sync mode.
             max_staleness: async only: drop gradients more than this many
-                versions behind (``None`` accepts any).
+                versions behind; ``None`` uses the shard's ``max_staleness``.
 
         Returns:
             Whether the gradient was used, and the version after it.
 
         Raises:
             ShardClosedError: the shard is closed, or closed while the push waited.
+            FrozenParameterError: the gradient is non-zero for a frozen
+                parameter; nothing was applied.
+            LayoutMismatchError: the gradient has the wrong size.
         """
         if grad is not None and grad.numel() != self.numel:
             raise LayoutMismatchError(
                 f"gradient has {grad.numel()} elements, shard has {self.numel}"
             )
+        if grad is not None and self._frozen_pieces:
+            self._check_frozen(grad)
+        if max_staleness is None:
+            max_staleness = self.max_staleness
         if self.mode is UpdateMode.ASYNC:
             return self._push_async(grad, model_version, max_staleness)
         return self._push_sync(trainer_id, grad, model_version, num_samples)
+
+    def _check_frozen(self, grad: torch.Tensor) -> None:
+        touched = sorted({name for name, lo, hi in self._frozen_pieces if grad[lo:hi].any()})
+        if touched:
+            shown = ", ".join(touched[:5]) + (
+                f" and {len(touched) - 5} more" if len(touched) > 5 else ""
+            )
+            raise FrozenParameterError(
+                f"push refused: non-zero gradient for frozen parameter(s) {shown} (patterns "
+                f"{', '.join(self.frozen_patterns)}); nothing was applied. Zero their "
+                "gradients on the trainer (pass the same frozen patterns to it)."
+            )
+
+    def _step(self, grad: torch.Tensor) -> None:
+        """One optimizer step with ``grad``, at the scheduled lr; frozen values kept.
+
+        Caller holds self._cond; the version is bumped by the caller afterwards.
+        """
+        lr = self.optimizer_config.lr * self._schedule.factor(self._version)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        values = self._param.data
+        kept = [values[lo:hi].clone() for _, lo, hi in self._frozen_pieces]
+        self._param.grad = grad
+        try:
+            self._optimizer.step()
+        finally:
+            self._param.grad = None
+            for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
+                values[lo:hi].copy_(old)
 
     def _push_async(
         self, grad: torch.Tensor | None, model_version: int, max_staleness: int | None
@@ -472,9 +589,7 @@ class ParameterShard:
             if max_staleness is not None and self._version - model_version > max_staleness:
                 self._stale += 1
                 return PushResult(False, self._version)
-            self._param.grad = grad
-            self._optimizer.step()
-            self._param.grad = None
+            self._step(grad)
             self._version += 1
             self._steps += 1
             self._after_step()
@@ -518,9 +633,7 @@ class ParameterShard:
             return
         if self._acc_samples > 0:
             self._acc.div_(float(self._acc_samples))
-            self._param.grad = self._acc
-            self._optimizer.step()
-            self._param.grad = None
+            self._step(self._acc)
             self._version += 1
             self._steps += 1
         self._acc.zero_()
