@@ -23,6 +23,7 @@ Every violation is reported as a one-line
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import inspect
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 
 from elasticps.errors import ModelContractError
 
-__all__ = ["ModelSpec", "check_model", "load_model_file"]
+__all__ = ["ModelSpec", "check_model", "in_process_spec", "load_model_file"]
 
 _module_counter = itertools.count()
 
@@ -270,4 +271,58 @@ def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
         build=build,
         loss=cast(Callable[[Tensor, Tensor], Tensor], loss),
         batch_to_tensors=cast(Callable[[pa.Table], tuple[Tensor, Tensor]], batch_to_tensors),
+    )
+
+
+def _no_batch_to_tensors(batch: pa.Table) -> tuple[Tensor, Tensor]:
+    raise ModelContractError(
+        "this job's data is a reader function, so it has no batch_to_tensors for Parquet rows"
+    )
+
+
+def in_process_spec(
+    model: nn.Module,
+    loss: Callable[[Tensor, Tensor], Tensor],
+    *,
+    batch_to_tensors: Callable[[pa.Table], tuple[Tensor, Tensor]] | None = None,
+    columns: tuple[str, ...] = (),
+) -> ModelSpec:
+    """A :class:`ModelSpec` for a model object of the Python API (no model file).
+
+    :meth:`ModelSpec.instantiate` returns a deep copy of ``model`` (its current
+    values, whatever the seed), so each trainer thread of
+    :func:`elasticps.train` has its own module.
+
+    Args:
+        model: the module to train; it is checked with :func:`check_model`.
+        loss: ``loss(outputs, targets) -> Tensor``, a scalar mean loss.
+        batch_to_tensors: for Parquet data: ``pyarrow.Table -> (inputs, targets)``.
+        columns: for Parquet data: the columns ``batch_to_tensors`` reads.
+
+    Raises:
+        ModelContractError: the model breaks the contract, or ``loss`` is not callable.
+    """
+    name = type(model).__name__
+    check_model(model, what=name)
+    if not callable(loss):
+        raise ModelContractError(f"loss must be callable, got {type(loss).__name__}")
+    if batch_to_tensors is not None and not callable(batch_to_tensors):
+        raise ModelContractError(
+            f"batch_to_tensors must be callable, got {type(batch_to_tensors).__name__}"
+        )
+    template = model
+
+    def build() -> nn.Module:
+        try:
+            return copy.deepcopy(template)
+        except Exception as exc:
+            raise ModelContractError(f"cannot copy {name}: {_one_line(exc)}") from exc
+
+    return ModelSpec(
+        path=Path(f"<{name}>"),
+        model_class=name,
+        columns=columns,
+        build=build,
+        loss=loss,
+        batch_to_tensors=batch_to_tensors or _no_batch_to_tensors,
     )

@@ -29,7 +29,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -45,6 +47,7 @@ from elasticps.proto import master_pb2_grpc
 __all__ = [
     "EXIT_OK",
     "EXIT_STEPPED_DOWN",
+    "VIRTUAL_SOURCE",
     "build_spec",
     "queue_config",
     "run_master",
@@ -53,11 +56,22 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+OnActive = Callable[[JobStore], Callable[[], None]]
+"""Called with the job's store once a master serves; returns its shutdown function."""
+
 EXIT_OK = 0
 """Exit status of a master stopped on request (or a standby stopped before taking over)."""
 
 EXIT_STEPPED_DOWN = 3
 """Exit status of a master that lost its lease or its lock: another master may serve."""
+
+VIRTUAL_SOURCE = "virtual:reader"
+"""The file name of the tasks of a virtual source (``MasterConfig.virtual_records``).
+
+A task ``(VIRTUAL_SOURCE, start, end)`` is the records ``[start, end)`` of a
+source that the trainers know without files: for the Python API, the batches
+``itertools.islice(reader(), start, end)`` of the user's reader function.
+"""
 
 #: Longest wait on one watch of the lock before trying to acquire it again, seconds.
 _STANDBY_RECHECK_S = 1.0
@@ -66,11 +80,18 @@ _STANDBY_RECHECK_S = 1.0
 def build_spec(config: MasterConfig) -> LedgerSpec:
     """The data split of a master configuration (reads the Parquet row counts).
 
+    With ``config.virtual_records`` > 0 the only "file" is
+    :data:`VIRTUAL_SOURCE` with that many records, and nothing is read.
+
     Raises:
         DataError: a data file is missing or unreadable.
     """
+    if config.virtual_records:
+        files: tuple[tuple[str, int], ...] = ((VIRTUAL_SOURCE, config.virtual_records),)
+    else:
+        files = tuple((str(path), count_rows(path)) for path in config.data_files)
     return LedgerSpec(
-        files=tuple((str(path), count_rows(path)) for path in config.data_files),
+        files=files,
         records_per_task=config.records_per_task,
         num_passes=config.num_passes,
     )
@@ -89,24 +110,31 @@ def queue_config(config: MasterConfig) -> QueueConfig:
     )
 
 
-def run_master(config: MasterConfig, stop: threading.Event) -> None:
+def run_master(
+    config: MasterConfig, stop: threading.Event, on_active: OnActive | None = None
+) -> None:
     """The ``elasticps master`` role: :func:`serve_master`, exiting with status 3 on step-down.
 
     Raises:
         SystemExit: with :data:`EXIT_STEPPED_DOWN`, if the master stepped down.
         Everything :func:`serve_master` raises.
     """
-    status = serve_master(config, stop)
+    status = serve_master(config, stop, on_active)
     if status != EXIT_OK:
         raise SystemExit(status)
 
 
-def serve_master(config: MasterConfig, stop: threading.Event) -> int:
+def serve_master(
+    config: MasterConfig, stop: threading.Event, on_active: OnActive | None = None
+) -> int:
     """Run a master (active or standby) until ``stop`` is set or it steps down.
 
     Args:
         config: master configuration.
         stop: set it to shut the master down; also set when it steps down.
+        on_active: called with the job's store once this master serves (e.g.
+            to start the Kubernetes worker manager); returns the function to
+            call at shutdown.
 
     Returns:
         :data:`EXIT_OK` when stopped, :data:`EXIT_STEPPED_DOWN` when it lost
@@ -136,6 +164,8 @@ def serve_master(config: MasterConfig, stop: threading.Event) -> int:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"))
     lease: KeptLease | None = None
     watch: Watch | None = None
+    health = _add_health(server)
+    stop_active: Callable[[], None] | None = None
     try:
         address = _bind(server, config)
         lease = store.grant_lease(
@@ -165,8 +195,13 @@ def serve_master(config: MasterConfig, stop: threading.Event) -> int:
             stats.total,
         )
         watch = _watch_trainers(store, service)
+        if on_active is not None:
+            stop_active = on_active(store)
         stop.wait()
     finally:
+        if stop_active is not None:
+            stop_active()
+        health.enter_graceful_shutdown()  # readiness probes fail from now on
         if watch is not None:
             watch.cancel()
         server.stop(grace=1.0).wait(5)
@@ -176,6 +211,22 @@ def serve_master(config: MasterConfig, stop: threading.Event) -> int:
             lease.revoke()  # releases the lock at once, so a standby takes over now
         store.close()
     return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
+
+
+def _add_health(server: grpc.Server) -> Any:
+    """Add the standard gRPC health service (``grpc.health.v1``), SERVING.
+
+    The Kubernetes ``grpc`` readiness probe calls it. It answers only once the
+    server starts, that is on the active master: a standby is not ready, so
+    the master's Service routes to the active master only.
+    """
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", "elasticps.v1.Master"):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
 
 
 def _bind(server: grpc.Server, config: MasterConfig) -> str:

@@ -10,11 +10,13 @@ into the parameter buffer change the model directly.
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from elasticps.errors import ModelContractError
+from elasticps.errors import ConfigError, ModelContractError
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, ParamSpec, Placement, plan_placement
 
 
@@ -97,3 +99,37 @@ def bind_flat_buffers(
             p.data = params[off : off + n].view_as(p)
             p.grad = grads[off : off + n].view_as(p)
     return FlatModel(model, placement, params, grads)
+
+
+def frozen_ranges(placement: Placement, patterns: Iterable[str]) -> list[tuple[int, int]]:
+    """Flat-buffer element ranges ``[start, end)`` of the parameters matching ``patterns``.
+
+    Args:
+        placement: the flat layout.
+        patterns: glob patterns (``fnmatch.fnmatchcase``) over parameter names,
+            e.g. ``{"D.*"}``.
+
+    Returns:
+        Ranges in flat order; empty for no patterns.
+
+    Raises:
+        ConfigError: a pattern matches no parameter (a typo would otherwise
+            silently train what was meant to be frozen).
+    """
+    pats = list(patterns)
+    ranges = []
+    used: set[str] = set()
+    for spec in placement.params:
+        hits = [p for p in pats if fnmatch.fnmatchcase(spec.name, p)]
+        if hits:
+            used.update(hits)
+            start = placement.flat_offsets[spec.name]
+            ranges.append((start, start + spec.numel))
+    unused = [p for p in pats if p not in used]
+    if unused:
+        names = ", ".join(s.name for s in placement.params[:8])
+        raise ConfigError(
+            f"frozen pattern(s) {', '.join(map(repr, unused))} match no parameter "
+            f"(parameters: {names}{', ...' if len(placement.params) > 8 else ''})"
+        )
+    return sorted(ranges)

@@ -6,36 +6,56 @@ parameter server; every ``pull_every`` (m) mini-batches fresh parameters are
 pulled. In sync mode n = m = 1 and a push waits for the step's new
 parameters. Gradients still accumulated at the end of a task are pushed
 before the task is reported done, so a done task's data is in the model.
+
+A task names rows of a Parquet file, or records of the master's virtual
+source (:data:`~elasticps.master.main.VIRTUAL_SOURCE`): the Python API's
+trainers read those as ``itertools.islice(reader(), start, end)``, one
+record being one mini-batch. Gradients of frozen parameters are zeroed before
+every push. With an ``on_event`` callback the trainer reports
+:class:`~elasticps.events.BeginIteration` / :class:`~elasticps.events.EndIteration`;
+without one, the training path does no event work at all.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import torch
+from torch import Tensor
 
 from elasticps.config import TrainerConfig, UpdateMode
 from elasticps.coord.store import JobStore, KeptLease
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
     CoordinationError,
+    DataError,
     ElasticPSError,
     ModelContractError,
     StaleTaskError,
 )
+from elasticps.events import BeginIteration, EndIteration, TrainingEvent
 from elasticps.master.client import MasterClient
+from elasticps.master.main import VIRTUAL_SOURCE
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.proto import master_pb2
 from elasticps.trainer.client import ParameterClient
-from elasticps.trainer.flat import FlatModel, bind_flat_buffers
+from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
 
 log = logging.getLogger(__name__)
+
+Batch = tuple[Tensor, Tensor]
+"""One mini-batch: ``(inputs, targets)``; ``len(targets)`` is its number of samples."""
+
+Reader = Callable[[], Iterable[Batch]]
+"""A reader function: each call yields the same mini-batches, in the same order."""
 
 
 @dataclass
@@ -83,20 +103,26 @@ class ProgressReporter:
         with self._cond:
             self._latest = None
 
-    def close(self) -> None:
-        """Stop the thread (unsent updates are dropped)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send the last recorded update, then stop the thread.
+
+        A trainer that leaves on purpose (scaled down, SIGTERM) thus lets the
+        master resume its task exactly after the last acknowledged push. The
+        wait is bounded by ``timeout_s`` seconds; past it the update is lost
+        and those rows are trained again by the next attempt.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while self._latest is None and not self._closed:
                     self._cond.wait()
-                if self._closed or self._latest is None:
-                    return
+                if self._latest is None:
+                    return  # closed, nothing left to send
                 request, self._latest = self._latest, None
             try:
                 self._master.report_progress(request)
@@ -114,10 +140,28 @@ class Trainer:
         spec: the loaded model file.
         store: the job's etcd view.
         stop: set it to make the trainer stop after the current mini-batch.
+        reader: the reader function behind tasks of the virtual source
+            (Python API); None for Parquet-only trainers.
+        on_event: called with a :class:`~elasticps.events.BeginIteration` and
+            an :class:`~elasticps.events.EndIteration` per mini-batch, from
+            the training thread; None for no events.
+        frozen: glob patterns of frozen parameter names; their gradients are
+            zeroed before every push.
+
+    Raises:
+        ConfigError: a frozen pattern matches no parameter.
     """
 
     def __init__(
-        self, config: TrainerConfig, spec: ModelSpec, store: JobStore, stop: threading.Event
+        self,
+        config: TrainerConfig,
+        spec: ModelSpec,
+        store: JobStore,
+        stop: threading.Event,
+        *,
+        reader: Reader | None = None,
+        on_event: Callable[[TrainingEvent], None] | None = None,
+        frozen: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.spec = spec
@@ -126,6 +170,11 @@ class Trainer:
         self.name = str(config.trainer_id)
         model = spec.instantiate(config.seed)
         self.flat: FlatModel = bind_flat_buffers(model, config.num_ps, config.big_array_bound)
+        self._frozen = frozen_ranges(self.flat.placement, frozen)
+        self._batch_reader = reader
+        self._on_event = on_event
+        self._pass_id = -1
+        self._pass_batches = 0
         self.reader = RangeReader()
         self._acc = _Accumulator()
         self._batches = 0
@@ -232,23 +281,21 @@ class Trainer:
     ) -> None:
         started = time.monotonic()
         samples = 0
+        records = 0  # rows (Parquet) or batches (virtual source) of this attempt
         loss_sum = 0.0
-        done = task.offset  # rows of the task trained in this pass, by earlier attempts too
+        if task.pass_id != self._pass_id:
+            self._pass_id = task.pass_id
+            self._pass_batches = 0
         try:
-            self._check_columns(task.file)
-            table = self.reader.read_rows(
-                task.file, task.start + task.offset, task.end, self.spec.columns
-            )
-            for lo in range(0, table.num_rows, self.config.batch_size):
+            for batch_id, (inputs, targets), num_records in self._task_batches(task):
                 if self.stop.is_set():
                     return  # the master re-dispatches the rest from the last progress
-                batch = table.slice(lo, self.config.batch_size)
-                loss, pushed = self._train_batch(batch, client)
-                samples += batch.num_rows
-                loss_sum += loss * batch.num_rows
+                loss, pushed = self._train_batch(inputs, targets, client, batch_id)
+                samples += len(targets)
+                records += num_records
+                loss_sum += loss * len(targets)
                 if pushed:
-                    done = task.offset + samples
-                    progress.update(task, done)
+                    progress.update(task, task.offset + records)
             self._flush(client)
         except Exception as exc:
             progress.discard()
@@ -285,15 +332,49 @@ class Trainer:
             # ledger counts the other attempt. See the README's guarantee.
             log.warning("trainer %s: report of task %d rejected: %s", self.name, task.task_id, exc)
 
+    def _task_batches(self, task: master_pb2.Task) -> Iterator[tuple[int, Batch, int]]:
+        """The task's remaining mini-batches: ``(batch id, (inputs, targets), records)``."""
+        first = task.start + task.offset
+        if task.file == VIRTUAL_SOURCE:
+            if self._batch_reader is None:
+                raise DataError(
+                    "the master hands out tasks of a virtual source (a reader function), "
+                    "but this trainer has no reader"
+                )
+            source = itertools.islice(self._batch_reader(), first, task.end)
+            for batch_id, item in enumerate(source, start=first):
+                yield batch_id, _as_batch(item, batch_id), 1
+            return
+        self._check_columns(task.file)
+        table = self.reader.read_rows(task.file, first, task.end, self.spec.columns)
+        for lo in range(0, table.num_rows, self.config.batch_size):
+            batch = table.slice(lo, self.config.batch_size)
+            yield self._pass_batches, self.spec.batch_to_tensors(batch), batch.num_rows
+
     def _check_columns(self, path: str) -> None:
         if path not in self._checked_columns:
             check_columns(path, self.spec.columns)
             self._checked_columns.add(path)
 
-    def _train_batch(self, batch: object, client: ParameterClient) -> tuple[float, bool]:
+    def _model_version(self, client: ParameterClient) -> int:
+        return max(client.versions, default=0)
+
+    def _train_batch(
+        self, inputs: Tensor, targets: Tensor, client: ParameterClient, batch_id: int
+    ) -> tuple[float, bool]:
         """Train one mini-batch; returns its loss and whether gradients were pushed."""
         cfg = self.config
-        inputs, targets = self.spec.batch_to_tensors(batch)  # type: ignore[arg-type]
+        on_event = self._on_event
+        if on_event is not None:
+            on_event(
+                BeginIteration(
+                    pass_id=self._pass_id,
+                    batch_id=batch_id,
+                    model_version=self._model_version(client),
+                    trainer_id=cfg.trainer_id,
+                )
+            )
+        self._pass_batches += 1
         outputs = self.flat.model(inputs)
         loss = self.spec.loss(outputs, targets)
         if loss.dim() != 0:
@@ -313,10 +394,25 @@ class Trainer:
             pushed = True
         elif self._batches % cfg.pull_every == 0:
             client.pull()
-        return float(loss.detach()), pushed
+        cost = float(loss.detach())
+        if on_event is not None:
+            on_event(
+                EndIteration(
+                    pass_id=self._pass_id,
+                    batch_id=batch_id,
+                    cost=cost,
+                    model_version=self._model_version(client),
+                    metrics={"samples": float(len(targets))},
+                    trainer_id=cfg.trainer_id,
+                )
+            )
+        return cost, pushed
 
     def _push(self, client: ParameterClient, *, want_params: bool) -> None:
         acc = self._acc
+        grads = self.flat.grads
+        for lo, hi in self._frozen:
+            grads[lo:hi].zero_()  # pulled, never updated: the PS refuses non-zero gradients
         if acc.batches > 1:
             self.flat.grads.div_(acc.batches)  # mean of per-batch mean gradients
         client.push(acc.samples, want_params=want_params or self.config.mode is UpdateMode.SYNC)
@@ -326,6 +422,21 @@ class Trainer:
     def _flush(self, client: ParameterClient) -> None:
         if self._acc.batches:
             self._push(client, want_params=True)
+
+
+def _as_batch(item: object, batch_id: int) -> Batch:
+    """Check that a reader yielded ``(inputs, targets)`` tensors."""
+    if (
+        isinstance(item, tuple | list)
+        and len(item) == 2
+        and isinstance(item[0], Tensor)
+        and isinstance(item[1], Tensor)
+    ):
+        return item[0], item[1]
+    raise ModelContractError(
+        f"the reader must yield (inputs, targets) tensor pairs; batch {batch_id} is "
+        f"{type(item).__name__}"
+    )
 
 
 def run_trainer(config: TrainerConfig, stop: threading.Event) -> None:

@@ -1,0 +1,161 @@
+"""Where :func:`elasticps.train` runs a job, and what data it reads.
+
+- :class:`Local`: real servers on this machine (etcd, a master and parameter
+  servers as processes, see :class:`~elasticps.api.servers.LocalServers`)
+  and trainers as threads of the calling process.
+- :class:`Parquet`: a dataset description for Parquet files, read the way
+  the CLI reads them (tasks of ``records_per_task`` rows, mini-batches of
+  ``batch_size`` rows made by a model-file style ``batch_to_tensors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+from torch import Tensor
+
+from elasticps.config import UpdateMode
+from elasticps.errors import ConfigError
+from elasticps.model_file import load_model_file
+from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
+
+__all__ = ["Local", "Parquet"]
+
+
+@dataclass(frozen=True)
+class Local:
+    """Run the job on this machine, through the same machinery as ``elasticps train``.
+
+    :func:`elasticps.train` starts a real etcd, one master and ``ps``
+    parameter servers as child processes (stopped by PID at the end), and runs
+    ``trainers`` instances of the real trainer (:class:`elasticps.trainer.worker.Trainer`)
+    as **threads of the calling process**, each with its own deep copy of the
+    model. Events reach the ``event_handler`` in the calling process. Threads
+    share one Python interpreter, so trainer threads run concurrently only
+    inside torch kernels; use the CLI for trainer processes.
+
+    Args:
+        trainers: trainer threads, >= 1.
+        ps: parameter-server processes, >= 1.
+        mode: ``"sync"`` (sync-SGD) or ``"async"`` (async-SGD), or an :class:`UpdateMode`.
+        push_every: async: push accumulated gradients every n mini-batches (1 in sync).
+        pull_every: async: pull parameters every m mini-batches (1 in sync).
+        batches_per_task: for a reader function: mini-batches per master task, >= 1.
+        big_array_bound: parameters with more elements are sliced across all PS.
+        lease_ttl_s: lease TTL of every role, seconds, >= 1.
+        task_timeout_s: seconds before the master re-dispatches a pending task.
+        startup_timeout_s: seconds to wait for the servers to come up.
+        checkpoint_dir: if set, a consistent checkpoint of every PS is written
+            there at the end (``manifest.json`` + safetensors; a
+            :class:`~elasticps.events.Checkpointed` event follows).
+
+    Raises:
+        ConfigError: a value is out of range.
+    """
+
+    trainers: int = 2
+    ps: int = 2
+    mode: UpdateMode | str = UpdateMode.SYNC
+    push_every: int = 1
+    pull_every: int = 1
+    batches_per_task: int = 8
+    big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND
+    lease_ttl_s: float = 5.0
+    task_timeout_s: float = 60.0
+    startup_timeout_s: float = 60.0
+    checkpoint_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", UpdateMode(self.mode))
+        except ValueError:
+            raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}") from None
+        if self.trainers < 1:
+            raise ConfigError(f"trainers must be >= 1, got {self.trainers}")
+        if self.ps < 1:
+            raise ConfigError(f"ps must be >= 1, got {self.ps}")
+        if self.push_every < 1 or self.pull_every < 1:
+            raise ConfigError("push_every and pull_every must be >= 1")
+        if self.update_mode is UpdateMode.SYNC and (self.push_every, self.pull_every) != (1, 1):
+            raise ConfigError("in sync mode push_every and pull_every must both be 1")
+        if self.batches_per_task < 1:
+            raise ConfigError(f"batches_per_task must be >= 1, got {self.batches_per_task}")
+        if self.lease_ttl_s < 1:
+            raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+
+    @property
+    def update_mode(self) -> UpdateMode:
+        """``mode`` as an :class:`~elasticps.config.UpdateMode`."""
+        return UpdateMode(self.mode)
+
+
+@dataclass(frozen=True)
+class Parquet:
+    """Parquet files as the data of :func:`elasticps.train`.
+
+    Args:
+        files: one path or several; read in order.
+        batch_to_tensors: ``pyarrow.Table -> (inputs, targets)`` for one
+            mini-batch (the model-file contract's function).
+        columns: the columns it reads (the model file's ``COLUMNS``).
+        batch_size: rows per mini-batch, >= 1.
+        records_per_task: rows per master task, >= 1. In-process training
+            cuts mini-batches at the same task boundaries, so both paths see
+            the same mini-batches.
+
+    Raises:
+        ConfigError: no files, no columns, or a value out of range.
+    """
+
+    files: str | Path | Sequence[str | Path]
+    batch_to_tensors: Callable[[pa.Table], tuple[Tensor, Tensor]]
+    columns: Sequence[str]
+    batch_size: int = 32
+    records_per_task: int = 512
+
+    def __post_init__(self) -> None:
+        files = self.files
+        paths = (files,) if isinstance(files, str | Path) else tuple(files)
+        object.__setattr__(self, "files", tuple(Path(p).resolve() for p in paths))
+        object.__setattr__(self, "columns", tuple(self.columns))
+        if not self.paths:
+            raise ConfigError("Parquet needs at least one file")
+        if not self.columns:
+            raise ConfigError("Parquet needs the columns that batch_to_tensors reads")
+        if not callable(self.batch_to_tensors):
+            raise ConfigError("batch_to_tensors must be callable")
+        if self.batch_size < 1 or self.records_per_task < 1:
+            raise ConfigError("batch_size and records_per_task must be >= 1")
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """The files, as absolute paths."""
+        files = self.files
+        assert isinstance(files, tuple)
+        return tuple(Path(p) for p in files)
+
+    @classmethod
+    def from_model_file(
+        cls,
+        files: str | Path | Sequence[str | Path],
+        model_file: str | Path,
+        *,
+        batch_size: int = 32,
+        records_per_task: int = 512,
+    ) -> Parquet:
+        """Take ``batch_to_tensors`` and ``COLUMNS`` from a model file (``examples/mnist_mlp.py``).
+
+        Raises:
+            ModelContractError: the model file breaks the contract.
+        """
+        spec = load_model_file(model_file)
+        return cls(
+            files,
+            spec.batch_to_tensors,
+            spec.columns,
+            batch_size=batch_size,
+            records_per_task=records_per_task,
+        )

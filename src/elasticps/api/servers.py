@@ -1,0 +1,405 @@
+"""Start the servers of a job (etcd, the master, the parameter servers) as local processes.
+
+:class:`LocalServers` is the piece of the local launcher that the Python API
+(:func:`elasticps.train` with :class:`elasticps.Local`), ``dist_train`` and the
+KVStore's ``dist_*`` modes share: it starts a real etcd
+(:class:`~elasticps.coord.etcd_server.EtcdServer`, temporary data directory,
+free loopback port), optionally one master, and ``num_ps`` parameter servers,
+each as ``python -m elasticps master|ps ...`` behind the
+:func:`~elasticps.netutil.die_with_parent_prefix` prefix, waits until every PS
+slot is claimed, and stops everything by PID on exit. Trainers are not its
+business: the caller runs them (in its own process, or as processes).
+
+Example::
+
+    cfg = ServersConfig(num_ps=2, virtual_records=100, records_per_task=10)
+    with LocalServers(cfg) as servers:
+        store = JobStore(servers.etcd_endpoint, servers.job)
+        ...  # run trainers against servers.etcd_endpoint / servers.job
+
+Each child's output (stdout and stderr) goes to ``<workdir>/<role>.log``;
+:meth:`LocalServers.log_tail` quotes it, and errors about a child that died
+include its last lines.
+
+Start it from the thread that will live longest (normally the main thread):
+``setpriv --pdeathsig`` sends the children SIGTERM when the *thread* that
+started them exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from elasticps.config import OptimizerConfig, UpdateMode, check_job_name
+from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
+from elasticps.coord.store import JobStore
+from elasticps.errors import ConfigError, CoordinationError, JobFailedError
+from elasticps.netutil import die_with_parent_prefix
+
+__all__ = ["LocalServers", "ServersConfig"]
+
+log = logging.getLogger(__name__)
+
+# Seconds between two checks of the children while waiting for them.
+_POLL_S = 0.05
+
+
+def _default_job() -> str:
+    return f"api-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class ServersConfig:
+    """What :class:`LocalServers` starts.
+
+    Attributes:
+        job: job name (etcd prefix ``/elasticps/<job>/``); a fresh unique name
+            by default.
+        num_ps: parameter servers to start (and PS slots), >= 1.
+        mode: sync-SGD or async-SGD on the parameter servers.
+        optimizer: the optimizer each PS runs (``--optimizer``, ``--lr``, ...).
+        ps_args: extra ``elasticps ps`` arguments (for example an updater's
+            schedule flags), appended as given.
+        frozen: glob patterns (``fnmatch``) of frozen parameter names, passed
+            as ``elasticps ps --frozen PATTERN...``; the PS refuses non-zero
+            gradients for them and never changes them.
+        with_master: also start one master.
+        data_files: the master's Parquet files (exclusive with ``virtual_records``).
+        virtual_records: records of a virtual source for the master (see
+            :attr:`elasticps.config.MasterConfig.virtual_records`).
+        records_per_task: records per task, >= 1.
+        num_passes: passes over the data, >= 1.
+        task_timeout_s: seconds before the master re-dispatches a pending task.
+        lease_ttl_s: lease TTL of the master and the PS, seconds, >= 1.
+        checkpoint_dir: directory for the PS's own shard checkpoints
+            (``--checkpoint-dir``), or None for none.
+        checkpoint_every_s: seconds between shard checkpoints, > 0.
+        startup_timeout_s: seconds to wait for every PS slot to be claimed
+            (and for the master to hold its lock), > 0.
+        stop_timeout_s: seconds between SIGTERM and SIGKILL when stopping.
+
+    Raises:
+        ConfigError: a value is out of range, or the master has no data.
+    """
+
+    job: str = field(default_factory=_default_job)
+    num_ps: int = 1
+    mode: UpdateMode = UpdateMode.SYNC
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ps_args: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
+    with_master: bool = True
+    data_files: tuple[Path, ...] = ()
+    virtual_records: int = 0
+    records_per_task: int = 512
+    num_passes: int = 1
+    task_timeout_s: float = 60.0
+    lease_ttl_s: float = 5.0
+    checkpoint_dir: Path | None = None
+    checkpoint_every_s: float = 30.0
+    startup_timeout_s: float = 60.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_job_name(self.job)
+        if self.num_ps < 1:
+            raise ConfigError(f"num_ps must be >= 1, got {self.num_ps}")
+        if self.with_master and not self.data_files and self.virtual_records < 1:
+            raise ConfigError("the master needs data_files or virtual_records > 0")
+        if self.data_files and self.virtual_records:
+            raise ConfigError("give data_files or virtual_records, not both")
+        if self.records_per_task < 1:
+            raise ConfigError(f"records_per_task must be >= 1, got {self.records_per_task}")
+        if self.num_passes < 1:
+            raise ConfigError(f"num_passes must be >= 1, got {self.num_passes}")
+        if not self.task_timeout_s > 0:
+            raise ConfigError(f"task_timeout_s must be > 0, got {self.task_timeout_s}")
+        if self.lease_ttl_s < 1:
+            raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if not self.checkpoint_every_s > 0:
+            raise ConfigError(f"checkpoint_every_s must be > 0, got {self.checkpoint_every_s}")
+        if not self.startup_timeout_s > 0:
+            raise ConfigError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if any(not p for p in self.frozen):
+            raise ConfigError("frozen parameter patterns must be non-empty strings")
+
+
+@dataclass
+class _Child:
+    role: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+
+class LocalServers:
+    """etcd, an optional master and ``num_ps`` parameter servers as local processes.
+
+    A context manager: entering starts everything and waits until it is ready,
+    leaving stops every process by PID (SIGTERM, then SIGKILL after
+    ``stop_timeout_s``) and removes the temporary directory. :meth:`start`
+    and :meth:`stop` do the same without ``with``.
+
+    Args:
+        config: what to start.
+
+    Attributes:
+        config: the configuration.
+    """
+
+    def __init__(self, config: ServersConfig) -> None:
+        self.config = config
+        self._workdir: Path | None = None
+        self._etcd: EtcdServer | None = None
+        self._children: list[_Child] = []
+        self._ps_addresses: list[str] = []
+        self._master_address: str | None = None
+
+    # --- what callers use -------------------------------------------------------
+
+    @property
+    def job(self) -> str:
+        """The job name."""
+        return self.config.job
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """``host:port`` of the running etcd.
+
+        Raises:
+            CoordinationError: the servers are not started.
+        """
+        if self._etcd is None:
+            raise CoordinationError("the servers are not started")
+        return self._etcd.endpoint
+
+    @property
+    def ps_addresses(self) -> list[str]:
+        """``host:port`` of PS slot ``i`` at index ``i``, as claimed at startup."""
+        return list(self._ps_addresses)
+
+    @property
+    def master_address(self) -> str | None:
+        """``host:port`` of the master at startup, or None without a master."""
+        return self._master_address
+
+    @property
+    def workdir(self) -> Path:
+        """The temporary directory (etcd data and the children's logs).
+
+        Raises:
+            CoordinationError: the servers are not started.
+        """
+        if self._workdir is None:
+            raise CoordinationError("the servers are not started")
+        return self._workdir
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """PID of every process started: ``etcd``, ``master``, ``ps-0``, ``ps-1``..."""
+        out: dict[str, int] = {}
+        if self._etcd is not None and self._etcd.pid is not None:
+            out["etcd"] = self._etcd.pid
+        for child in self._children:
+            out[child.role] = child.proc.pid
+        return out
+
+    def check(self) -> None:
+        """Raise if a master or PS process has exited.
+
+        Raises:
+            JobFailedError: names the role, its exit status and its last log lines.
+        """
+        for child in self._children:
+            status = child.proc.poll()
+            if status is not None:
+                raise JobFailedError(
+                    f"{child.role} (pid {child.proc.pid}) exited with status {status}:\n"
+                    + self.log_tail(child.role)
+                )
+
+    def log_tail(self, role: str, lines: int = 20) -> str:
+        """The last ``lines`` lines of a child's log (``master``, ``ps-0``...)."""
+        for child in self._children:
+            if child.role == role:
+                with contextlib.suppress(OSError):
+                    text = child.log_path.read_text(errors="replace")
+                    return "\n".join(text.splitlines()[-lines:])
+        return ""
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def __enter__(self) -> LocalServers:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start etcd, the master and the PS; return once every PS slot is claimed.
+
+        Raises:
+            CoordinationError: etcd did not start, or the PS / master were not
+                ready within ``startup_timeout_s``.
+            JobFailedError: a master or PS process exited during startup.
+        """
+        if self._workdir is not None:
+            raise CoordinationError("the servers are already started")
+        cfg = self.config
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
+        try:
+            self._etcd = EtcdServer(
+                EtcdServerConfig(data_dir=self._workdir / "etcd", client_port=0),
+                log_path=self._workdir / "etcd.log",
+            )
+            self._etcd.start()
+            with JobStore(self._etcd.endpoint, cfg.job) as store:
+                store.set_ps_desired(cfg.num_ps)
+                if cfg.with_master:
+                    self._spawn("master", self._master_args())
+                for i in range(cfg.num_ps):
+                    self._spawn(f"ps-{i}", self._ps_args())
+                self._wait_ready(store)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("servers of job %s ready: %s", cfg.job, self.pids)
+
+    def stop(self) -> None:
+        """Stop every process by PID (PS, then the master, then etcd); idempotent."""
+        cfg = self.config
+        children, self._children = self._children, []
+        # PS before the master, as the launcher does.
+        children.sort(key=lambda c: 0 if c.role.startswith("ps") else 1)
+        for child in children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + cfg.stop_timeout_s
+        for child in children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                child.proc.wait()
+            child.log_file.close()
+        if self._etcd is not None:
+            self._etcd.stop()
+            self._etcd = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    # --- internals ------------------------------------------------------------------
+
+    def _common_args(self) -> list[str]:
+        return [
+            "--job", self.config.job,
+            "--etcd", self.etcd_endpoint,
+            "--lease-ttl-s", repr(self.config.lease_ttl_s),
+        ]  # fmt: skip
+
+    def _master_args(self) -> list[str]:
+        cfg = self.config
+        if cfg.virtual_records:
+            data = ["--virtual-records", str(cfg.virtual_records)]
+        else:
+            data = ["--data", *(str(Path(p).resolve()) for p in cfg.data_files)]
+        return [
+            "master", *self._common_args(), *data,
+            "--epochs", str(cfg.num_passes),
+            "--records-per-task", str(cfg.records_per_task),
+            "--task-timeout-s", repr(cfg.task_timeout_s),
+        ]  # fmt: skip
+
+    def _ps_args(self) -> list[str]:
+        cfg = self.config
+        opt = cfg.optimizer
+        args = [
+            "ps", *self._common_args(),
+            "--mode", cfg.mode.value,
+            "--optimizer", opt.name,
+            "--lr", repr(opt.lr),
+            "--momentum", repr(opt.momentum),
+            "--weight-decay", repr(opt.weight_decay),
+            "--claim-timeout-s", repr(cfg.startup_timeout_s),
+        ]  # fmt: skip
+        # The updater's extensions (engineer B's `elasticps ps` flags), only when used.
+        if opt.torch_class:
+            args += ["--optimizer-class", opt.torch_class]
+        if opt.options:
+            args += ["--optimizer-options", opt.options]
+        if opt.schedule:
+            args += ["--lr-schedule", opt.schedule]
+        if cfg.checkpoint_dir is not None:
+            args += [
+                "--checkpoint-dir", str(Path(cfg.checkpoint_dir).resolve()),
+                "--checkpoint-every-s", repr(cfg.checkpoint_every_s),
+            ]  # fmt: skip
+        if cfg.frozen:
+            args += ["--frozen", *cfg.frozen]
+        return args + list(cfg.ps_args)
+
+    def _spawn(self, role: str, args: list[str]) -> None:
+        assert self._workdir is not None
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
+        # The child stops itself if we die (see elasticps.cli).
+        env["ELASTICPS_PARENT_PID"] = str(os.getpid())
+        log_path = self._workdir / f"{role}.log"
+        log_file = log_path.open("ab")
+        try:
+            proc = subprocess.Popen(
+                [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                # Own session: a Ctrl-C in a notebook or terminal reaches only us,
+                # and we stop the children by PID.
+                start_new_session=True,
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        self._children.append(_Child(role, proc, log_path, log_file))
+
+    def _wait_ready(self, store: JobStore) -> None:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while True:
+            self.check()
+            remaining = deadline - time.monotonic()
+            try:
+                self._ps_addresses = store.ps_addresses(timeout_s=min(0.5, max(remaining, 0.0)))
+                if cfg.with_master:
+                    self._master_address = store.master_address(timeout_s=0.1)
+                return
+            except CoordinationError:
+                if remaining <= 0:
+                    raise CoordinationError(
+                        f"the servers of job {cfg.job} were not ready within "
+                        f"{cfg.startup_timeout_s:g} s"
+                    ) from None
+            time.sleep(_POLL_S)

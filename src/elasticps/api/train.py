@@ -1,0 +1,607 @@
+"""``elasticps.train`` and ``elasticps.infer``: training and inference from Python.
+
+:func:`train` runs a job either in-process (``cluster=None``: no servers,
+for debugging) or on real local servers (``cluster=Local(...)``: etcd, a
+master and PS processes, trainers as threads of this process). Both apply
+the same update: the gradient of each mini-batch goes into the flat gradient
+buffer of the trainer (:func:`~elasticps.trainer.flat.bind_flat_buffers`) and
+a :class:`~elasticps.pserver.shard.ParameterShard` applies it with the
+updater's ``torch.optim`` optimizer at the scheduled learning rate, keeping
+frozen parameters bit-identical. In-process, that shard lives in this
+process and holds every parameter; with ``Local`` the PS processes hold it.
+So in sync mode with one trainer both give the same parameters (within
+float32 rounding of the sample-weighted mean).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from elasticps import updater as updater_mod
+from elasticps.api.cluster import Local, Parquet
+from elasticps.api.servers import LocalServers, ServersConfig
+from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
+from elasticps.coord.store import JobStore, TrainerMap, Watch
+from elasticps.data.parquet import RangeReader, check_columns, count_rows
+from elasticps.errors import ConfigError, DataError, JobFailedError, ModelContractError
+from elasticps.events import (
+    BeginIteration,
+    BeginPass,
+    BeginTraining,
+    Checkpointed,
+    EndIteration,
+    EndPass,
+    EndTraining,
+    TrainerJoined,
+    TrainerLost,
+    TrainingEvent,
+)
+from elasticps.master.taskqueue import split_into_tasks
+from elasticps.model_file import ModelSpec, in_process_spec
+from elasticps.parameters import ParameterSet
+from elasticps.pserver.shard import ParameterShard
+from elasticps.trainer.client import ParameterClient
+from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
+from elasticps.trainer.worker import Batch, Reader, Trainer
+
+__all__ = ["infer", "train"]
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+EventHandler = Callable[[TrainingEvent], None]
+
+# Trainer id of the final pull; never a real trainer's (as the CLI launcher does).
+_FINAL_PULL_ID = 2**31 - 1
+# Seconds between two checks of the trainer threads and the server processes.
+_POLL_S = 0.1
+
+
+def train(
+    model: nn.Module,
+    loss_fn: LossFn,
+    reader: Reader | Parquet,
+    *,
+    updater: updater_mod.Updater | OptimizerConfig | None = None,
+    event_handler: EventHandler | None = None,
+    frozen_parameters: Iterable[str] = (),
+    num_passes: int = 1,
+    cluster: Local | None = Local(),  # noqa: B008 (a frozen value)
+    parameters: Mapping[str, Tensor] | None = None,
+) -> ParameterSet:
+    """Train ``model`` and return its trained parameters.
+
+    The model itself is not changed: every trainer works on a deep copy, and
+    the result is a :class:`~elasticps.parameters.ParameterSet` (copy it back
+    with ``result.copy_into(model)``).
+
+    Args:
+        model: a ``torch.nn.Module`` with float32 parameters. Parameters are
+            named as ``model.named_parameters()`` names them; a tensor shared
+            between layers is one parameter.
+        loss_fn: ``loss_fn(model(inputs), targets) -> Tensor``, a scalar mean
+            loss over the mini-batch.
+        reader: a reader function, called with no arguments, that yields
+            mini-batches ``(inputs, targets)`` (tensors; ``len(targets)`` is
+            the batch's sample count). Every call must yield the same batches
+            in the same order: it is called once to count them, then once per
+            task (``itertools.islice(reader(), start, end)``). Or a
+            :class:`~elasticps.api.cluster.Parquet` dataset description.
+        updater: the optimizer the parameter servers run, from
+            :mod:`elasticps.updater` (default ``Adam(lr=1e-3)``), with its
+            learning-rate schedule by model version.
+        event_handler: called with every :mod:`elasticps.events` event, one at
+            a time, in this process. An exception in it stops the job: it
+            propagates as is with ``cluster=None``; with ``Local`` it is
+            raised as a :class:`~elasticps.errors.JobFailedError` whose
+            ``__cause__`` is the handler's exception.
+        frozen_parameters: glob patterns (``fnmatch``) of parameters that are
+            pulled but never updated, e.g. ``{"D.*"}``. Their values stay
+            bit-identical.
+        num_passes: passes over the data, >= 1.
+        cluster: :class:`~elasticps.api.cluster.Local` (default: 2 trainers,
+            2 PS, sync), or None to train in this process without servers
+            (one trainer, sync-SGD cadence: one update per mini-batch).
+        parameters: initial values by name (a ParameterSet from an earlier
+            job); model parameters it lacks keep the model's values, extra
+            names are ignored.
+
+    Returns:
+        The trained parameters, float32 tensors by name, shaped as in ``model``.
+
+    Raises:
+        ConfigError: bad arguments (unknown frozen pattern, shape mismatch...).
+        ModelContractError: the model or the batches break the contract
+            (non-float32 parameters, non-scalar loss, a reader that does not
+            yield tensor pairs).
+        DataError: the reader yields nothing, or a Parquet file is unusable.
+        JobFailedError: a server process or a trainer thread failed.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if num_passes < 1:
+        raise ConfigError(f"num_passes must be >= 1, got {num_passes}")
+    if not (callable(reader) or isinstance(reader, Parquet)):
+        raise ConfigError("reader must be a function yielding (inputs, targets) or a Parquet")
+    optimizer = updater_mod.as_config(updater if updater is not None else updater_mod.Adam())
+    frozen = tuple(sorted(set(frozen_parameters)))
+    template = copy.deepcopy(model)
+    if parameters is not None:
+        ParameterSet(parameters).copy_into(template, strict=False)
+    if isinstance(reader, Parquet):
+        spec = in_process_spec(
+            template,
+            loss_fn,
+            batch_to_tensors=reader.batch_to_tensors,
+            columns=tuple(reader.columns),
+        )
+    else:
+        spec = in_process_spec(template, loss_fn)
+    job = _Job(spec, reader, optimizer, frozen, num_passes, _EventHub(event_handler))
+    if cluster is None:
+        return _train_in_process(job)
+    return _train_local(job, cluster)
+
+
+def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) -> object:
+    """Run ``model(inputs)`` with the values of ``parameters``, without gradients.
+
+    Works for any sub-network: only the parameters ``model`` has are looked
+    up, by name (``model.named_parameters()``), so a set trained on a whole
+    GAN runs its generator alone if the names agree (build the sub-network
+    under the same attribute names, or pass a sub-set). The model is not
+    changed (``torch.func.functional_call``); it runs in eval mode, and its
+    training flag is restored afterwards.
+
+    Args:
+        model: the module to run.
+        parameters: name -> tensor, e.g. the result of :func:`train`.
+        inputs: the model's input (a tensor of whatever shape it takes, or a
+            tuple of positional arguments).
+
+    Returns:
+        What ``model`` returns.
+
+    Raises:
+        MissingParameterError: ``parameters`` lacks some of the model's
+            parameters; the message names them.
+        ConfigError: a shape differs from the model's.
+    """
+    values = (
+        parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
+    ).tensors_for(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            return torch.func.functional_call(model, dict(values), args)
+    finally:
+        model.train(was_training)
+
+
+# --- events -----------------------------------------------------------------------
+
+
+class _EventHub:
+    """Serializes events to the user's handler and derives the pass and training events.
+
+    Trainers report only iterations; a pass begins with its first
+    :class:`BeginIteration` (the master dispatches no task of pass p + 1
+    before every task of pass p is done, so every iteration of pass p has
+    ended by then) and ends before the next pass begins or the job ends.
+    """
+
+    def __init__(self, handler: EventHandler | None) -> None:
+        self.handler = handler
+        self._lock = threading.Lock()
+        self._pass = -1
+        self._pass_cost = 0.0
+        self._pass_samples = 0.0
+        self._pass_batches = 0
+        self._last_pass_cost = math.nan
+        self._last_pass = 0
+        self._version = 0
+        self._batches = 0
+        self._samples = 0.0
+        self._started = time.monotonic()
+
+    @property
+    def on_iteration(self) -> EventHandler | None:
+        """The trainers' callback, or None without a handler (no event work at all)."""
+        return self._iteration if self.handler is not None else None
+
+    def emit(self, event: TrainingEvent) -> None:
+        if self.handler is not None:
+            with self._lock:
+                self.handler(event)
+
+    def begin(self, metrics: dict[str, float], version: int) -> None:
+        self._started = time.monotonic()
+        self._version = version
+        self.emit(BeginTraining(model_version=version, metrics=metrics))
+
+    def end(self, version: int) -> None:
+        if self.handler is None:
+            return
+        with self._lock:
+            self._version = max(self._version, version)
+            self._end_pass()
+            self.handler(
+                EndTraining(
+                    pass_id=self._last_pass,
+                    batch_id=self._batches,
+                    cost=self._last_pass_cost,
+                    model_version=version,
+                    metrics={
+                        "samples": self._samples,
+                        "wall_s": time.monotonic() - self._started,
+                    },
+                )
+            )
+
+    def _iteration(self, event: TrainingEvent) -> None:
+        assert self.handler is not None
+        with self._lock:
+            if isinstance(event, BeginIteration) and event.pass_id != self._pass:
+                self._end_pass()
+                self._pass = event.pass_id
+                self.handler(BeginPass(pass_id=self._pass, model_version=event.model_version))
+            if isinstance(event, EndIteration):
+                samples = event.metrics.get("samples", 0.0)
+                self._pass_cost += event.cost * samples
+                self._pass_samples += samples
+                self._pass_batches += 1
+                self._batches += 1
+                self._samples += samples
+                self._version = max(self._version, event.model_version)
+            self.handler(event)
+
+    def _end_pass(self) -> None:
+        # Caller holds the lock.
+        if self._pass < 0 or self.handler is None:
+            return
+        cost = self._pass_cost / self._pass_samples if self._pass_samples else math.nan
+        self._last_pass_cost = cost
+        self._last_pass = self._pass
+        self.handler(
+            EndPass(
+                pass_id=self._pass,
+                batch_id=self._pass_batches,
+                cost=cost,
+                model_version=self._version,
+                metrics={"samples": self._pass_samples},
+            )
+        )
+        self._pass_cost = self._pass_samples = 0.0
+        self._pass_batches = 0
+        self._pass = -1 - self._pass  # ended; a BeginIteration of any pass begins a new one
+
+    def trainers_changed(self, now: set[str], before: set[str]) -> None:
+        for name in sorted(now - before):
+            self.emit(TrainerJoined(model_version=self._version, trainer_id=_trainer_int(name)))
+        for name in sorted(before - now):
+            self.emit(TrainerLost(model_version=self._version, trainer_id=_trainer_int(name)))
+
+
+def _trainer_int(name: str) -> int:
+    return int(name) if name.isdigit() else -1
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What :func:`train` was asked to do, after validation."""
+
+    spec: ModelSpec
+    reader: Reader | Parquet
+    optimizer: OptimizerConfig
+    frozen: tuple[str, ...]
+    num_passes: int
+    hub: _EventHub
+
+
+# --- data -------------------------------------------------------------------------
+
+
+def _count_batches(reader: Reader) -> int:
+    count = sum(1 for _ in reader())
+    if count == 0:
+        raise DataError("the reader yielded no batches")
+    return count
+
+
+def _parquet_tasks(data: Parquet) -> list[tuple[str, int, int]]:
+    """The master's tasks of a Parquet dataset: ``(file, start row, end row)``."""
+    files = []
+    for path in data.paths:
+        check_columns(path, tuple(data.columns))
+        files.append((str(path), count_rows(path)))
+    ranges = split_into_tasks(files, data.records_per_task)
+    if not ranges:
+        raise DataError("the Parquet files have no rows")
+    return [(r.file, r.start, r.end) for r in ranges]
+
+
+def _in_process_batches(reader: Reader | Parquet) -> Iterator[tuple[int, Batch]]:
+    """One pass: ``(batch id, (inputs, targets))`` in the order one trainer sees them."""
+    if isinstance(reader, Parquet):
+        rows = RangeReader()
+        batch_id = 0
+        for file, start, end in _parquet_tasks(reader):
+            table = rows.read_rows(file, start, end, tuple(reader.columns))
+            for lo in range(0, table.num_rows, reader.batch_size):
+                yield batch_id, reader.batch_to_tensors(table.slice(lo, reader.batch_size))
+                batch_id += 1
+        return
+    batch_id = -1
+    for batch_id, item in enumerate(reader()):
+        if not (
+            isinstance(item, tuple | list)
+            and len(item) == 2
+            and isinstance(item[0], Tensor)
+            and isinstance(item[1], Tensor)
+        ):
+            raise ModelContractError(
+                f"the reader must yield (inputs, targets) tensor pairs; batch {batch_id} is "
+                f"{type(item).__name__}"
+            )
+        yield batch_id, (item[0], item[1])
+    if batch_id < 0:
+        raise DataError("the reader yielded no batches")
+
+
+# --- in-process -------------------------------------------------------------------
+
+
+def _result(flat: FlatModel) -> ParameterSet:
+    return ParameterSet({n: p.detach() for n, p in flat.model.named_parameters()})
+
+
+def _metrics(flat: FlatModel, num_passes: int, trainers: int) -> dict[str, float]:
+    return {
+        "num_passes": float(num_passes),
+        "num_trainers": float(trainers),
+        "num_parameters": float(len(flat.placement.params)),
+        "numel": float(flat.placement.total_numel),
+    }
+
+
+def _train_in_process(job: _Job) -> ParameterSet:
+    """One trainer, one in-process shard holding every parameter, sync-SGD cadence."""
+    spec, reader, frozen, hub, num_passes = (
+        job.spec,
+        job.reader,
+        job.frozen,
+        job.hub,
+        job.num_passes,
+    )
+    flat = bind_flat_buffers(spec.instantiate(0), num_shards=1)
+    ranges = frozen_ranges(flat.placement, frozen)
+    layout = flat.placement.shards[0]
+    shard = ParameterShard(
+        layout.describe(), layout.fingerprint, job.optimizer, UpdateMode.SYNC, frozen=frozen
+    )
+    shard.values.copy_(flat.params)  # what a trainer's INIT_VALUES does
+    shard.set_live_trainers({0})
+    hub.begin(_metrics(flat, num_passes, 1), shard.version)
+    on_event = hub.on_iteration
+    try:
+        for pass_id in range(num_passes):
+            for batch_id, (inputs, targets) in _in_process_batches(reader):
+                if on_event is not None:
+                    on_event(
+                        BeginIteration(
+                            pass_id=pass_id, batch_id=batch_id, model_version=shard.version
+                        )
+                    )
+                loss = spec.loss(flat.model(inputs), targets)
+                if loss.dim() != 0:
+                    raise ModelContractError(
+                        f"loss must return a scalar, got shape {tuple(loss.shape)}"
+                    )
+                loss.backward()  # type: ignore[no-untyped-call]
+                if not flat.grads_are_bound():
+                    raise ModelContractError(
+                        "a parameter's .grad was replaced during backward; elasticps needs "
+                        "gradients to accumulate in place"
+                    )
+                for lo, hi in ranges:
+                    flat.grads[lo:hi].zero_()
+                shard.push(0, flat.grads, shard.version, len(targets))
+                flat.params.copy_(shard.values)  # the pull
+                flat.zero_grad()
+                if on_event is not None:
+                    on_event(
+                        EndIteration(
+                            pass_id=pass_id,
+                            batch_id=batch_id,
+                            cost=float(loss.detach()),
+                            model_version=shard.version,
+                            metrics={"samples": float(len(targets))},
+                        )
+                    )
+    finally:
+        shard.close()
+    hub.end(shard.version)
+    return _result(flat)
+
+
+# --- local cluster ------------------------------------------------------------------
+
+
+def _train_local(job: _Job, cluster: Local) -> ParameterSet:
+    """Real etcd, master and PS processes; trainer threads running :class:`Trainer`."""
+    spec, reader, frozen, hub, num_passes = (
+        job.spec,
+        job.reader,
+        job.frozen,
+        job.hub,
+        job.num_passes,
+    )
+    mode = cluster.update_mode
+    # Checked before any server starts: bad frozen patterns, files or readers.
+    probe = bind_flat_buffers(spec.instantiate(0), cluster.ps, cluster.big_array_bound)
+    frozen_ranges(probe.placement, frozen)
+    data_files: tuple[Path, ...] = ()
+    virtual_records = 0
+    batch_reader: Reader | None = None
+    if isinstance(reader, Parquet):
+        _parquet_tasks(reader)
+        data_files, records_per_task, batch_size = (
+            reader.paths,
+            reader.records_per_task,
+            reader.batch_size,
+        )
+    else:
+        virtual_records = _count_batches(reader)
+        records_per_task = cluster.batches_per_task
+        batch_reader = reader
+        batch_size = 1  # unused: a virtual record is a whole batch
+    servers_config = ServersConfig(
+        num_ps=cluster.ps,
+        mode=mode,
+        optimizer=job.optimizer,
+        frozen=frozen,
+        num_passes=num_passes,
+        task_timeout_s=cluster.task_timeout_s,
+        lease_ttl_s=cluster.lease_ttl_s,
+        startup_timeout_s=cluster.startup_timeout_s,
+        data_files=data_files,
+        virtual_records=virtual_records,
+        records_per_task=records_per_task,
+    )
+    with (
+        LocalServers(servers_config) as servers,
+        JobStore(servers.etcd_endpoint, servers.job) as store,
+    ):
+        common = CommonConfig(
+            job=servers.job, etcd_endpoint=servers.etcd_endpoint, lease_ttl_s=cluster.lease_ttl_s
+        )
+        configs = [
+            TrainerConfig(
+                common=common,
+                trainer_id=i,
+                model_path=spec.path,
+                model_class=spec.model_class,
+                mode=mode,
+                batch_size=batch_size,
+                push_every=cluster.push_every,
+                pull_every=cluster.pull_every,
+                num_ps=cluster.ps,
+                big_array_bound=cluster.big_array_bound,
+                connect_timeout_s=cluster.startup_timeout_s,
+            )
+            for i in range(cluster.trainers)
+        ]
+        watch = _watch_trainers(store, hub) if hub.handler is not None else None
+        try:
+            hub.begin(_metrics(probe, num_passes, cluster.trainers), 0)
+            _run_trainer_threads(job, configs, batch_reader, servers)
+        finally:
+            if watch is not None:
+                watch.cancel()
+        result, version = _pull_final(spec, cluster, servers)
+        if cluster.checkpoint_dir is not None:
+            from elasticps.launcher.local import checkpoint_job
+
+            out = Path(cluster.checkpoint_dir)
+            manifest = checkpoint_job(store, out, {"job": servers.job, "source": "elasticps.train"})
+            checkpoint_version = manifest.get("version")
+            hub.emit(
+                Checkpointed(
+                    model_version=checkpoint_version if isinstance(checkpoint_version, int) else 0,
+                    path=out.resolve(),
+                )
+            )
+    hub.end(version)
+    return result
+
+
+def _watch_trainers(store: JobStore, hub: _EventHub) -> Watch:
+    live, revision = store.live_trainers()
+    known = set(live)
+    lock = threading.Lock()
+    hub.trainers_changed(known, set())
+
+    def on_change(current: TrainerMap) -> None:
+        nonlocal known
+        with lock:
+            before, known = known, set(current)
+        hub.trainers_changed(set(current), before)
+
+    return store.watch_trainers(on_change, revision + 1)
+
+
+def _run_trainer_threads(
+    job: _Job, configs: list[TrainerConfig], reader: Reader | None, servers: LocalServers
+) -> None:
+    """Run one :class:`Trainer` per config in a thread; raise the first failure."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    stores: list[JobStore] = []
+
+    def run(config: TrainerConfig, store: JobStore) -> None:
+        try:
+            trainer = Trainer(
+                config,
+                job.spec,
+                store,
+                stop,
+                reader=reader,
+                on_event=job.hub.on_iteration,
+                frozen=job.frozen,
+            )
+            trainer.run()
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+            stop.set()
+
+    threads = []
+    try:
+        for config in configs:
+            store = JobStore(config.common.etcd_endpoint, config.common.job)
+            stores.append(store)
+            thread = threading.Thread(
+                target=run, args=(config, store), name=f"trainer-{config.trainer_id}", daemon=True
+            )
+            thread.start()
+            threads.append(thread)
+        while any(t.is_alive() for t in threads) and not stop.is_set():
+            servers.check()
+            stop.wait(_POLL_S)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        for store in stores:
+            with contextlib.suppress(Exception):
+                store.close()
+    if errors:
+        exc = errors[0]
+        if isinstance(exc, ConfigError | ModelContractError | DataError):
+            raise exc
+        raise JobFailedError(f"a trainer failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _pull_final(spec: ModelSpec, cluster: Local, servers: LocalServers) -> tuple[ParameterSet, int]:
+    flat = bind_flat_buffers(spec.instantiate(0), cluster.ps, cluster.big_array_bound)
+    client = ParameterClient(
+        flat.placement, servers.ps_addresses, flat.params, flat.grads, _FINAL_PULL_ID
+    )
+    try:
+        client.hello(initialize=False)
+        version = max(client.versions, default=0)
+    finally:
+        client.close()
+    return _result(flat), version

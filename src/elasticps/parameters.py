@@ -1,0 +1,273 @@
+"""Parameter sets: named float32 tensors, shared by name across layers and models.
+
+A :class:`ParameterSet` maps a parameter name to a tensor. Names are what
+elasticps trains: **one name is one parameter**, on the parameter servers and
+in a set. A tensor shared between layers of one model (``torch`` reports it
+once, under its first name) is one entry; models built with the same module
+names (a GAN's ``G.*`` and ``D.*`` in two jobs) read and write the same
+entries.
+
+>>> import torch
+>>> from elasticps import parameters
+>>> ps = parameters.create(torch.nn.Linear(3, 2))
+>>> ps.names()
+['weight', 'bias']
+>>> ps.shapes()["weight"]
+(2, 3)
+
+Sets save and load as safetensors (no pickle), see :meth:`ParameterSet.save`
+and :func:`load`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from elasticps.errors import ConfigError, DataError, MissingParameterError
+
+__all__ = ["ParameterSet", "create", "load"]
+
+_FORMAT = "elasticps.parameters/1"
+
+
+class ParameterSet(Mapping[str, torch.Tensor]):
+    """An immutable mapping from parameter name to tensor.
+
+    The tensors are the set's own (detached, contiguous copies made by
+    :func:`create`, :meth:`from_tensors` or :func:`load`); changing a model
+    afterwards does not change the set.
+
+    Args:
+        tensors: name -> tensor; copied.
+
+    Raises:
+        ConfigError: a name is empty or not a string, or a value is not a tensor.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        own: dict[str, torch.Tensor] = {}
+        for name, value in tensors.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"parameter names must be non-empty strings, got {name!r}")
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(f"parameter {name} is a {type(value).__name__}, not a tensor")
+            own[name] = value.detach().clone().contiguous()
+        self._tensors = own
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> ParameterSet:
+        """Build a set from ``name -> tensor`` (copied)."""
+        return cls(tensors)
+
+    # --- Mapping -----------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    # --- inspection ----------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Parameter names, in insertion (model) order."""
+        return list(self._tensors)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape."""
+        return {n: tuple(t.shape) for n, t in self._tensors.items()}
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Name -> dtype (float32 for anything elasticps trained)."""
+        return {n: t.dtype for n, t in self._tensors.items()}
+
+    def numel(self) -> int:
+        """Total number of elements over all parameters."""
+        return sum(t.numel() for t in self._tensors.values())
+
+    def nbytes(self) -> int:
+        """Total size of the tensors, bytes."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def describe(self) -> str:
+        """A table: one line per parameter (name, shape, dtype, elements), then totals."""
+        width = max((len(n) for n in self._tensors), default=4)
+        lines = [f"{'name':<{width}}  {'shape':<16} {'dtype':<8} {'numel':>10}"]
+        for n, t in self._tensors.items():
+            dtype = str(t.dtype).removeprefix("torch.")
+            lines.append(f"{n:<{width}}  {tuple(t.shape)!s:<16} {dtype:<8} {t.numel():>10}")
+        lines.append(f"{len(self)} parameters, {self.numel()} elements, {self.nbytes()} bytes")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"ParameterSet({len(self)} parameters, {self.numel()} elements)"
+
+    def equal(self, other: Mapping[str, torch.Tensor]) -> bool:
+        """True if ``other`` has the same names, shapes, dtypes and bit-identical values."""
+        if set(other) != set(self._tensors):
+            return False
+        return all(
+            t.dtype == other[n].dtype and t.shape == other[n].shape and torch.equal(t, other[n])
+            for n, t in self._tensors.items()
+        )
+
+    def select(self, patterns: Iterable[str]) -> ParameterSet:
+        """The sub-set whose names match any glob pattern (``fnmatch``), e.g. ``{"D.*"}``."""
+        import fnmatch
+
+        pats = list(patterns)
+        return ParameterSet(
+            {n: t for n, t in self._tensors.items() if any(fnmatch.fnmatchcase(n, p) for p in pats)}
+        )
+
+    # --- models ------------------------------------------------------------------------
+
+    def missing_for(self, model: nn.Module) -> list[str]:
+        """Names of ``model``'s parameters that the set lacks, in model order."""
+        return [n for n, _ in model.named_parameters() if n not in self._tensors]
+
+    def tensors_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The set's tensors for exactly ``model``'s parameters, by name.
+
+        Raises:
+            MissingParameterError: the set lacks some; the message names them.
+            ConfigError: a shape differs from the model's.
+        """
+        missing = self.missing_for(model)
+        if missing:
+            shown = ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else "")
+            raise MissingParameterError(
+                f"the parameter set lacks {len(missing)} parameter(s) of "
+                f"{type(model).__name__}: {shown}"
+            )
+        out = {}
+        for n, p in model.named_parameters():
+            t = self._tensors[n]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(
+                    f"parameter {n} has shape {tuple(t.shape)} in the set but "
+                    f"{tuple(p.shape)} in {type(model).__name__}"
+                )
+            out[n] = t
+        return out
+
+    def copy_into(self, model: nn.Module, *, strict: bool = True) -> list[str]:
+        """Copy the set's values into ``model``'s parameters, in place, by name.
+
+        Args:
+            model: the module to fill.
+            strict: if True, every model parameter must be in the set.
+
+        Returns:
+            The names of the model's parameters that were not in the set (only
+            possible with ``strict=False``; they keep their values).
+
+        Raises:
+            MissingParameterError: ``strict`` and the set lacks some parameters.
+            ConfigError: a shape differs.
+        """
+        missing = self.missing_for(model)
+        if strict and missing:
+            self.tensors_for(model)  # raises, naming them
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                t = self._tensors.get(n)
+                if t is None:
+                    continue
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ConfigError(
+                        f"parameter {n} has shape {tuple(t.shape)} in the set but "
+                        f"{tuple(p.shape)} in {type(model).__name__}"
+                    )
+                p.copy_(t)
+        return missing
+
+    # --- files -------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write the set to one safetensors file (written to a temporary name, then renamed).
+
+        Args:
+            path: the file, e.g. ``gan.safetensors``; parent directories are created.
+
+        Returns:
+            The path written.
+        """
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        order = json.dumps(self.names())
+        save_file(dict(self._tensors), str(tmp), metadata={"format": _FORMAT, "names": order})
+        tmp.replace(target)
+        return target
+
+
+def create(models: nn.Module | Iterable[nn.Module]) -> ParameterSet:
+    """The parameters of one model, or of several models at once, by name.
+
+    A tensor shared between layers counts once (under its first name, as
+    ``named_parameters`` reports it). Parameters of different models with the
+    same name are one parameter: the first model's value is taken, and the
+    shapes must agree.
+
+    Args:
+        models: a ``torch.nn.Module`` or an iterable of them.
+
+    Returns:
+        The set; its tensors are copies.
+
+    Raises:
+        ConfigError: two models have a parameter of the same name with
+            different shapes or dtypes, or there are no parameters.
+    """
+    if isinstance(models, nn.Module):
+        models = [models]
+    out: dict[str, torch.Tensor] = {}
+    for model in models:
+        for name, p in model.named_parameters():
+            seen = out.get(name)
+            if seen is None:
+                out[name] = p
+            elif seen.shape != p.shape or seen.dtype != p.dtype:
+                raise ConfigError(
+                    f"parameter {name} is {tuple(seen.shape)} {seen.dtype} in one model and "
+                    f"{tuple(p.shape)} {p.dtype} in another; one name is one parameter"
+                )
+    if not out:
+        raise ConfigError("the models have no parameters")
+    return ParameterSet(out)
+
+
+def load(path: str | Path) -> ParameterSet:
+    """Read a set written by :meth:`ParameterSet.save` (or any safetensors file).
+
+    Raises:
+        DataError: the file is missing or not a valid safetensors file.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"parameter file not found: {p}")
+    try:
+        tensors = load_file(str(p))
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own SafetensorError and OSError
+        raise DataError(f"cannot read parameters from {p}: {exc}") from exc
+    names = tensors.keys()
+    try:
+        order = json.loads(meta.get("names", "[]"))
+    except json.JSONDecodeError:
+        order = []
+    if isinstance(order, list) and sorted(order) == sorted(names):
+        return ParameterSet({n: tensors[n] for n in order})
+    return ParameterSet(tensors)
