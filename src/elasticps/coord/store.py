@@ -129,6 +129,11 @@ class Keys:
         return self.root + "ps_desired"
 
     @property
+    def trainers_wanted(self) -> str:
+        """Key holding the wanted number of trainers (``elasticps scale``), a JSON integer."""
+        return self.root + "trainers_wanted"
+
+    @property
     def ps_prefix(self) -> str:
         """Prefix of the claimed parameter-server slots."""
         return self.root + "ps/"
@@ -1007,6 +1012,71 @@ class JobStore:
             self._watches.append(watch)
         return watch
 
+    # --- wanted trainers ----------------------------------------------------------------
+
+    def set_trainers_wanted(self, n: int) -> None:
+        """Set the wanted number of trainers; the worker manager clamps it to its range.
+
+        Raises:
+            ConfigError: ``n`` < 0.
+            CoordinationError: etcd failed.
+        """
+        if n < 0:
+            raise ConfigError(f"the wanted number of trainers must be >= 0, got {n}")
+        self._put(self.keys.trainers_wanted, _encode(n))
+
+    def trainers_wanted(self) -> int | None:
+        """Return the wanted number of trainers, or None if unset.
+
+        Raises:
+            CoordinationError: etcd failed or the value is not a non-negative integer.
+        """
+        with self._etcd("reading trainers_wanted"):
+            raw, _ = self._client.get(self.keys.trainers_wanted)
+        return None if raw is None else self._decode_trainers_wanted(raw, self.keys.trainers_wanted)
+
+    @staticmethod
+    def _decode_trainers_wanted(raw: bytes, key: str) -> int:
+        value = _decode(raw, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CoordinationError(f"etcd key {key} must hold a non-negative integer")
+        return value
+
+    def watch_trainers_wanted(self, on_change: Callable[[int | None], None]) -> Watch:
+        """Call ``on_change`` with the wanted number of trainers after each change.
+
+        Reads the current value first and watches from the next revision, so no
+        change is missed. A malformed value is logged and ignored. ``on_change``
+        runs on the watch's thread; it receives None if the key is deleted.
+
+        Returns:
+            The watch; :meth:`Watch.cancel` it when done.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        key = self.keys.trainers_wanted
+        with self._etcd("reading trainers_wanted"):
+            response = self._client.get_response(key)
+        start_revision = int(response.header.revision) + 1
+
+        def decode(raw: bytes, full_key: str) -> dict[str, object]:
+            try:
+                return {"count": self._decode_trainers_wanted(raw, full_key)}
+            except CoordinationError as exc:
+                _log.warning("ignoring %s", exc)
+                return {}
+
+        def report(values: dict[str, dict[str, object]]) -> None:
+            count = values.get("", {}).get("count")  # the exact key, not a longer one
+            on_change(count if isinstance(count, int) else None)
+
+        with self._etcd("watching trainers_wanted"):
+            watch = Watch(self._client, key, decode, report, start_revision)
+        with self._lock:
+            self._watches.append(watch)
+        return watch
+
     # --- parameter servers ------------------------------------------------------------
 
     def set_ps_desired(self, n: int) -> None:
@@ -1121,6 +1191,7 @@ class JobStore:
         timeout_s: float,
         *,
         cancel: threading.Event | None = None,
+        unix: str | None = None,
     ) -> int:
         """Claim the lowest free parameter-server slot, waiting up to ``timeout_s`` for one.
 
@@ -1133,6 +1204,9 @@ class JobStore:
             lease: the server's lease.
             timeout_s: how long to keep trying, in seconds (0: once).
             cancel: when set, stop waiting (raises CoordinationError).
+            unix: the AF_UNIX path the server also listens on, recorded next to
+                ``address`` (as ``"unix"``, with ``"host_id"``) for clients on the
+                same host; None: TCP only.
 
         Returns:
             The claimed index, 0-based.
@@ -1144,7 +1218,7 @@ class JobStore:
         delays = _poll_delays()
         while True:
             n = self.ps_desired()
-            index = None if n is None else self._try_claim_ps_slot(address, lease, n)
+            index = None if n is None else self._try_claim_ps_slot(address, lease, n, unix)
             if index is not None:
                 return index
             if cancel is not None and cancel.is_set():
@@ -1160,10 +1234,17 @@ class JobStore:
                 )
             _sleep_until_next_poll(delays, deadline)
 
-    def _try_claim_ps_slot(self, address: str, lease: KeptLease, n: int) -> int | None:
+    def _try_claim_ps_slot(
+        self, address: str, lease: KeptLease, n: int, unix: str | None = None
+    ) -> int | None:
         """One pass of put-if-absent transactions over slots 0..n-1; the index won, or None."""
         txns = self._client.transactions
-        value = _encode({"address": address, "pid": os.getpid()})
+        record: dict[str, object] = {"address": address, "pid": os.getpid()}
+        if unix is not None:
+            from elasticps.wire.frame import local_host_id
+
+            record.update(unix=unix, host_id=local_host_id())
+        value = _encode(record)
         for index in range(n):
             key = self.keys.ps(index)
             succeeded, _ = self._txn(

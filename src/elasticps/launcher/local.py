@@ -6,6 +6,15 @@ servers and ``trainers`` trainers, each ``python -m elasticps <role>``. It
 prefixes each child's log lines with its role, shows one progress bar, and
 stops every child by PID on exit, on Ctrl-C, and when a child fails.
 
+The trainers are run by the same elastic code as on Kubernetes: a
+:class:`~elasticps.launcher.manager.WorkerManager` over a
+:class:`~elasticps.launcher.local_backend.LocalBackend` keeps them in
+``[min_trainers, max_trainers]`` around the wanted count in etcd
+(``/elasticps/<job>/trainers_wanted``, set by ``elasticps scale``), replaces
+killed and stuck ones and deletes surplus ones newest first. The etcd endpoint
+is written to ``<output>/run.json`` (key ``etcd``) as soon as etcd is up, so
+``elasticps scale`` can find a running job.
+
 At the end it pulls the final parameters from the parameter servers, saves
 them as a safetensors checkpoint with a JSON manifest under ``output``, and,
 if the data directory has a ``test.parquet``, evaluates them.
@@ -14,9 +23,11 @@ if the data directory has a ``test.parquet``, evaluates them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -33,19 +44,23 @@ import torch
 from tqdm import tqdm
 
 from elasticps.checkpoint import save_checkpoint
-from elasticps.config import JobConfig
+from elasticps.config import JobConfig, ManagerConfig
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore
 from elasticps.data.parquet import check_columns, count_rows, resolve_dataset
 from elasticps.errors import CoordinationError, DataError, ElasticPSError, JobFailedError
 from elasticps.evaluate import evaluate
+from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent
+from elasticps.launcher.local_backend import LocalBackend, child_env, exit_status
+from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free, die_with_parent_prefix
 from elasticps.snapshot import take_consistent_checkpoint
 from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import bind_flat_buffers
+from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +71,8 @@ _POLL_S = 0.25
 _FOREVER_S = 10.0 * 365 * 24 * 3600
 # Exit status of a role process for a user error (see elasticps.cli).
 EXIT_USER_ERROR = 2
+# After the master says the job is finished, how long trainers get to exit on their own.
+_TRAINER_EXIT_S = 30.0
 
 
 @dataclass
@@ -129,6 +146,12 @@ class LocalLauncher:
         self._passes: list[dict[str, object]] = []
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
+        self._pid_lock = threading.Lock()
+        self._backend: LocalBackend | None = None
+        self._manager: WorkerManager | None = None
+        # Trainer events from the backend, for _supervise (failures) on the main thread.
+        self._trainer_events: queue.SimpleQueue[WorkerEvent] = queue.SimpleQueue()
+        self._trainer_pids: dict[str, int] = {}
 
     # --- public ---------------------------------------------------------------
 
@@ -180,15 +203,24 @@ class LocalLauncher:
         try:
             etcd.start()
             self._log_pid("etcd", etcd.pid)
+            # Written at once, so that `elasticps scale` finds the running job.
+            self._write_json(
+                "run.json", {"job": cfg.job, "etcd": etcd.endpoint, "state": "running"}
+            )
             with JobStore(etcd.endpoint, cfg.job) as store:
                 self._store = store
                 store.set_ps_desired(cfg.ps)
+                store.set_trainers_wanted(cfg.trainers)
                 self._spawn_all(etcd.endpoint, train)
+                self._start_trainers(store)
                 self._wait_for_master(store, timeout_s=60)
                 samples = self._watch_training(store)
+                if self._manager is not None:
+                    self._manager.stop()  # the job is finished: nothing more to manage
                 snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                 tensors, versions = self._pull_final(spec, store)
                 self._passes = self._pass_audits(store)
+                self._store = None  # closed below; late reaper events must not use it
             wall_s = time.monotonic() - started
             manifest = {
                 "job": cfg.job,
@@ -241,6 +273,9 @@ class LocalLauncher:
         # cfg.standby_ps extra servers wait for a slot to free (warm spares);
         # every PS waits as long as it takes, because a restarted PS whose
         # slot a spare took becomes the new spare.
+        staleness = (
+            ["--max-staleness", str(cfg.max_staleness)] if cfg.max_staleness is not None else []
+        )
         for i in range(cfg.ps + cfg.standby_ps):
             resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
             self._spawn(
@@ -248,34 +283,90 @@ class LocalLauncher:
                 [
                     "ps", *common,
                     "--mode", cfg.mode.value,
-                    "--optimizer", cfg.optimizer.name,
-                    "--lr", repr(cfg.optimizer.lr),
-                    "--momentum", repr(cfg.optimizer.momentum),
-                    "--weight-decay", repr(cfg.optimizer.weight_decay),
+                    *ps_flags(cfg.optimizer),
+                    *staleness,
                     "--checkpoint-dir", str(checkpoints),
                     "--checkpoint-every-s", str(cfg.checkpoint_every_s),
                     "--claim-timeout-s", str(_FOREVER_S),
                     *resume,
                 ],
             )  # fmt: skip
-        for i in range(cfg.trainers):
-            self._spawn(
-                f"trainer-{i}",
-                [
-                    "trainer", *common,
-                    "--trainer-id", str(i),
-                    "--model", str(cfg.model_path),
-                    "--model-class", cfg.model_class,
-                    "--mode", cfg.mode.value,
-                    "--ps", str(cfg.ps),
-                    "--batch-size", str(cfg.batch_size),
-                    "--push-every", str(cfg.push_every),
-                    "--pull-every", str(cfg.pull_every),
-                    "--big-array-bound", str(cfg.big_array_bound),
-                    "--seed", str(cfg.seed),
-                    "--threads", str(cfg.threads),
-                ],
-            )  # fmt: skip
+        self._common_args = common
+
+    def _trainer_spec(self, index: int) -> WorkerSpec:
+        """The spec of trainer ``index`` (its trainer id is the index)."""
+        cfg = self.config
+        return WorkerSpec(
+            Role.TRAINER,
+            index,
+            (
+                *self._common_args,
+                "--trainer-id", str(index),
+                "--model", str(cfg.model_path),
+                "--model-class", cfg.model_class,
+                "--mode", cfg.mode.value,
+                "--ps", str(cfg.ps),
+                "--batch-size", str(cfg.batch_size),
+                "--push-every", str(cfg.push_every),
+                "--pull-every", str(cfg.pull_every),
+                "--big-array-bound", str(cfg.big_array_bound),
+                "--seed", str(cfg.seed),
+                "--threads", str(cfg.threads),
+            ),
+        )  # fmt: skip
+
+    def _start_trainers(self, store: JobStore) -> None:
+        """Start the worker manager that runs the trainers on a local backend."""
+        cfg = self.config
+        low, high = cfg.trainer_range
+        backend = LocalBackend(
+            on_output=lambda name, line: self._emit(f"[{name}] {line}"),
+            on_start=self._on_trainer_start,
+        )
+        backend.watch(self._on_trainer_event)
+        self._backend = backend
+        manager_config = ManagerConfig(
+            min_trainers=low,
+            max_trainers=high,
+            stuck_after_s=cfg.stuck_after_s,
+            backoff_base_s=1.0,
+            backoff_cap_s=30.0,
+            tick_s=1.0,
+        )
+        progress = LedgerProgress(store) if cfg.stuck_after_s is not None else None
+        self._manager = WorkerManager(
+            backend,
+            manager_config,
+            EtcdDesiredCount(store),
+            progress,
+            time.monotonic,
+            trainer_spec=self._trainer_spec,
+        )
+        self._manager.start()
+
+    def _on_trainer_start(self, name: str, pid: int) -> None:
+        with self._pid_lock:
+            self._trainer_pids[name] = pid
+        self._log_pid(name, pid)
+
+    def _on_trainer_event(self, event: WorkerEvent) -> None:
+        """Backend events (reaper threads): release a dead trainer's key at once."""
+        # A trainer that exits 0 revoked its own lease; one that failed or was
+        # deleted may not have.
+        if event.state in (WorkerState.FAILED, WorkerState.DELETED):
+            with self._pid_lock:
+                pid = self._trainer_pids.get(event.name)
+            store = self._store
+            if store is not None and pid is not None:
+                # The process is reaped, so certainly dead: its trainer key can
+                # go now rather than one lease TTL later (the master requeues
+                # its tasks at once); a no-op if the trainer revoked its lease.
+                try:
+                    if store.delete_if_pid(store.keys.trainer(str(event.index)), pid):
+                        log.info("released the key of %s (pid %d)", event.name, pid)
+                except ElasticPSError as exc:
+                    log.info("could not release the key of %s: %s", event.name, exc)
+        self._trainer_events.put(event)
 
     def _spawn(self, role: str, args: list[str]) -> Child:
         child = Child(role, args, self._start_process(role, args))
@@ -299,21 +390,16 @@ class LocalLauncher:
         # included, so that tests and operators can check all are gone.
         if pid is None:
             return
-        self._pid_log[name] = pid
-        self._write_json("pids.json", self._pid_log)
+        with self._pid_lock:
+            key, n = name, 0
+            while key in self._pid_log and self._pid_log[key] != pid:
+                n += 1
+                key = f"{name}.{n}"
+            self._pid_log[key] = pid
+            self._write_json("pids.json", self._pid_log)
 
     def _start_process(self, role: str, args: list[str]) -> subprocess.Popen[bytes]:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
-        # glibc returns big freed blocks to the OS at once by default, so a
-        # 64 MB gradient tensor costs ~16k page faults on every backward;
-        # keeping them in the heap cut a 20M-parameter step from 92 to 65 ms
-        # here (benchmarks/README.md). A user's own settings win.
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
-        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
-        # The child stops itself if the launcher dies (even by SIGKILL).
-        env["ELASTICPS_PARENT_PID"] = str(os.getpid())
+        env = child_env(role)
         return subprocess.Popen(
             [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
             stdout=subprocess.PIPE,
@@ -340,8 +426,13 @@ class LocalLauncher:
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """Stop every child by PID: SIGTERM, wait up to ``timeout_s`` seconds, then SIGKILL."""
-        # Trainers first, then PS, then the master.
-        order = sorted(self.children, key=lambda c: {"trainer": 0, "ps": 1}.get(c.role[:2], 2))
+        # The manager first (so it replaces nobody), then the trainers, the PS, the master.
+        self._store = None  # being closed: reaper threads must not release keys through it
+        if self._manager is not None:
+            self._manager.stop()
+        if self._backend is not None:
+            self._backend.close(timeout_s)
+        order = sorted(self.children, key=lambda c: {"ps": 0}.get(c.kind, 1))
         for child in order:
             if child.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -363,16 +454,17 @@ class LocalLauncher:
 
     # --- monitoring -------------------------------------------------------------
 
-    def _supervise(self) -> list[Child]:
-        """One round of supervision; returns the trainers still running.
+    def _supervise(self) -> list[str]:
+        """One round of supervision; returns the names of the trainers still running.
 
         - etcd that died is restarted on the same data directory.
         - A master or PS that exited is restarted (as Kubernetes would),
           up to ``max_restarts`` times each, unless it exited with status 2
           (a user error, which a restart would repeat).
-        - A trainer is never restarted. One killed by a signal is tolerated:
-          the job goes on while one trainer lives. One that exited with an
-          error (an exception in the model code, say) fails the job.
+        - Trainers belong to the worker manager, which replaces one killed by
+          a signal or stuck (with a new id). One that exited with an error
+          (an exception in the model code, say) fails the job; one deleted by
+          the manager (scale down) or exiting 0 does not.
 
         Raises:
             JobFailedError: a failure the job cannot survive.
@@ -386,31 +478,33 @@ class LocalLauncher:
             self._emit(f"[launcher] etcd (pid {etcd.pid}) died; restarting it on its data dir")
             etcd.restart()
             self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
-        running_trainers = []
+        while True:
+            try:
+                event = self._trainer_events.get_nowait()
+            except queue.Empty:
+                break
+            if event.state is not WorkerState.FAILED:
+                continue
+            code = exit_status(event)
+            pid = self._trainer_pids.get(event.name)
+            if code is not None and code > 0:
+                raise JobFailedError(
+                    f"{event.name} (pid {pid}) exited with status {code}; "
+                    "its log lines above show why"
+                )
+            self._emit(
+                f"[launcher] {event.name} (pid {pid}) ended ({event.reason}); "
+                "the worker manager replaces it"
+            )
         for child in self.children:
             if child.ended:
                 continue
             code = child.proc.poll()
             if code is None:
-                if child.kind == "trainer":
-                    running_trainers.append(child)
                 continue
             if child.pump is not None:
                 child.pump.join(timeout=2)  # flush its last lines (the traceback)
             self._release_keys(child)
-            if child.kind == "trainer":
-                child.ended = True
-                if code > 0:
-                    raise JobFailedError(
-                        f"{child.role} (pid {child.pid}) exited with status {code}; "
-                        "its log lines above show why"
-                    )
-                if code < 0:
-                    self._emit(
-                        f"[launcher] {child.role} (pid {child.pid}) was killed by signal "
-                        f"{-code}; the job goes on without it"
-                    )
-                continue
             if code == EXIT_USER_ERROR or child.restarts >= cfg.max_restarts:
                 why = "a user error" if code == EXIT_USER_ERROR else "no restarts left"
                 raise JobFailedError(
@@ -422,7 +516,7 @@ class LocalLauncher:
                 f"restarting it ({child.restarts + 1}/{cfg.max_restarts})"
             )
             self._restart(child)
-        return running_trainers
+        return list(self._backend.pids(Role.TRAINER)) if self._backend is not None else []
 
     def _release_keys(self, child: Child) -> None:
         """Delete the etcd keys a reaped child held under its lease.
@@ -438,9 +532,7 @@ class LocalLauncher:
         store = self._store
         if store is None:
             return
-        if child.kind == "trainer":
-            keys = [store.keys.trainer(child.role.split("-", 1)[1])]
-        elif child.kind == "ps":
+        if child.kind == "ps":
             # A spare may hold any slot: try each.
             keys = [store.keys.ps(i) for i in range(self.config.ps)]
         else:
@@ -475,7 +567,7 @@ class LocalLauncher:
         training_started: float | None = None
         try:
             while True:
-                running = self._supervise()
+                self._supervise()
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
                     self.timeline.append(
@@ -495,18 +587,18 @@ class LocalLauncher:
                             self._inject(event, store, elapsed, fraction)
                     if cfg.progress:
                         rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
-                if not running:
-                    break
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    running[0].proc.wait(timeout=_POLL_S)
-            with contextlib.suppress(ElasticPSError):
-                last = master.job_status()
+                    if last.finished:
+                        break
+                time.sleep(_POLL_S)
         finally:
             master.close()
-        if last is None or not last.finished:
-            raise JobFailedError(
-                "every trainer has exited, but the master says the job is not finished"
-            )
+        # The master says the job is finished: no more trainers; those left
+        # exit on their own once get_task says so (and are stopped after a while).
+        if self._manager is not None:
+            self._manager.finish()
+        deadline = time.monotonic() + _TRAINER_EXIT_S
+        while self._supervise() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
         if self._bar is not None:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
@@ -526,16 +618,20 @@ class LocalLauncher:
             # The server holding slot i (ps-<i>), or slot 0 for "ps".
             index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
             pid = self._pid_in_key(store, store.keys.ps(index))
+        elif event.role == "trainer":
+            live = self._backend.pids(Role.TRAINER) if self._backend is not None else {}
+            candidates = [n for n in live if event.target in {n, "trainer"}]
+            if candidates:
+                # The highest-numbered trainer.
+                pid = live[max(candidates, key=lambda n: int(n.split("-", 1)[1]))]
         else:
-            candidates = [
+            masters = [
                 c for c in self.children
                 if c.kind == event.role and not c.ended and c.proc.poll() is None
                 and event.target in {c.role, event.role}
             ]  # fmt: skip
-            if candidates:
-                # The highest-numbered trainer; the first PS.
-                chosen = candidates[-1] if event.role == "trainer" else candidates[0]
-                pid = chosen.pid
+            if masters:
+                pid = masters[0].pid
         record: dict[str, object] = {
             "target": event.target,
             "pid": pid,
@@ -628,8 +724,15 @@ class LocalLauncher:
         return tensors, versions
 
     def _write_run_record(self, result: JobResult) -> None:
+        low, high = self.config.trainer_range
         record = {
             "job": self.config.job,
+            "etcd": self._etcd.endpoint if self._etcd is not None else None,
+            "state": "finished",
+            "trainers": {"initial": self.config.trainers, "min": low, "max": high},
+            "scaling": [
+                dataclasses.asdict(r) for r in (self._manager.records() if self._manager else [])
+            ],
             "wall_s": round(result.wall_s, 3),
             "samples": result.samples,
             "evaluation": result.evaluation,
