@@ -1,0 +1,444 @@
+"""The Kubernetes backend and the worker manager against the fake API server.
+
+The official ``kubernetes`` client talks HTTP to :class:`fake_k8s.FakeKubeServer`
+on a loopback port. ``elasticps submit``/``delete`` run in-process through
+:func:`elasticps.cli.main` with a kubeconfig pointing at the fake. The test
+plays the master pod: it runs the same worker manager the master runs
+(:func:`elasticps.launcher.kubernetes.build_manager`), with a fast backoff,
+and an injected progress source for stuck detection.
+
+This is not a live cluster: the fake schedules pods at once and runs no
+containers (see ``tests/fake_k8s/server.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fake_k8s import FakeKubeServer
+from kubernetes import client
+
+from elasticps.cli import main
+from elasticps.config import CommonConfig, KubernetesConfig, ManagerConfig, MasterConfig
+from elasticps.coord.etcd_server import EtcdServer
+from elasticps.coord.store import JobStore
+from elasticps.errors import UnschedulableError
+from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
+from elasticps.launcher.kubernetes import (
+    ConfigMapDesiredCount,
+    KubernetesBackend,
+    OwnerRef,
+    build_manager,
+    job_selector,
+    set_wanted_trainers,
+)
+from elasticps.launcher.manager import WorkerManager
+from elasticps.launcher.pod_events import PodEventListener
+from elasticps.master.main import serve_master
+from elasticps.netutil import LOOPBACK
+from elasticps.testing import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+NS = "ml"
+JOB = "kjob"
+TRAINERS = "elasticps/role=trainer"
+# Fast backoff: delays 0.1-0.2, 0.2-0.3, 0.4-0.5, 0.8-0.9, then 1.2 s.
+BACKOFF_BASE_S = 0.1
+BACKOFF_CAP_S = 1.2
+STUCK_AFTER_S = 1.0
+
+
+@pytest.fixture
+def kube() -> Iterator[FakeKubeServer]:
+    with FakeKubeServer() as server:
+        yield server
+
+
+@pytest.fixture
+def api(kube: FakeKubeServer) -> client.CoreV1Api:
+    return client.CoreV1Api(client.ApiClient(client.Configuration(host=kube.url)))
+
+
+@pytest.fixture
+def kubeconfig(kube: FakeKubeServer, tmp_path: Path) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+                "users": [{"name": "me", "user": {"token": "t"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    return path
+
+
+def submit(kubeconfig: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    model = tmp_path / "my_model.py"
+    model.write_text("import torch\n\nclass Model(torch.nn.Module):\n    pass\n")
+    argv = [
+        "submit", "--backend", "kubernetes", "--kubeconfig", str(kubeconfig),
+        "--image", "registry.example/elasticps:1", "--namespace", NS, "--job", JOB,
+        "--model", str(model), "--trainers", "2:4", "--ps", "2", "--mode", "async",
+        "--epochs", "5", "--data", "/data/mnist/train.parquet", *extra,
+    ]  # fmt: skip
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(argv) == 0
+    return dict(json.loads(buffer.getvalue().splitlines()[0]))
+
+
+class Progress:
+    """An injectable progress source: trainers marked healthy progress on every call."""
+
+    def __init__(self) -> None:
+        self.stalled: set[str] = set()
+
+    def __call__(self) -> dict[str, float]:
+        now = time.monotonic()
+        return {f"trainer-{i}": now for i in range(1000) if f"trainer-{i}" not in self.stalled}
+
+
+@dataclass
+class Job:
+    """A submitted job and the worker manager its master would run."""
+
+    kube: FakeKubeServer
+    api: client.CoreV1Api
+    backend: KubernetesBackend
+    manager: WorkerManager
+    progress: Progress
+    master_uid: str
+
+    def pods(self, selector: str = "") -> list[dict[str, Any]]:
+        sel = job_selector(JOB) + ("," + selector if selector else "")
+        return self.kube.objects("pods", NS, sel)
+
+    def running(self, selector: str = TRAINERS) -> list[str]:
+        return sorted(
+            p["metadata"]["name"]
+            for p in self.pods(selector)
+            if p["status"]["phase"] == "Running" and "deletionTimestamp" not in p["metadata"]
+        )
+
+
+@pytest.fixture
+def job(
+    kube: FakeKubeServer, api: client.CoreV1Api, kubeconfig: Path, tmp_path: Path
+) -> Iterator[Job]:
+    submit(kubeconfig, tmp_path)
+    master = kube.pod(NS, f"{JOB}-master-0")
+    assert master is not None
+    owner = OwnerRef(master["metadata"]["name"], master["metadata"]["uid"])
+    backend = KubernetesBackend(
+        NS, JOB, "registry.example/elasticps:1", api.api_client, owner, watch_timeout_s=5
+    )
+    progress = Progress()
+    manager = build_manager(
+        backend,
+        ManagerConfig(
+            min_trainers=2,
+            max_trainers=4,
+            stuck_after_s=STUCK_AFTER_S,
+            backoff_base_s=BACKOFF_BASE_S,
+            backoff_cap_s=BACKOFF_CAP_S,
+            tick_s=0.05,
+        ),
+        ps=2,
+        desired=ConfigMapDesiredCount(api, NS, JOB, poll_s=0.05),
+        progress=progress,
+    )
+    manager.start()
+    state = Job(kube, api, backend, manager, progress, owner.uid)
+    try:
+        wait_for(lambda: len(state.running()) == 4, "4 running trainers", timeout_s=20)
+        yield state
+    finally:
+        manager.stop()
+        backend.close()
+
+
+def test_a_job_submitted_with_trainers_2_to_4_reaches_4_trainer_pods_owned_by_the_master(
+    job: Job,
+) -> None:
+    assert job.running() == [f"{JOB}-trainer-{i}" for i in range(4)]
+    wait_for(lambda: job.running("elasticps/role=ps") == [f"{JOB}-ps-0", f"{JOB}-ps-1"], "2 PS")
+    for pod in job.pods():
+        if pod["metadata"]["labels"]["elasticps/role"] in ("ps", "trainer"):
+            refs = pod["metadata"]["ownerReferences"]
+            assert [(r["kind"], r["uid"]) for r in refs] == [("Pod", job.master_uid)]
+    # Deleting the master deletes its workers (the garbage collector), not etcd.
+    job.manager.stop()
+    job.api.delete_namespaced_pod(f"{JOB}-master-0", NS)
+    assert {p["metadata"]["labels"]["elasticps/role"] for p in job.pods()} == {"etcd"}
+
+
+def test_unschedulable_trainers_are_retried_with_growing_delays_then_filled(job: Job) -> None:
+    job.kube.set_capacity(TRAINERS, 2)
+    # Two trainers are preempted; their replacements cannot be scheduled.
+    for name in job.running()[:2]:
+        job.kube.preempt(NS, name)
+
+    def creates() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {}
+        for record in job.manager.records():
+            if record.action == "create" and record.reason == "retry":
+                times.setdefault(record.name, []).append(record.at_s)
+        return times
+
+    wait_for(
+        lambda: sum(len(t) >= 4 for t in creates().values()) == 2,
+        "4 retries of each unschedulable trainer",
+        timeout_s=20,
+    )
+    assert len(job.running()) == 2
+    for times in creates().values():
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        # Exponential: each delay is about twice the previous one (plus jitter).
+        assert gaps[0] >= BACKOFF_BASE_S
+        assert gaps[2] > gaps[0] + BACKOFF_BASE_S, gaps
+    attempts = [r.attempt for r in job.manager.records() if r.reason == "retry"]
+    assert max(attempts) >= 5
+    job.kube.set_capacity(TRAINERS, None)
+    wait_for(lambda: len(job.running()) == 4, "4 running trainers again", timeout_s=20)
+
+
+def test_a_quota_error_on_create_backs_off(job: Job) -> None:
+    # Once a trainer is preempted, the namespace is full: creates get 403 exceeded quota.
+    job.kube.set_pod_quota(len(job.kube.objects("pods", NS)) - 1)
+    job.kube.preempt(NS, job.running()[0])
+
+    def refused() -> list[float]:
+        return [
+            r.retry_in_s
+            for r in job.manager.records()
+            if r.result == "unschedulable" and r.retry_in_s is not None
+        ]
+
+    wait_for(lambda: len(refused()) >= 3, "3 refused creates", timeout_s=20)
+    delays = refused()
+    assert delays[2] > delays[0]
+    job.kube.set_pod_quota(None)
+    wait_for(lambda: len(job.running()) == 4, "4 running trainers again", timeout_s=20)
+
+
+def test_pods_deleted_out_of_band_are_replaced(job: Job) -> None:
+    victim = job.running()[0]
+    job.api.delete_namespaced_pod(victim, NS)  # kubectl delete pod
+    wait_for(lambda: len(job.running()) == 4 and victim not in job.running(), "a new trainer")
+    wait_for(lambda: len(job.running("elasticps/role=ps")) == 2, "2 PS")
+    old_uid = job.kube.pod(NS, f"{JOB}-ps-0")["metadata"]["uid"]  # type: ignore[index]
+    job.api.delete_namespaced_pod(f"{JOB}-ps-0", NS)
+
+    def ps0_replaced() -> bool:
+        pod = job.kube.pod(NS, f"{JOB}-ps-0")
+        return pod is not None and pod["metadata"]["uid"] != old_uid
+
+    wait_for(ps0_replaced, "ps-0 replaced under the same name")
+    # A PS that exits leaves its pod (Failed) in the API: it is removed, then replaced.
+    old_uid = job.kube.pod(NS, f"{JOB}-ps-1")["metadata"]["uid"]  # type: ignore[index]
+    job.kube.finish(NS, f"{JOB}-ps-1", exit_code=137, reason="OOMKilled")
+
+    def ps1_replaced() -> bool:
+        pod = job.kube.pod(NS, f"{JOB}-ps-1")
+        return (
+            pod is not None
+            and pod["metadata"]["uid"] != old_uid
+            and pod["status"]["phase"] == "Running"
+        )
+
+    wait_for(ps1_replaced, "ps-1 replaced after it failed")
+
+
+def test_a_stuck_trainer_is_replaced(job: Job) -> None:
+    stuck = "trainer-1"
+    job.progress.stalled.add(stuck)
+    wait_for(lambda: f"{JOB}-{stuck}" not in job.running(), "the stuck trainer deleted")
+    wait_for(lambda: len(job.running()) == 4, "4 running trainers again")
+    reasons = [r.reason for r in job.manager.records() if r.name == stuck]
+    assert any(reason.startswith("stuck") for reason in reasons)
+
+
+def test_scale_down_deletes_the_newest_and_scale_up_is_clamped(
+    job: Job, kubeconfig: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["scale", JOB, "--trainers", "2", "--backend", "kubernetes",
+            "--namespace", NS, "--kubeconfig", str(kubeconfig)]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["trainers_wanted"] == 2
+    wait_for(lambda: len(job.pods(TRAINERS)) == 2, "2 trainers")
+    assert job.running() == [f"{JOB}-trainer-0", f"{JOB}-trainer-1"]
+    set_wanted_trainers(job.api, NS, JOB, 3)
+    wait_for(lambda: len(job.running()) == 3, "3 trainers")
+    set_wanted_trainers(job.api, NS, JOB, 10)  # clamped to MAX
+    wait_for(lambda: len(job.running()) == 4, "4 trainers")
+    assert job.manager.live_trainers() and len(job.pods(TRAINERS)) == 4
+
+
+def test_delete_leaves_nothing_with_the_jobs_labels(
+    job: Job, kubeconfig: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job.manager.stop()  # the master's manager dies with the master pod
+    assert main(["delete", JOB, "--namespace", NS, "--kubeconfig", str(kubeconfig)]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["deleted"]["services"] == 2 and printed["deleted"]["configmaps"] == 3
+    selector = f"elasticps/job={JOB}"
+    for resource in ("pods", "services", "configmaps"):
+        assert job.kube.objects(resource, NS, selector) == []
+
+
+def test_submit_with_etcd_endpoints_starts_no_etcd_and_status_lists_the_pods(
+    kube: FakeKubeServer,
+    kubeconfig: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result = submit(kubeconfig, tmp_path, "--etcd-endpoints", "etcd.infra:2379")
+    assert result["etcd"] == "etcd.infra:2379"
+    assert "pod/kjob-etcd" not in result["created"]
+    env = kube.objects("configmaps", NS, "elasticps/role=env")[0]["data"]
+    assert env["ELASTICPS_ETCD"] == "etcd.infra:2379"
+    assert env["ELASTICPS_MODE"] == "async"
+    master = kube.pod(NS, f"{JOB}-master-0")
+    assert master is not None
+    command = master["spec"]["containers"][0]["command"]
+    assert command[:6] == ["elasticps", "master", "--backend", "kubernetes", "--trainers", "2:4"]
+    # A second submit of the same job is refused.
+    model = tmp_path / "my_model.py"
+    argv = ["submit", "--kubeconfig", str(kubeconfig), "--namespace", NS, "--job", JOB,
+            "--image", "x", "--model", str(model), "--data", "/d"]  # fmt: skip
+    assert main(argv) == 2
+    capsys.readouterr()
+    assert main(["status", JOB, "--namespace", NS, "--kubeconfig", str(kubeconfig), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["wanted_trainers"] == 4
+    assert [(p["name"], p["state"]) for p in status["pods"]] == [(f"{JOB}-master-0", "running")]
+    kube.set_log(NS, f"{JOB}-master-0", "hello\nworld\n")
+    assert main(["logs", JOB, "--namespace", NS, "--kubeconfig", str(kubeconfig)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"[{JOB}-master-0] {s}" for s in ("hello", "world")
+    ]
+
+
+def test_the_listener_relists_after_410_gone_and_reports_deletions_it_missed(
+    kube: FakeKubeServer, api: client.CoreV1Api
+) -> None:
+    backend = KubernetesBackend(NS, JOB, "img", api.api_client, watch_timeout_s=5)
+    for i in range(2):
+        backend.create(WorkerSpec(Role.TRAINER, i, ("--trainer-id", str(i))))
+    events: list[WorkerEvent] = []
+    lock = threading.Lock()
+
+    def on_event(event: WorkerEvent) -> None:
+        with lock:
+            events.append(event)
+
+    def states() -> dict[str, WorkerState]:
+        with lock:
+            return {e.name: e.state for e in events}
+
+    listener = PodEventListener(api, NS, job_selector(JOB), on_event, watch_timeout_s=5).start()
+    try:
+        running = {"trainer-0": WorkerState.RUNNING, "trainer-1": WorkerState.RUNNING}
+        wait_for(lambda: states() == running, "both running")
+        kube.delete_unseen(NS, f"{JOB}-trainer-1")  # the DELETED event is compacted away
+        wait_for(lambda: states().get("trainer-1") is WorkerState.DELETED, "the missed deletion")
+        assert listener.relists == 2
+        kube.compact()
+        kube.finish(NS, f"{JOB}-trainer-0", exit_code=1)
+        wait_for(lambda: states().get("trainer-0") is WorkerState.FAILED, "trainer-0 failed")
+        kube.preempt(NS, f"{JOB}-trainer-0")
+        wait_for(lambda: states().get("trainer-0") is WorkerState.DELETED, "trainer-0 deleted")
+    finally:
+        listener.stop()
+    with lock:
+        failed = [e for e in events if e.state is WorkerState.FAILED]
+    assert [(e.name, e.reason) for e in failed] == [("trainer-0", "exit 1")]
+
+
+def test_backend_list_create_conflict_and_delete_of_a_missing_pod(
+    kube: FakeKubeServer, api: client.CoreV1Api
+) -> None:
+    backend = KubernetesBackend(NS, JOB, "img", api.api_client)
+    spec = WorkerSpec(Role.PS, 0)
+    backend.create(spec)
+    with pytest.raises(UnschedulableError, match="still exists"):
+        backend.create(spec)
+    kube.set_capacity("elasticps/role=trainer", 0)
+    backend.create(WorkerSpec(Role.TRAINER, 7))
+    listed = {(e.name, e.state, e.reason.split(":")[0]) for e in backend.list()}
+    assert listed == {
+        ("ps-0", WorkerState.RUNNING, ""),
+        ("trainer-7", WorkerState.UNSCHEDULABLE, "Unschedulable"),
+    }
+    backend.delete("trainer-7")
+    backend.delete("trainer-7")  # already gone: no error
+    assert [e.name for e in backend.list()] == ["ps-0"]
+
+
+def test_the_master_serves_grpc_health_and_runs_its_on_active_hook(
+    etcd_server: EtcdServer, job_name: str, tmp_path: Path
+) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"x": list(range(20))}), data)
+    job = f"health-{job_name[-8:]}"
+    config = MasterConfig(
+        common=CommonConfig(job=job, etcd_endpoint=etcd_server.endpoint, lease_ttl_s=5.0),
+        data_files=(data,),
+        records_per_task=10,
+        host=LOOPBACK,
+    )
+    stop = threading.Event()
+    hook_calls: list[str] = []
+
+    def on_active(store: JobStore) -> Any:
+        hook_calls.append(store.keys.job)
+        return lambda: hook_calls.append("stopped")
+
+    thread = threading.Thread(target=serve_master, args=(config, stop, on_active), daemon=True)
+    thread.start()
+    try:
+        with JobStore(etcd_server.endpoint, job) as store:
+            address = store.master_address(timeout_s=15.0)
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "elasticps.v1.Master"):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        wait_for(lambda: hook_calls == [job], "the on_active hook")
+    finally:
+        stop.set()
+        thread.join(15)
+    assert not thread.is_alive()
+    assert hook_calls == [job, "stopped"]
+
+
+def test_kubernetes_config_rejects_names_pods_cannot_have() -> None:
+    from elasticps.config import check_kubernetes_job_name
+    from elasticps.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        check_kubernetes_job_name("My_Job")
+    with pytest.raises(ConfigError):
+        KubernetesConfig(namespace="Bad_NS")
+    assert check_kubernetes_job_name("ok-job-1") == "ok-job-1"
