@@ -18,7 +18,10 @@ repetition) so that a noisy machine hurts every case alike:
 ``elasticps-tcp-2msg``
     The same, as ``push(want_params=False)`` then ``pull()``: two exchanges.
 ``elasticps-unix``
-    Not implemented in the product yet; printed as skipped.
+    The same as ``elasticps-tcp`` over the product's AF_UNIX fast path: each
+    ``ParameterServer`` also listens on a Unix socket and the client is forced
+    to it with ``ParameterClient(transport="unix")`` (``"auto"``, the
+    default, picks it for servers on the same host).
 ``raw-tcp`` / ``raw-unix``
     The reference: a minimal server written here (16-byte header, ``recv_into``
     a preallocated buffer, ``param.add_(grad, alpha=-lr)``,
@@ -206,7 +209,10 @@ def _server_process(kind: str, specs: list[dict[str, Any]], conn: Connection, th
 
         for spec in specs:
             server = ParameterServer(
-                spec["index"], UpdateMode.ASYNC, OptimizerConfig(name="sgd", lr=LR)
+                spec["index"],
+                UpdateMode.ASYNC,
+                OptimizerConfig(name="sgd", lr=LR),
+                unix_path=spec.get("path"),
             )
             threading.Thread(target=server.serve_forever, daemon=True).start()
             addresses[spec["id"]] = server.address
@@ -415,6 +421,7 @@ def _elasticps_case(
     servers: list[ServerProcess],
     *,
     two_messages: bool,
+    transport: str,
 ) -> Case:
     from elasticps.placement import ParamSpec, plan_placement
     from elasticps.trainer.client import ParameterClient
@@ -426,8 +433,10 @@ def _elasticps_case(
     bound = min(BIG_ARRAY_BOUND, max(1, numel // num_ps - 1))
     placement = plan_placement([ParamSpec("w", (numel,))], num_ps, bound)
     params = torch.zeros(numel, dtype=torch.float32)
-    client = ParameterClient(placement, addresses, params, grads, trainer_id=0)
+    client = ParameterClient(placement, addresses, params, grads, trainer_id=0, transport=transport)
     client.hello(initialize=True)
+    if set(client.transports) != {transport}:
+        raise RuntimeError(f"{name}: connected over {client.transports}, not {transport}")
 
     def round_trip() -> None:
         if two_messages:
@@ -460,6 +469,7 @@ ALL_CASES = (
     "limit",
     "elasticps-tcp",
     "elasticps-tcp-2msg",
+    "elasticps-unix",
     "raw-tcp",
     "raw-tcp-2conn",
     "raw-unix",
@@ -478,7 +488,14 @@ def _spawn_servers(
         for index, (lo, hi) in enumerate(_even_split(numel, num_ps)):
             n = hi - lo
             for kind, all_variants in (
-                ("elasticps", [("elasticps-tcp", {}), ("elasticps-tcp-2msg", {})]),
+                (
+                    "elasticps",
+                    [
+                        ("elasticps-tcp", {}),
+                        ("elasticps-tcp-2msg", {}),
+                        ("elasticps-unix", {"family": "unix"}),
+                    ],
+                ),
                 (
                     "raw",
                     [
@@ -535,7 +552,7 @@ def _build_cases(
         def addrs(kind: str, case: str, num_ps: int = num_ps) -> list[str]:
             return [servers[f"{kind}-{i}"].addresses[f"{case}_{num_ps}_{i}"] for i in range(num_ps)]
 
-        for name in ("elasticps-tcp", "elasticps-tcp-2msg"):
+        for name in ("elasticps-tcp", "elasticps-tcp-2msg", "elasticps-unix"):
             if name not in wanted:
                 continue
             cases.append(
@@ -545,6 +562,7 @@ def _build_cases(
                     grads,
                     procs("elasticps"),
                     two_messages=name.endswith("2msg"),
+                    transport=name.split("-")[1],
                 )
             )
         for fam in ("tcp", "unix"):
@@ -682,19 +700,21 @@ def _report(
                 "verified_round_trips": case.done,
             }
         )
-    for num_ps in ps_counts:
-        _emit({"case": "elasticps-unix", "num_ps": num_ps, "skipped": "not implemented"})
     ratios: dict[str, dict[str, float]] = {}
     for num_ps in ps_counts:
         m = {**medians.get(str(num_ps), {}), **medians.get("0", {})}
         pairs = {
             "elasticps_over_raw_tcp": ("elasticps-tcp", "raw-tcp"),
             "elasticps_over_raw_unix": ("elasticps-tcp", "raw-unix"),
+            "elasticps_unix_over_raw_unix": ("elasticps-unix", "raw-unix"),
+            "elasticps_unix_over_tcp": ("elasticps-unix", "elasticps-tcp"),
             "elasticps_over_limit": ("elasticps-tcp", "limit"),
         }
         r = {k: round(m[a] / m[b], 3) for k, (a, b) in pairs.items() if a in m and b in m}
         if "grpc-stream" in m and "elasticps-tcp" in m:
             r["elasticps_speedup_vs_grpc"] = round(m["grpc-stream"] / m["elasticps-tcp"], 2)
+        if "grpc-stream" in m and "elasticps-unix" in m:
+            r["elasticps_unix_speedup_vs_grpc"] = round(m["grpc-stream"] / m["elasticps-unix"], 2)
         ratios[str(num_ps)] = r
     top = str(max(ps_counts))
     _emit(
@@ -713,8 +733,14 @@ def _report(
             "issue4": {
                 "num_ps": int(top),
                 "within_1.25x_raw_tcp": _at_most(ratios[top].get("elasticps_over_raw_tcp"), 1.25),
+                "unix_within_1.25x_raw_unix": _at_most(
+                    ratios[top].get("elasticps_unix_over_raw_unix"), 1.25
+                ),
                 "at_least_2.5x_faster_than_grpc": _at_least(
                     ratios[top].get("elasticps_speedup_vs_grpc"), 2.5
+                ),
+                "unix_at_least_2.5x_faster_than_grpc": _at_least(
+                    ratios[top].get("elasticps_unix_speedup_vs_grpc"), 2.5
                 ),
             },
         }

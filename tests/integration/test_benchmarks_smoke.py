@@ -101,19 +101,66 @@ def test_tensor_plane_quick_prints_every_case_and_the_ratios() -> None:
     cases = [line for line in lines[:-1] if "ms_median" in line]
     seen = {(line["case"], line["num_ps"]) for line in cases}
     for num_ps in (1, 2):
-        for case in ("elasticps-tcp", "elasticps-tcp-2msg", "raw-tcp", "raw-unix", "grpc-stream"):
+        for case in (
+            "elasticps-tcp",
+            "elasticps-tcp-2msg",
+            "elasticps-unix",
+            "raw-tcp",
+            "raw-unix",
+            "grpc-stream",
+        ):
             assert (case, num_ps) in seen, (case, num_ps)
     assert ("limit", 0) in seen
     for line in cases:
         for key in ("ms_median", "ms_min", "cpu_s_per_gb", "gb_per_s", "verified_round_trips"):
             assert isinstance(line[key], int | float), (line["case"], key)
-    skipped = [line for line in lines if line.get("case") == "elasticps-unix"]
-    assert skipped and all(line["skipped"] == "not implemented" for line in skipped)
     for key in ("1", "2"):
         ratios = summary["ratios"][key]
         assert ratios["elasticps_over_raw_tcp"] > 0
+        assert ratios["elasticps_unix_over_raw_unix"] > 0
         assert ratios["elasticps_speedup_vs_grpc"] > 0
     assert wait_until_gone(summary["server_pids"]) == []
+
+
+def test_master_quick_measures_every_size_at_the_start_and_the_middle_of_a_pass() -> None:
+    lines = run_quick("master.py")
+
+    start = lines[0]
+    assert start.get("start") is True
+    sizes = start["sizes"]
+    results = [line for line in lines if "ops_per_s" in line and "size" in line]
+    assert sorted(line["size"] for line in results) == sorted(sizes)
+    for line in results:
+        for kind in ("start", "middle"):
+            window = line[kind]
+            assert window["ops_per_s"] > 0
+            assert 0 < window["p50_ms"] <= window["p99_ms"]
+            assert window["ops"] == 2 * start["window"] * start["reps"]
+        assert line["create_s"] > 0
+    summary = lines[-1]
+    assert summary.get("summary") is True
+    assert summary["ratio_largest_over_smallest"] > 0
+    assert set(summary["ops_per_s"]) == {str(n) for n in sizes}
+    assert wait_until_gone([summary["etcd_pid"]]) == []
+    assert processes_matching([start["workdir"]]) == []
+
+
+def test_push_options_quick_compares_client_options_and_compression_accuracy() -> None:
+    lines = run_quick("push_options.py")
+
+    configs = {line["config"]: line for line in lines if "config" in line}
+    assert set(configs) == {"blocking", "overlap", "blocking-bf16", "overlap-bf16", "blocking-tcp"}
+    for name, line in configs.items():
+        assert line["samples_per_s"] > 0, name
+        assert line["acknowledged_pushes"] > 0, name
+        assert set(line["transports"]) == {"tcp" if name.endswith("tcp") else "unix"}, name
+    throughput = next(line for line in lines if line.get("summary") and "over_blocking" in line)
+    assert throughput["over_blocking"]["blocking"] == 1.0
+    runs = {line["grad_compression"]: line for line in lines if line.get("accuracy_run")}
+    assert set(runs) == {"none", "fp16", "bf16"}
+    for line in runs.values():
+        assert 0.0 <= line["test_accuracy"] <= 1.0
+    assert wait_until_gone(throughput["server_pids"]) == []
 
 
 def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:

@@ -426,7 +426,7 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
             print(f"takeover: first task served {takeover_s:.3f} s after the lease expired")
 
             assert resolving.address != first
-            assert takeover_s < 3.0
+            # No timed assertion: benchmarks/recovery.py measures the takeover.
             # Restored state: tasks 0 and 1 were dispatched, so the next is 2.
             assert (served.task_id, served.attempt, served.offset) == (2, 1, 0)
             # "kept" is alive: its attempt is still current on the new master.

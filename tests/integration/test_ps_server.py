@@ -12,17 +12,20 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from elasticps.config import OptimizerConfig, UpdateMode
-from elasticps.errors import RemoteError
+from elasticps.errors import ConfigError, RemoteError, ServiceUnavailableError
 from elasticps.netutil import LOOPBACK
 from elasticps.placement import Placement
 from elasticps.pserver.server import ParameterServer
 from elasticps.testing import wait_for
+from elasticps.trainer import client as client_module
 from elasticps.trainer.client import ParameterClient, parse_address
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers
 from elasticps.wire.frame import (
@@ -35,6 +38,7 @@ from elasticps.wire.frame import (
     Flags,
     FrameHeader,
     MsgType,
+    local_host_id,
     recv_header,
     recv_json,
     send_frame,
@@ -99,10 +103,16 @@ class Cluster:
         self._clients: list[ParameterClient] = []
         self._socks: list[socket.socket] = []
 
-    def start(self, num_servers: int, mode: UpdateMode) -> None:
+    def start(self, num_servers: int, mode: UpdateMode, *, unix_dir: Path | None = None) -> None:
         for index in range(num_servers):
             server = ParameterServer(
-                index, mode, SGD_LR1, host=LOOPBACK, port=0, init_timeout_s=DEADLINE_S
+                index,
+                mode,
+                SGD_LR1,
+                host=LOOPBACK,
+                port=0,
+                init_timeout_s=DEADLINE_S,
+                unix_path=None if unix_dir is None else unix_dir / f"ps-{index}.sock",
             )
             self.servers.append(server)
             thread = threading.Thread(target=server.serve_forever, name=f"ps-{index}", daemon=True)
@@ -113,7 +123,14 @@ class Cluster:
     def addresses(self) -> list[str]:
         return [server.address for server in self.servers]
 
-    def peer(self, trainer_id: int, *, width: int = 3, values: torch.Tensor | None = None) -> Peer:
+    def peer(
+        self,
+        trainer_id: int,
+        *,
+        width: int = 3,
+        values: torch.Tensor | None = None,
+        **client_options: Any,
+    ) -> Peer:
         """Bind a TinyModel to flat buffers and connect a client (no HELLO yet)."""
         flat = bind_flat_buffers(TinyModel(width), len(self.servers), BIG_ARRAY_BOUND)
         if values is not None:
@@ -125,6 +142,7 @@ class Cluster:
             flat.grads,
             trainer_id,
             timeout_s=DEADLINE_S,
+            **client_options,
         )
         self._clients.append(client)
         return Peer(flat, client)
@@ -517,3 +535,277 @@ def test_unknown_control_op_gets_an_error_and_the_connection_stays_usable(
     send_json(sock, MsgType.CONTROL, {"op": "stats"})
     header, _ = read_reply(sock)
     assert header.msg_type is MsgType.CONTROL_OK
+
+
+# --- transports: the AF_UNIX fast path ---------------------------------------------
+
+
+@pytest.mark.parametrize(("transport", "expected"), [("auto", "unix"), ("tcp", "tcp")])
+def test_client_on_the_same_host_uses_the_unix_socket_unless_told_tcp(
+    cluster: Cluster, tmp_path: Path, transport: str, expected: str
+) -> None:
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(INITIALIZER, values=values, transport=transport)
+    peer.client.hello(initialize=True)
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    peer.client.push(num_samples=1, want_params=True)
+
+    assert peer.client.transports == [expected, expected]
+    assert torch.equal(peer.params, values - grad)
+    fresh = cluster.peer(OBSERVER, transport="tcp")
+    fresh.client.hello(initialize=False)
+    assert torch.equal(fresh.params, values - grad)
+
+
+def test_endpoints_control_op_names_the_unix_path_and_the_host(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.start(1, UpdateMode.ASYNC, unix_dir=tmp_path)
+    sock = cluster.raw(0)
+
+    send_json(sock, MsgType.CONTROL, {"op": "endpoints"})
+    header, body = read_reply(sock)
+
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert body == {"shard": 0, "unix": str(tmp_path / "ps-0.sock"), "host_id": local_host_id()}
+    cluster.close()
+    assert not (tmp_path / "ps-0.sock").exists()  # stop() removes the socket file
+
+
+def test_client_falls_back_to_tcp_for_another_host_or_a_tcp_only_server(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster.start(1, UpdateMode.ASYNC)  # TCP only
+    tcp_only = cluster.peer(INITIALIZER)
+    tcp_only.client.hello(initialize=True)
+    assert tcp_only.client.transports == ["tcp"]
+    with pytest.raises(ServiceUnavailableError, match="does not listen on a Unix socket"):
+        cluster.peer(SECOND, transport="unix")
+
+    other = Cluster()
+    try:
+        other.start(1, UpdateMode.ASYNC, unix_dir=tmp_path)
+        monkeypatch.setattr(client_module, "local_host_id", lambda: "elsewhere/boot")
+        remote = other.peer(INITIALIZER)
+        remote.client.hello(initialize=True)
+        assert remote.client.transports == ["tcp"]
+        with pytest.raises(ServiceUnavailableError, match="another host"):
+            other.peer(SECOND, transport="unix")
+    finally:
+        other.close()
+
+
+def test_a_stale_socket_file_is_replaced(cluster: Cluster, tmp_path: Path) -> None:
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "ps-0.sock"))
+    stale.close()  # the file stays behind, as after a crash
+
+    cluster.start(1, UpdateMode.ASYNC, unix_dir=tmp_path)
+    peer = cluster.peer(INITIALIZER, transport="unix")
+    peer.client.hello(initialize=True)
+
+    assert peer.client.transports == ["unix"]
+
+
+# --- 16-bit gradient compression ------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_push_is_widened_to_float32_on_the_server(
+    cluster: Cluster, compression: str
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND, grad_compression=compression)
+    peer.client.hello(initialize=False)
+    # Dyadic values with few mantissa bits: exact in float16 and bfloat16 too.
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    peer.client.push(num_samples=1, want_params=True)
+
+    assert torch.equal(peer.params, values - grad)
+    assert peer.params.dtype == torch.float32
+    fresh = observer(cluster)
+    assert torch.equal(fresh.params, values - grad)
+
+
+def test_compression_rounds_like_a_cast_to_the_wire_dtype(cluster: Cluster) -> None:
+    values = initialized(cluster, 1, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND, grad_compression="bf16")
+    peer.client.hello(initialize=False)
+    grad = torch.linspace(-3.0, 3.0, peer.placement.total_numel) / 7.0  # not exact in bf16
+    peer.grads.copy_(grad)
+
+    peer.client.push(num_samples=1, want_params=True)
+
+    assert torch.equal(peer.params, values - grad.to(torch.bfloat16).to(torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "itemsize_bytes", "why"),
+    [
+        (DType.FLOAT16, 4, "float16 with float32's byte count"),
+        (DType.BFLOAT16, 1, "bfloat16 with too few bytes"),
+        (DType.FLOAT32, 2, "float32 with float16's byte count"),
+    ],
+)
+def test_push_whose_dtype_and_size_disagree_is_refused_and_applies_nothing(
+    cluster: Cluster, dtype: DType, itemsize_bytes: int, why: str
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+    numel = raw_hello(sock, cluster)
+    body = torch.ones(numel * itemsize_bytes, dtype=torch.uint8)
+
+    send_frame(
+        sock, FrameHeader(MsgType.PUSH, dtype, body_nbytes=body.numel()), [tensor_view(body)]
+    )
+
+    assert "float16 or bfloat16" in expect_error(sock, "bad_push"), why
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})  # the connection is still usable
+    header, _ = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert_shard_untouched(cluster, values)
+
+
+def test_unknown_compression_or_transport_is_a_config_error(cluster: Cluster) -> None:
+    cluster.start(1, UpdateMode.ASYNC)
+    with pytest.raises(ConfigError, match="grad_compression"):
+        cluster.peer(SECOND, grad_compression="int8")
+    with pytest.raises(ConfigError, match="transport"):
+        cluster.peer(SECOND, transport="rdma")
+
+
+# --- pushes overlapped with compute ----------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_background_push_runs_its_callback_on_the_sender_once_acknowledged(
+    cluster: Cluster, compression: str
+) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND, overlap_push=True, grad_compression=compression)
+    peer.client.hello(initialize=False)
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    acked: list[tuple[int, str]] = []
+
+    total = torch.zeros_like(grad)
+    for k in range(3):
+        peer.grads.copy_(grad * (k + 1))
+        total += grad * (k + 1)
+        handle = peer.client.push(
+            num_samples=1,
+            want_params=False,
+            on_acknowledged=lambda k=k: acked.append((k, threading.current_thread().name)),
+        )
+        peer.grads.zero_()  # the push sends its staging copy: the caller may reuse grads
+        handle.wait(DEADLINE_S)
+        assert handle.acknowledged
+        assert handle.index == k + 1
+
+    assert peer.client.acknowledged_pushes == 3
+    assert [k for k, _ in acked] == [0, 1, 2]
+    assert all(name.startswith("ps-push") for _, name in acked), acked  # in the background
+    peer.client.pull()
+    assert torch.equal(peer.params, values - total)
+
+
+def test_pull_waits_for_the_push_in_flight(cluster: Cluster) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND, overlap_push=True)
+    peer.client.hello(initialize=False)
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    peer.client.push(num_samples=1, want_params=False, on_acknowledged=lambda: None)
+    peer.client.pull()  # no wait in between: the pull must see the push applied
+
+    assert torch.equal(peer.params, values - grad)
+    assert peer.client.acknowledged_pushes == 1
+    assert peer.client.versions == [1, 1]
+
+
+def test_a_failed_background_push_is_never_acknowledged_and_surfaces_on_the_next_call(
+    cluster: Cluster,
+) -> None:
+    initialized(cluster, 1, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND, overlap_push=True)  # no resolve: no reconnection
+    peer.client.hello(initialize=False)
+    peer.client.push(num_samples=1, want_params=False, on_acknowledged=lambda: None).wait(
+        DEADLINE_S
+    )
+    cluster.servers[0].stop()
+    acked: list[str] = []
+
+    handle = peer.client.push(
+        num_samples=1, want_params=False, on_acknowledged=lambda: acked.append("push")
+    )
+    peer.client.when_acknowledged(lambda: acked.append("when"))
+
+    with pytest.raises(ServiceUnavailableError):
+        handle.wait(DEADLINE_S)
+    assert not handle.acknowledged
+    assert peer.client.acknowledged_pushes == 1
+    assert acked == []
+    with pytest.raises(ServiceUnavailableError):
+        peer.client.pull()
+
+
+@pytest.mark.parametrize(
+    ("want_params", "callback"),
+    [(True, True), (False, False)],
+    ids=["wants params", "no callback"],
+)
+def test_push_without_a_callback_or_wanting_params_is_acknowledged_when_it_returns(
+    cluster: Cluster, want_params: bool, callback: bool
+) -> None:
+    initialized(cluster, 1, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND, overlap_push=True)
+    peer.client.hello(initialize=False)
+    acked: list[str] = []
+
+    handle = peer.client.push(
+        num_samples=1,
+        want_params=want_params,
+        on_acknowledged=(lambda: acked.append(threading.current_thread().name))
+        if callback
+        else None,
+    )
+    peer.client.when_acknowledged(lambda: acked.append("when"))
+
+    assert handle.acknowledged  # sent in the foreground: reporting progress now is right
+    assert acked == ([threading.current_thread().name] if callback else []) + ["when"]
+    assert peer.client.acknowledged_pushes == 1
+
+
+def test_background_push_interrupted_by_a_lost_server_is_resent_once_to_its_successor(
+    cluster: Cluster,
+) -> None:
+    cluster.start(1, UpdateMode.ASYNC)
+    current = {0: cluster.addresses[0]}
+    values = dyadic_values(reference_placement(1).total_numel, -1.0)
+    peer = cluster.peer(
+        INITIALIZER,
+        values=values,
+        overlap_push=True,
+        resolve=lambda index: current[index],
+        reconnect_timeout_s=DEADLINE_S,
+    )
+    peer.client.hello(initialize=True)
+    cluster.servers[0].stop()
+    cluster.start(1, UpdateMode.ASYNC)  # the successor: empty, same index
+    current[0] = cluster.servers[1].address
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    handle = peer.client.push(num_samples=1, want_params=False, on_acknowledged=lambda: None)
+    handle.wait(DEADLINE_S)
+
+    assert peer.client.reconnects == 1
+    assert peer.client.acknowledged_pushes == 1
+    peer.client.pull()
+    assert torch.equal(peer.params, values - grad)  # applied once, on the successor
+    assert [s["pushes"] for s in shard_stats(peer)] == [1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import struct
@@ -37,6 +38,7 @@ from elasticps.wire.frame import (
     dtype_from_torch,
     encode_header,
     encode_header_into,
+    local_host_id,
     recv_body_into,
     recv_exact_into,
     recv_header,
@@ -671,3 +673,79 @@ def test_every_request_may_be_answered_with_an_error() -> None:
     }
     assert all(MsgType.ERROR in replies for replies in REPLY_TYPES.values())
     assert MsgType.PARAMS in REPLY_TYPES[MsgType.PUSH]
+
+
+# --- 16-bit gradients and both transports --------------------------------------------
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def transport_pair(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected pair over AF_UNIX (socketpair) or loopback TCP."""
+    if request.param == "unix":
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            a = socket.create_connection(listener.getsockname()[:2])
+            b, _ = listener.accept()
+        a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    a.settimeout(5.0)
+    b.settimeout(5.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.BFLOAT16])
+def test_16_bit_push_round_trips_every_bit_pattern_on_both_transports(
+    transport_pair: tuple[socket.socket, socket.socket], dtype: DType
+) -> None:
+    a, b = transport_pair
+    # Every 16-bit pattern (NaNs, infinities, subnormals included), split over 3 views.
+    sent = (
+        torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype.to_torch())
+    )
+    header = FrameHeader(MsgType.PUSH, dtype, sender=1, step=2, body_nbytes=sent.numel() * 2)
+    received = torch.empty_like(sent)
+    cut = [0, 1, 40_000, sent.numel()]
+    views = [tensor_view(received[lo:hi]) for lo, hi in itertools.pairwise(cut)]
+
+    writer = run_in_thread(lambda: send_frame(a, header, [tensor_view(sent)]))
+    got = recv_header(b, bytearray(HEADER_SIZE), max_body_bytes=sent.numel() * 4)
+    recv_body_into(b, got, views)
+    writer.join(5.0)
+
+    assert got == header
+    assert torch.equal(received.view(torch.int16), sent.view(torch.int16))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([DType.FLOAT16, DType.BFLOAT16]),
+    numel=st.integers(0, 1 << 20),
+    extra=st.sampled_from([0, 1]),
+    msg_type=st.sampled_from(sorted(TENSOR_TYPES)),
+)
+def test_16_bit_bodies_must_be_whole_elements_and_within_the_limit(
+    dtype: DType, numel: int, extra: int, msg_type: MsgType
+) -> None:
+    nbytes = numel * 2 + extra
+    raw = HEADER.pack(MAGIC, PROTO_VERSION, msg_type, dtype, 0, 0, 0, 0, 0, nbytes)
+    limit = numel * 4  # what a PS allows: its shard in float32
+    if extra:
+        with pytest.raises(FrameError, match="not a multiple"):
+            decode_header(raw, max_body_bytes=limit)
+    else:
+        assert decode_header(raw, max_body_bytes=limit).body_nbytes == nbytes
+    if nbytes:
+        with pytest.raises(FrameError):
+            decode_header(raw, max_body_bytes=nbytes - 1)
+
+
+def test_local_host_id_is_hostname_and_boot_id_and_stable() -> None:
+    host_id = local_host_id()
+
+    hostname, _, boot_id = host_id.partition("/")
+    assert hostname == socket.gethostname()
+    assert host_id == local_host_id()
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        assert boot_id == f.read().strip()

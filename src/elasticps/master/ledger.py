@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -46,6 +47,7 @@ from elasticps.master.taskqueue import (
 
 __all__ = [
     "CHUNK_OPS",
+    "CREATE_PARALLELISM",
     "SPEC_FORMAT",
     "Journal",
     "Ledger",
@@ -60,6 +62,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_OPS: Final = 100
 """Most operations per ledger transaction (etcd accepts 128 by default)."""
+
+CREATE_PARALLELISM: Final = 4
+"""Transactions in flight at once while a new ledger is written."""
 
 SPEC_FORMAT: Final = 1
 """Version of the ``queue/spec`` layout."""
@@ -352,17 +357,32 @@ class Ledger:
         """Write a whole new ledger: every record, then spec and meta.
 
         A first transaction deletes what an interrupted creation may have left.
+        The task records go in transactions of :data:`CHUNK_OPS` writes, up to
+        :data:`CREATE_PARALLELISM` in flight at once (etcd batches concurrent
+        transactions into one raft entry and one fsync); ``queue/spec`` and
+        ``queue/meta`` are written only after every record was accepted, so a
+        creation interrupted anywhere leaves no ``queue/meta`` and is redone.
         """
         writes = [
             (self._keys.task(task_id), encode(queue.record(task_id)))
             for task_id in range(queue.num_tasks)
         ]
-        writes.append((self._keys.queue_spec, encode(spec.as_dict())))
-        writes.append((self._keys.queue_meta, encode(queue.meta())))
         # etcd refuses a put inside a range deleted by the same transaction.
         self._write([], delete_prefixes=[self._keys.tasks_prefix, self._keys.passes_prefix])
-        for start in range(0, len(writes), CHUNK_OPS):
-            self._write(writes[start : start + CHUNK_OPS])
+        chunks = [writes[start : start + CHUNK_OPS] for start in range(0, len(writes), CHUNK_OPS)]
+        if len(chunks) > 1:
+            with ThreadPoolExecutor(CREATE_PARALLELISM, thread_name_prefix="ledger") as pool:
+                for done in [pool.submit(self._write, chunk) for chunk in chunks]:
+                    done.result()  # re-raises SteppedDownError / CoordinationError
+        else:
+            for chunk in chunks:
+                self._write(chunk)
+        self._write(
+            [
+                (self._keys.queue_spec, encode(spec.as_dict())),
+                (self._keys.queue_meta, encode(queue.meta())),
+            ]
+        )
 
     def _write(
         self, writes: Sequence[tuple[str, str]], delete_prefixes: Sequence[str] = ()

@@ -7,6 +7,26 @@ server at once, the ranges of the gradient buffer that server owns, with
 ``sendall(memoryview)``; a pull receives each server's reply with
 ``recv_into`` straight into the parameter buffer. Nothing is copied or
 allocated per step.
+
+Three options change that path, all chosen at construction:
+
+- ``transport``: on the same host as a server (same hostname and boot id, see
+  :func:`~elasticps.wire.frame.local_host_id`) the client asks the server for
+  its AF_UNIX path (CONTROL ``endpoints``) and talks over the Unix socket
+  instead of TCP (``"auto"``, the default); ``"tcp"`` and ``"unix"`` force one.
+- ``overlap_push``: a push that does not want the parameters back (async
+  mode) and says what to do once acknowledged (``push(...,
+  on_acknowledged=...)``, e.g. report progress to the master) copies the
+  gradient into a staging buffer allocated once and is sent by a background
+  thread while the trainer computes the next mini-batches; the next call on
+  the client waits for it first. Without the callback a push is sent in the
+  foreground, so a caller that reports progress after ``push`` returns is
+  never ahead of what the servers acknowledged. :meth:`ParameterClient.push`
+  returns a :class:`PushHandle`; :attr:`ParameterClient.acknowledged_pushes`
+  and :meth:`ParameterClient.when_acknowledged` tell what was acknowledged.
+- ``grad_compression``: ``"fp16"`` or ``"bf16"`` converts the float32
+  gradient into a reused 16-bit buffer and sends that (half the bytes); the
+  server widens it back to float32. Parameters always travel as float32.
 """
 
 from __future__ import annotations
@@ -17,12 +37,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
-from elasticps.errors import ElasticPSError, ProtocolError, RemoteError, ServiceUnavailableError
+from elasticps.errors import (
+    ConfigError,
+    ElasticPSError,
+    ProtocolError,
+    RemoteError,
+    ServiceUnavailableError,
+)
 from elasticps.placement import Placement, ShardLayout
 from elasticps.wire.frame import (
     HEADER_SIZE,
@@ -31,6 +57,8 @@ from elasticps.wire.frame import (
     Flags,
     FrameHeader,
     MsgType,
+    dtype_from_torch,
+    local_host_id,
     recv_body_into,
     recv_header,
     recv_json,
@@ -40,6 +68,16 @@ from elasticps.wire.frame import (
 )
 
 T = TypeVar("T")
+
+TRANSPORTS = ("auto", "tcp", "unix")
+"""Values of ``ParameterClient(transport=...)``."""
+
+GRAD_COMPRESSIONS: dict[str, torch.dtype] = {
+    "none": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+"""Values of ``ParameterClient(grad_compression=...)`` and the dtype pushed."""
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +99,12 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class _ShardConnection:
-    """One TCP connection to one parameter server, with its views of the flat buffers."""
+    """One connection (TCP or AF_UNIX) to one parameter server, with its views of the
+    flat buffers.
+
+    A push sends either ``grads`` (the trainer's float32 gradient buffer) or
+    ``staging`` (the client's copy of it, float32, float16 or bfloat16).
+    """
 
     def __init__(
         self,
@@ -70,6 +113,9 @@ class _ShardConnection:
         params: torch.Tensor,
         grads: torch.Tensor,
         timeout_s: float,
+        *,
+        staging: torch.Tensor | None = None,
+        transport: str = "auto",
     ) -> None:
         self.layout = layout
         self.address = address
@@ -78,6 +124,13 @@ class _ShardConnection:
         self.param_views = [tensor_view(params[lo:hi]) for lo, hi in layout.ranges]
         self.grad_views = [tensor_view(grads[lo:hi]) for lo, hi in layout.ranges]
         self.body_nbytes = layout.numel * 4
+        self.staged_views: list[memoryview] = []
+        self.staged_dtype = DType.FLOAT32
+        if staging is not None:
+            self.staged_views = [tensor_view(staging[lo:hi]) for lo, hi in layout.ranges]
+            self.staged_dtype = dtype_from_torch(staging.dtype)
+        self.wanted_transport = transport
+        self.transport = "tcp"
         self.sock = self._connect(address, timeout_s)
 
     def _connect(self, address: str, timeout_s: float) -> socket.socket:
@@ -87,10 +140,63 @@ class _ShardConnection:
             raise ServiceUnavailableError(
                 f"cannot connect to parameter server {self.layout.index} at {address}: {exc}"
             ) from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = "tcp"
+        if self.wanted_transport != "tcp":
+            try:
+                unix = self._unix_peer(sock, timeout_s)
+            except BaseException:
+                sock.close()
+                raise
+            if unix is not None:
+                sock.close()
+                sock = unix
+                self.transport = "unix"
         # Blocking from here on: a sync push waits for the slowest trainer.
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
+
+    def _unix_peer(self, tcp: socket.socket, timeout_s: float) -> socket.socket | None:
+        """Open the server's AF_UNIX socket if it is on this host; else None (or raise).
+
+        Asks over ``tcp`` (before HELLO) with CONTROL ``endpoints``.
+
+        Raises:
+            ServiceUnavailableError: ``transport="unix"`` and the server has no
+                Unix socket reachable from here.
+        """
+        forced = self.wanted_transport == "unix"
+        reason: str
+        try:
+            send_json(tcp, MsgType.CONTROL, {"op": "endpoints"})
+            header = recv_header(tcp, self.scratch, max_body_bytes=0)
+            answer = recv_json(tcp, header)
+        except (ElasticPSError, OSError) as exc:
+            raise ServiceUnavailableError(
+                f"parameter server {self.layout.index} at {self.address}: {exc}"
+            ) from exc
+        path = answer.get("unix") if header.msg_type is MsgType.CONTROL_OK else None
+        if not isinstance(path, str) or not path:
+            reason = "it does not listen on a Unix socket"
+        elif answer.get("host_id") != local_host_id():
+            reason = "it runs on another host"
+        else:
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.settimeout(timeout_s)
+            try:
+                unix.connect(path)
+            except OSError as exc:
+                unix.close()
+                reason = f"cannot connect to {path}: {exc}"
+            else:
+                return unix
+        if forced:
+            raise ServiceUnavailableError(
+                f"transport 'unix' was asked for, but parameter server {self.layout.index} "
+                f"at {self.address} cannot be reached over AF_UNIX: {reason}"
+            )
+        log.debug("parameter server %d: using TCP (%s)", self.layout.index, reason)
+        return None
 
     def reconnect(self, address: str, timeout_s: float) -> None:
         """Replace a broken connection with one to ``address``."""
@@ -144,24 +250,34 @@ class _ShardConnection:
         self.version = version if isinstance(version, int) else 0
 
     def push(
-        self, trainer_id: int, num_samples: int, step: int, *, empty: bool, want_params: bool
+        self,
+        trainer_id: int,
+        num_samples: int,
+        step: int,
+        *,
+        empty: bool,
+        want_params: bool,
+        staged: bool = False,
     ) -> None:
         flags = (Flags.EMPTY if empty else Flags.NONE) | (
             Flags.WANT_PARAMS if want_params else Flags.NONE
+        )
+        dtype, views = (
+            (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
         )
         send_frame(
             self.sock,
             FrameHeader(
                 MsgType.PUSH,
-                dtype=DType.FLOAT32,
+                dtype=dtype,
                 flags=flags,
                 sender=trainer_id,
                 num_samples=num_samples,
                 model_version=self.version,
                 step=step,
-                body_nbytes=0 if empty else self.body_nbytes,
+                body_nbytes=0 if empty else self.layout.numel * dtype.itemsize,
             ),
-            () if empty else self.grad_views,
+            () if empty else views,
         )
         header = self._reply()
         if want_params:
@@ -187,6 +303,67 @@ class _ShardConnection:
         return recv_json(self.sock, header)
 
 
+class PushHandle:
+    """One push, as returned by :meth:`ParameterClient.push`.
+
+    A push is *acknowledged* once every parameter server has answered it
+    (PUSH_OK or PARAMS). A push sent in the background is acknowledged later;
+    one sent in the foreground is acknowledged when ``push`` returns. Only
+    acknowledged pushes may be reported to the master as trained records: an
+    unacknowledged one can still be lost with the trainer.
+
+    Attributes:
+        index: 1-based number of the push on its client.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def acknowledged(self) -> bool:
+        """Whether every server acknowledged the push (False while in flight or failed)."""
+        return self._done.is_set() and self._error is None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the push is acknowledged.
+
+        Args:
+            timeout_s: longest wait, seconds; None waits as long as it takes.
+
+        Raises:
+            TimeoutError: still in flight after ``timeout_s``.
+            ServiceUnavailableError / RemoteError / ProtocolError: the push
+                failed (the same error the client raises on its next call).
+        """
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"push {self.index} still in flight after {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+
+    def add_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the push is acknowledged (now, if it is); never if it fails."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+            ok = self._error is None
+        if ok:
+            fn()
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        if error is None:
+            for fn in callbacks:
+                fn()
+
+
 class ParameterClient:
     """Pushes gradients to and pulls parameters from every parameter server.
 
@@ -210,8 +387,24 @@ class ParameterClient:
             reconnection. It may raise ElasticPSError while there is none.
         reconnect_timeout_s: how long to wait for a lost server, seconds.
         stop: when set, reconnection gives up at once.
+        transport: ``"auto"`` (AF_UNIX to servers on this host, TCP to the
+            others), ``"tcp"`` or ``"unix"`` (fails for a server that is not
+            reachable over AF_UNIX).
+        overlap_push: send pushes that do not want parameters back and come
+            with an ``on_acknowledged`` callback (see :meth:`push`) from a
+            background thread, overlapping the next mini-batch's compute (the
+            gradient is first copied into a staging buffer, so the caller may
+            zero ``grads`` at once).
+            A push interrupted by a lost server is re-sent by the background
+            thread after reconnecting (whose pull then writes ``params`` while
+            the trainer may be computing: async SGD tolerates it). Measured
+            1.10-1.25x faster with spare CPU, 0.8-0.9x on a saturated machine
+            (benchmarks/push_options.py).
+        grad_compression: ``"none"`` (float32), ``"fp16"`` or ``"bf16"``: the
+            dtype gradients travel in (converted into a reused staging buffer).
 
     Raises:
+        ConfigError: an unknown ``transport`` or ``grad_compression``.
         ServiceUnavailableError: a parameter server cannot be reached.
     """
 
@@ -227,7 +420,17 @@ class ParameterClient:
         resolve: Callable[[int], str] | None = None,
         reconnect_timeout_s: float = 60.0,
         stop: threading.Event | None = None,
+        transport: str = "auto",
+        overlap_push: bool = False,
+        grad_compression: str = "none",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if grad_compression not in GRAD_COMPRESSIONS:
+            raise ConfigError(
+                f"grad_compression must be one of {tuple(GRAD_COMPRESSIONS)}, "
+                f"got {grad_compression!r}"
+            )
         if len(addresses) != placement.num_shards:
             raise ValueError(
                 f"{len(addresses)} addresses for {placement.num_shards} parameter servers"
@@ -244,31 +447,93 @@ class ParameterClient:
         self._reconnect_timeout_s = reconnect_timeout_s
         self._stop = stop if stop is not None else threading.Event()
         self.reconnects = 0
+        self._grads = grads
+        wire_dtype = GRAD_COMPRESSIONS[grad_compression]
+        # What pushes send: the gradient itself, or a staging copy (allocated
+        # once) for compressed or background pushes.
+        self._staging: torch.Tensor | None = None
+        self._compressed = wire_dtype != torch.float32
+        if overlap_push or self._compressed:
+            self._staging = torch.empty(placement.total_numel, dtype=wire_dtype)
+        self._acknowledged = 0
+        self._last_push: PushHandle | None = None
+        self._inflight: tuple[Future[None], PushHandle] | None = None
         self._conns: list[_ShardConnection] = []
+        self._background: ThreadPoolExecutor | None = None
         try:
             for layout in placement.shards:
                 if layout.numel == 0:
                     continue  # a shard that holds nothing (hash placement left it empty)
                 self._conns.append(
-                    _ShardConnection(layout, addresses[layout.index], params, grads, timeout_s)
+                    _ShardConnection(
+                        layout,
+                        addresses[layout.index],
+                        params,
+                        grads,
+                        timeout_s,
+                        staging=self._staging,
+                        transport=transport,
+                    )
                 )
         except BaseException:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(
-            max_workers=max(1, len(self._conns)), thread_name_prefix="ps-fanout"
+            max_workers=max(1, len(self._conns) - 1), thread_name_prefix="ps-fanout"
         )
+        if overlap_push:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
 
     @property
     def versions(self) -> list[int]:
         """Model version of each connected shard, as last pulled."""
         return [c.version for c in self._conns]
 
+    @property
+    def transports(self) -> list[str]:
+        """``"tcp"`` or ``"unix"``: the transport of each connected shard."""
+        return [c.transport for c in self._conns]
+
+    @property
+    def acknowledged_pushes(self) -> int:
+        """Pushes every server has acknowledged so far (excludes one in flight)."""
+        return self._acknowledged
+
+    def when_acknowledged(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every push made so far is acknowledged.
+
+        Now (on this thread) if none is in flight; else from the background
+        sender once the push in flight is acknowledged; never if it fails.
+        This is how a trainer reports progress: only for acknowledged pushes.
+        """
+        last = self._last_push
+        if last is None:
+            fn()
+        else:
+            last.add_callback(fn)
+
+    def flush(self) -> None:
+        """Wait until the push in flight, if any, is acknowledged.
+
+        Raises:
+            ServiceUnavailableError / RemoteError / ProtocolError: it failed.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight[0].result()
+
     def _fan_out(self, fn: Callable[[_ShardConnection], T]) -> list[T]:
-        if len(self._conns) == 1:
-            return [self._robust(fn, self._conns[0])]
-        futures = [self._pool.submit(self._robust, fn, c) for c in self._conns]
-        return [f.result() for f in futures]
+        # The calling thread serves the last connection itself: one thread
+        # hand-off fewer per exchange than waiting for the pool to do it all.
+        if not self._conns:
+            return []
+        *others, last = self._conns
+        futures = [self._pool.submit(self._robust, fn, c) for c in others]
+        try:
+            mine = self._robust(fn, last)
+        finally:
+            results = [f.result() for f in futures]  # waits for all, even on error
+        return [*results, mine]
 
     def _robust(self, fn: Callable[[_ShardConnection], T], conn: _ShardConnection) -> T:
         deadline: float | None = None
@@ -321,42 +586,117 @@ class ParameterClient:
         Raises:
             RemoteError: a server refused (for example a layout mismatch).
         """
+        self.flush()
         self._fan_out(lambda c: c.hello(self.trainer_id, initialize))
         self.pull()
 
-    def push(self, num_samples: int, *, want_params: bool) -> None:
+    def push(
+        self,
+        num_samples: int,
+        *,
+        want_params: bool,
+        on_acknowledged: Callable[[], None] | None = None,
+    ) -> PushHandle:
         """Push the gradient buffer (the mean gradient over ``num_samples`` samples).
+
+        Waits for the previous push first. A push is sent in the background
+        only with ``overlap_push``, ``want_params=False`` and an
+        ``on_acknowledged`` callback: the gradient is copied into the staging
+        buffer, this returns at once (``grads`` may be overwritten) and the
+        callback runs on the sender thread once every server acknowledged.
+        Otherwise the push is sent here, and returns once acknowledged (after
+        running the callback, if any). So a caller that reports progress right
+        after ``push`` returns, without a callback, is always right.
 
         Args:
             num_samples: samples behind the gradient, weighting it in sync mode.
             want_params: receive the updated parameters in the reply (in sync
                 mode, after the step is applied).
+            on_acknowledged: what to do once the push is acknowledged (e.g.
+                report the trained records to the master); never called if
+                the push fails.
+
+        Returns:
+            The push's handle; see :class:`PushHandle` for what acknowledged means.
+
+        Raises:
+            ServiceUnavailableError / RemoteError / ProtocolError: this push
+                failed, or the previous one (sent in the background) did.
         """
+        self.flush()
         self._step += 1
-        self._fan_out(
-            lambda c: c.push(
-                self.trainer_id, num_samples, self._step, empty=False, want_params=want_params
-            )
+        step = self._step
+        background = (
+            self._background is not None and not want_params and on_acknowledged is not None
         )
+        staged = background or self._compressed
+        if staged:
+            assert self._staging is not None
+            self._staging.copy_(self._grads)  # converts to the wire dtype if compressed
+        handle = PushHandle(step)
+        if on_acknowledged is not None:
+            handle.add_callback(on_acknowledged)
+        self._last_push = handle
+
+        def send(c: _ShardConnection) -> None:
+            c.push(
+                self.trainer_id,
+                num_samples,
+                step,
+                empty=False,
+                want_params=want_params,
+                staged=staged,
+            )
+
+        if background:
+            assert self._background is not None
+            future = self._background.submit(self._push_and_acknowledge, send, handle)
+            self._inflight = (future, handle)
+        else:
+            self._push_and_acknowledge(send, handle)
+        return handle
+
+    def _push_and_acknowledge(
+        self, send: Callable[[_ShardConnection], None], handle: PushHandle
+    ) -> None:
+        try:
+            self._fan_out(send)
+        except BaseException as exc:
+            handle._finish(exc)
+            raise
+        self._acknowledged += 1
+        handle._finish(None)
 
     def push_empty(self) -> None:
         """Take part in the current sync step without a gradient, then pull."""
+        self.flush()
         self._fan_out(
             lambda c: c.push(self.trainer_id, 0, self._step, empty=True, want_params=True)
         )
 
     def pull(self) -> None:
-        """Receive every shard's parameters into the flat parameter buffer."""
+        """Receive every shard's parameters into the flat parameter buffer.
+
+        Waits for the push in flight first, so the pull sees it applied.
+        """
+        self.flush()
         self._fan_out(lambda c: c.pull())
 
     def stats(self) -> list[dict[str, object]]:
         """Each server's ``stats`` control answer."""
+        self.flush()
         return self._fan_out(lambda c: c.control("stats"))
 
     def close(self) -> None:
-        """Close every connection."""
+        """Wait for the push in flight (its errors are only logged), close every connection."""
+        inflight, self._inflight = getattr(self, "_inflight", None), None
+        if inflight is not None:
+            try:
+                inflight[0].result()
+            except Exception as exc:
+                log.warning("the last push was not acknowledged: %s", exc)
         for c in self._conns:
             c.close()
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        for pool in (getattr(self, "_pool", None), getattr(self, "_background", None)):
+            if pool is not None:
+                pool.shutdown(wait=False)

@@ -111,6 +111,7 @@ __all__ = [
     "dtype_from_torch",
     "encode_header",
     "encode_header_into",
+    "local_host_id",
     "recv_body_into",
     "recv_exact_into",
     "recv_header",
@@ -855,3 +856,23 @@ def discard_body(sock: socket.socket, header: FrameHeader, scratch: bytearray) -
                 f"{header.body_nbytes} body bytes missing"
             ) from exc
         remaining -= chunk
+
+
+def local_host_id() -> str:
+    """Identify this host's kernel, to tell whether a peer can reach our Unix sockets.
+
+    Two processes that report the same id run on the same machine (same
+    hostname and same boot, from ``/proc/sys/kernel/random/boot_id``), so an
+    AF_UNIX path one of them listens on is reachable by the other if the
+    file system is shared too (the caller still falls back to TCP when the
+    connect fails).
+
+    Returns:
+        ``"<hostname>/<boot id>"``; the boot id is empty where ``/proc`` lacks it.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
