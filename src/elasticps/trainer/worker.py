@@ -18,6 +18,8 @@ without one, the training path does no event work at all.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -206,6 +208,9 @@ class Trainer:
             resolve=self._ps_address,
             reconnect_timeout_s=cfg.connect_timeout_s,
             stop=self.stop,
+            transport=cfg.ps_transport,
+            grad_compression=cfg.grad_compression,
+            overlap_push=cfg.overlap_push and cfg.mode is UpdateMode.ASYNC,
         )
         master = MasterClient(
             lambda: self.store.master_address(timeout_s=1.0), retry_s=cfg.connect_timeout_s
@@ -217,6 +222,9 @@ class Trainer:
             self._loop(master, client, progress)
         finally:
             ps_watch.cancel()
+            # A push still in flight reports its progress when acknowledged.
+            with contextlib.suppress(ElasticPSError, OSError):
+                client.flush()
             progress.close()
             master.close()
             client.close()
@@ -290,12 +298,13 @@ class Trainer:
             for batch_id, (inputs, targets), num_records in self._task_batches(task):
                 if self.stop.is_set():
                     return  # the master re-dispatches the rest from the last progress
-                loss, pushed = self._train_batch(inputs, targets, client, batch_id)
-                samples += len(targets)
                 records += num_records
+                # Progress is reported only once the push is acknowledged by
+                # every PS (it may be sent in the background, see overlap_push).
+                acknowledged = functools.partial(progress.update, task, task.offset + records)
+                loss = self._train_batch(inputs, targets, client, batch_id, acknowledged)
+                samples += len(targets)
                 loss_sum += loss * len(targets)
-                if pushed:
-                    progress.update(task, task.offset + records)
             self._flush(client)
         except Exception as exc:
             progress.discard()
@@ -360,9 +369,18 @@ class Trainer:
         return max(client.versions, default=0)
 
     def _train_batch(
-        self, inputs: Tensor, targets: Tensor, client: ParameterClient, batch_id: int
-    ) -> tuple[float, bool]:
-        """Train one mini-batch; returns its loss and whether gradients were pushed."""
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        client: ParameterClient,
+        batch_id: int,
+        on_acknowledged: Callable[[], None] | None = None,
+    ) -> float:
+        """Train one mini-batch; returns its loss.
+
+        ``on_acknowledged`` runs once this batch's gradients, if pushed now,
+        are acknowledged by every PS.
+        """
         cfg = self.config
         on_event = self._on_event
         if on_event is not None:
@@ -388,10 +406,12 @@ class Trainer:
         self._batches += 1
         self._acc.batches += 1
         self._acc.samples += len(targets)
-        pushed = False
         if self._acc.batches % cfg.push_every == 0:
-            self._push(client, want_params=self._batches % cfg.pull_every == 0)
-            pushed = True
+            self._push(
+                client,
+                want_params=self._batches % cfg.pull_every == 0,
+                on_acknowledged=on_acknowledged,
+            )
         elif self._batches % cfg.pull_every == 0:
             client.pull()
         cost = float(loss.detach())
@@ -406,22 +426,34 @@ class Trainer:
                     trainer_id=cfg.trainer_id,
                 )
             )
-        return cost, pushed
+        return cost
 
-    def _push(self, client: ParameterClient, *, want_params: bool) -> None:
+    def _push(
+        self,
+        client: ParameterClient,
+        *,
+        want_params: bool,
+        on_acknowledged: Callable[[], None] | None = None,
+    ) -> None:
         acc = self._acc
         grads = self.flat.grads
         for lo, hi in self._frozen:
             grads[lo:hi].zero_()  # pulled, never updated: the PS refuses non-zero gradients
         if acc.batches > 1:
             self.flat.grads.div_(acc.batches)  # mean of per-batch mean gradients
-        client.push(acc.samples, want_params=want_params or self.config.mode is UpdateMode.SYNC)
+        client.push(
+            acc.samples,
+            want_params=want_params or self.config.mode is UpdateMode.SYNC,
+            on_acknowledged=on_acknowledged,
+        )
         self.flat.zero_grad()
         self._acc = _Accumulator()
 
     def _flush(self, client: ParameterClient) -> None:
+        """Push what is accumulated; return once every push of the task is acknowledged."""
         if self._acc.batches:
             self._push(client, want_params=True)
+        client.flush()
 
 
 def _as_batch(item: object, batch_id: int) -> Batch:
