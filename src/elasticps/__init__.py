@@ -20,10 +20,11 @@ The Python API:
   the job, or plays its role inside one.
 """
 
-from elasticps import events, kvstore, parameters, updater
-from elasticps.api.cluster import Local, Parquet
-from elasticps.api.train import infer, train
-from elasticps.dist import LaunchResult, dist_train
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from elasticps.errors import (
     ConfigError,
     DataError,
@@ -34,9 +35,53 @@ from elasticps.errors import (
     StaleTaskError,
     UserError,
 )
-from elasticps.parameters import ParameterSet
+
+if TYPE_CHECKING:
+    from elasticps import events, kvstore, parameters, updater
+    from elasticps.api.cluster import Local, Parquet
+    from elasticps.api.train import infer, train
+    from elasticps.dist import LaunchResult, dist_train
+    from elasticps.parameters import ParameterSet
 
 __version__ = "0.1.0"
+
+# The Python API imports torch; the role processes (master, PS) and the CLI
+# import this package too, so its names load on first use (PEP 562). This
+# keeps the master's start-up about 1.5 s shorter on a 2-core machine.
+_LAZY = {
+    "events": ("elasticps.events", None),
+    "kvstore": ("elasticps.kvstore", None),
+    "parameters": ("elasticps.parameters", None),
+    "updater": ("elasticps.updater", None),
+    "Local": ("elasticps.api.cluster", "Local"),
+    "Parquet": ("elasticps.api.cluster", "Parquet"),
+    "infer": ("elasticps.api.train", "infer"),
+    "train": ("elasticps.api.train", "train"),
+    "LaunchResult": ("elasticps.dist", "LaunchResult"),
+    "dist_train": ("elasticps.dist", "dist_train"),
+    "ParameterSet": ("elasticps.parameters", "ParameterSet"),
+}
+
+
+def __getattr__(name: str) -> object:
+    """Load a public name of the Python API on first use.
+
+    Raises:
+        AttributeError: ``name`` is not a public name of elasticps.
+    """
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'elasticps' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ConfigError",

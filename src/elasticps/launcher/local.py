@@ -220,6 +220,7 @@ class LocalLauncher:
                 snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                 tensors, versions = self._pull_final(spec, store)
                 self._passes = self._pass_audits(store)
+                self._await_trainers()
                 self._store = None  # closed below; late reaper events must not use it
             wall_s = time.monotonic() - started
             manifest = {
@@ -592,18 +593,26 @@ class LocalLauncher:
                 time.sleep(_POLL_S)
         finally:
             master.close()
-        # The master says the job is finished: no more trainers; those left
-        # exit on their own once get_task says so (and are stopped after a while).
+        # The master says the job is finished: no more trainers. Every task
+        # was reported after its pushes were acknowledged, so the snapshot
+        # need not wait for the trainers to exit (see _await_trainers).
         if self._manager is not None:
             self._manager.finish()
-        deadline = time.monotonic() + _TRAINER_EXIT_S
-        while self._supervise() and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
         if self._bar is not None:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
             self._bar = None
         return int(last.samples_done)
+
+    def _await_trainers(self) -> None:
+        """Give the trainers left time to exit on their own, as get_task tells them.
+
+        Raises:
+            JobFailedError: one of them exited with an error meanwhile.
+        """
+        deadline = time.monotonic() + _TRAINER_EXIT_S
+        while self._supervise() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
 
     def _inject(
         self, event: ChaosEvent, store: JobStore, elapsed_s: float, fraction: float

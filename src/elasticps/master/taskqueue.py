@@ -73,7 +73,7 @@ __all__ = [
     "split_into_tasks",
 ]
 
-MAX_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 0.25
 """Longest :class:`Wait` hint, in seconds, so idle trainers notice requeues promptly."""
 
 MIN_RETRY_AFTER_S = 0.01
