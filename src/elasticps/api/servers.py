@@ -48,6 +48,7 @@ from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore
 from elasticps.errors import ConfigError, CoordinationError, JobFailedError
 from elasticps.netutil import die_with_parent_prefix
+from elasticps.updater import ps_flags
 
 __all__ = ["LocalServers", "ServersConfig"]
 
@@ -334,23 +335,12 @@ class LocalServers:
 
     def _ps_args(self) -> list[str]:
         cfg = self.config
-        opt = cfg.optimizer
         args = [
             "ps", *self._common_args(),
             "--mode", cfg.mode.value,
-            "--optimizer", opt.name,
-            "--lr", repr(opt.lr),
-            "--momentum", repr(opt.momentum),
-            "--weight-decay", repr(opt.weight_decay),
+            *ps_flags(cfg.optimizer),
             "--claim-timeout-s", repr(cfg.startup_timeout_s),
         ]  # fmt: skip
-        # The updater's extensions (engineer B's `elasticps ps` flags), only when used.
-        if opt.torch_class:
-            args += ["--optimizer-class", opt.torch_class]
-        if opt.options:
-            args += ["--optimizer-options", opt.options]
-        if opt.schedule:
-            args += ["--lr-schedule", opt.schedule]
         if cfg.checkpoint_dir is not None:
             args += [
                 "--checkpoint-dir", str(Path(cfg.checkpoint_dir).resolve()),
