@@ -6,6 +6,7 @@ Tests wait on conditions with deadlines, never on fixed sleeps: use
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -32,3 +33,12 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether no process has PID ``pid`` any more (a zombie still counts as present)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import socket
@@ -21,7 +20,7 @@ from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, TrainerMap
 from elasticps.errors import CoordinationError, PortInUseError
 from elasticps.netutil import LOOPBACK, free_port
-from elasticps.testing import wait_for
+from elasticps.testing import pid_gone, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -39,14 +38,6 @@ def next_map(changes: queue.Queue[TrainerMap], want: Callable[[TrainerMap], bool
             continue
         if want(seen):
             return seen
-
-
-def process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture
@@ -77,7 +68,7 @@ def test_server_starts_on_a_free_port_answers_and_stops_by_pid(tmp_path: Path) -
             assert job_store.job_state() == "running"
     assert not server.alive()
     assert server.pid is None
-    assert process_gone(pid)
+    assert pid_gone(pid)
     server.stop()  # idempotent
 
 

@@ -18,7 +18,7 @@ from elasticps.config import UpdateMode
 from elasticps.dist import LaunchResult, dist_train, worker_env
 from elasticps.errors import ConfigError, JobFailedError
 from elasticps.kvstore import ENV_OPTIMIZER, env_optimizer_config
-from elasticps.testing import wait_for
+from elasticps.testing import pid_gone, wait_for
 
 # Records its environment, then exits with the status given for its rank (or
 # waits for SIGTERM with status "wait"), as the user's train function.
@@ -49,14 +49,6 @@ def outside_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("ELASTICPS_"):
             monkeypatch.delenv(key)
-
-
-def pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.mark.integration

@@ -23,7 +23,7 @@ from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerStat
 from elasticps.launcher.local_backend import LocalBackend, exit_status
 from elasticps.launcher.manager import LedgerProgress, StaticDesiredCount, WorkerManager
 from elasticps.netutil import die_with_parent_prefix
-from elasticps.testing import wait_for
+from elasticps.testing import pid_gone, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -34,14 +34,6 @@ def sleeper(spec: WorkerSpec) -> list[str]:
 
 def trainer_spec(index: int) -> WorkerSpec:
     return WorkerSpec(Role.TRAINER, index)
-
-
-def pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture

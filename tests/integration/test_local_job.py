@@ -24,7 +24,7 @@ import pytest
 
 from elasticps.evaluate import evaluate
 from elasticps.model_file import load_model_file
-from elasticps.testing import wait_for
+from elasticps.testing import pid_gone, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -71,14 +71,6 @@ def batch_to_tensors(batch):
     labels = batch.column("label").to_numpy().astype(np.int64)
     return torch.from_numpy(images), torch.from_numpy(labels)
 """
-
-
-def pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def is_ours(pid: int) -> bool:
