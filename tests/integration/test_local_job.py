@@ -166,21 +166,6 @@ def start_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
 
 
 @pytest.fixture(scope="module")
-def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``elasticps data mnist`` run once for this module."""
-    out = tmp_path_factory.mktemp("mnist")
-    done = subprocess.run(
-        [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
 def untrained_accuracy(mnist_dir: Path) -> float:
     """Test accuracy of the MLP with the initial parameters every trainer starts from."""
     spec = load_model_file(MLP)

@@ -50,18 +50,6 @@ class JobRun:
     stderr: str
 
 
-@pytest.fixture(scope="module")
-def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("mnist")
-    subprocess.run(
-        [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(out)],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return out
-
-
 def _kill_leftovers(pids_file: Path) -> list[int]:
     """SIGKILL every still-running pid of ``pids.json``; return the ones that were alive."""
     alive = []

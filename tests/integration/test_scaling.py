@@ -35,20 +35,6 @@ JOB_TIMEOUT_S = 240.0
 START_TIMEOUT_S = 90.0
 
 
-@pytest.fixture(scope="module")
-def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("mnist")
-    done = subprocess.run(
-        [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return out
-
-
 def scale(job: str, output: Path, trainers: int, capsys: pytest.CaptureFixture[str]) -> None:
     """``elasticps scale JOB --trainers N --output OUTPUT``, in this process.
 
