@@ -28,8 +28,9 @@ from elasticps.config import PSConfig
 from elasticps.coord.store import JobStore
 from elasticps.errors import CoordinationError, DataError
 from elasticps.pserver.checkpoint import ShardCheckpointer, load_shard, shard_checkpoint_path
+from elasticps.pserver.rules import make_update_rule
 from elasticps.pserver.server import ParameterServer
-from elasticps.pserver.shard import ParameterShard, make_optimizer
+from elasticps.pserver.shard import ParameterShard
 from elasticps.snapshot import load_consistent_checkpoint
 
 log = logging.getLogger(__name__)
@@ -129,17 +130,15 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
 
 
 def _prewarm_optimizer(config: PSConfig) -> None:
-    """Take one optimizer step on a dummy tensor before claiming a slot.
+    """Take one step of the update rule on a dummy tensor before claiming a slot.
 
-    The first ``torch.optim`` step of a process imports ``torch._dynamo``,
-    which takes 1-2 s here. Paying it before the claim keeps it off the
+    The built-in rules cost nothing here. A ``torch.optim`` class
+    (``--optimizer torch``) imports ``torch._dynamo`` at its first use,
+    which takes 1-2 s here; paying it before the claim keeps it off the
     recovery path: a standby PS (one started while every slot is taken)
     is then ready to serve within milliseconds of claiming a freed slot.
     """
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = make_optimizer([param], config.optimizer)
-    param.grad = torch.zeros(1)
-    optimizer.step()
+    make_update_rule(torch.zeros(1), config.optimizer).step(torch.zeros(1), config.optimizer.lr)
 
 
 def _restore(config: PSConfig, server: ParameterServer) -> int | None:

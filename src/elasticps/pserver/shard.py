@@ -5,13 +5,14 @@ receives gradients into buffers and calls into a :class:`ParameterShard`.
 Unit tests drive it directly.
 
 The shard keeps its parameters as one flat float32 tensor, laid out as the
-:class:`~elasticps.placement.ShardLayout` says. The optimizers offered here
-(SGD, momentum, Adam, AdaGrad) are element-wise, so one ``torch.optim`` step
-over the flat tensor equals one step per parameter, at the cost of a single
-kernel launch. For the same reason the optimizer state is a few flat tensors
-of the shard's size (Adam's ``exp_avg``...) plus scalars (Adam's ``step``),
-which :meth:`ParameterShard.state` exports for checkpoints and
-:meth:`ParameterShard.load_state` restores bit for bit.
+:class:`~elasticps.placement.ShardLayout` says, and updates it with an
+:class:`~elasticps.pserver.rules.UpdateRule`. The optimizers offered
+(SGD, momentum, Adam, AdaGrad, element-wise ``torch.optim`` classes) are
+element-wise, so one step over the flat tensor equals one step per parameter,
+at the cost of a single kernel launch. For the same reason the optimizer
+state is a few flat tensors of the shard's size (Adam's ``exp_avg``...) plus
+scalars (Adam's ``step``), which :meth:`ParameterShard.state` exports for
+checkpoints and :meth:`ParameterShard.load_state` restores bit for bit.
 
 Sync barrier under churn: the trainers a sync step waits for are fixed when
 its round opens (at the round's first push): the live trainers at that
@@ -50,7 +51,8 @@ import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ElasticPSError, FrozenParameterError, LayoutMismatchError
-from elasticps.updater import make_torch_optimizer, schedule_from_json
+from elasticps.pserver.rules import StateValue, make_update_rule
+from elasticps.updater import schedule_from_json
 
 VALUES_KEY = "values"
 """Name of the parameter tensor in :meth:`ParameterShard.state`."""
@@ -58,24 +60,6 @@ VALUES_KEY = "values"
 OPTIM_PREFIX = "optim."
 """Prefix of the element-wise optimizer-state tensors in :meth:`ParameterShard.state`
 (``optim.exp_avg``, ``optim.exp_avg_sq``, ``optim.momentum_buffer``, ``optim.sum``)."""
-
-
-def make_optimizer(params: list[torch.Tensor], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """Build the ``torch.optim`` optimizer named by ``config``.
-
-    Args:
-        params: leaf float32 tensors to optimize.
-        config: optimizer name, hyper-parameters and extra JSON options.
-
-    Returns:
-        See :func:`elasticps.updater.make_torch_optimizer`: ``torch.optim.SGD``
-        (``sgd``, ``momentum``), fused ``Adam`` and ``Adagrad``, or
-        ``torch.optim.<torch_class>``.
-
-    Raises:
-        ConfigError: the options do not fit the optimizer class.
-    """
-    return make_torch_optimizer(params, config)
 
 
 def frozen_pieces(
@@ -208,8 +192,8 @@ class ParameterShard:
         self.max_staleness = max_staleness
         self._frozen_pieces = frozen_pieces(layout, self.frozen_patterns) if frozen else ()
         self._schedule = schedule_from_json(optimizer.schedule)
-        self._param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32))
-        self._optimizer = make_optimizer([self._param], optimizer)
+        self._values = torch.zeros(numel, dtype=torch.float32)
+        self._rule = make_update_rule(self._values, optimizer)
         self._acc = torch.zeros(numel, dtype=torch.float32)
         self._acc_samples = 0
         self._cond = threading.Condition()
@@ -235,7 +219,7 @@ class ParameterShard:
         Readers in async mode may see a mix of two versions (as in Hogwild);
         in sync mode replies are sent between steps, so reads are whole.
         """
-        return self._param.data
+        return self._values
 
     @property
     def frozen_ranges(self) -> tuple[tuple[str, int, int], ...]:
@@ -298,10 +282,9 @@ class ParameterShard:
                 of the optimizers this module builds).
         """
         with self._cond:
-            tensors: dict[str, torch.Tensor] = {VALUES_KEY: self._param.detach().clone()}
+            tensors: dict[str, torch.Tensor] = {VALUES_KEY: self._values.clone()}
             scalars: dict[str, object] = {}
-            per_param = self._optimizer.state_dict()["state"].get(0, {})
-            for key, value in per_param.items():
+            for key, value in self._rule.state().items():
                 if isinstance(value, torch.Tensor) and value.dim() == 0:
                     scalars[key] = {"value": value.item(), "dtype": _dtype_name(value.dtype)}
                 elif isinstance(value, torch.Tensor) and tuple(value.shape) == (self.numel,):
@@ -339,7 +322,8 @@ class ParameterShard:
 
         Raises:
             LayoutMismatchError: a tensor does not have ``numel`` elements.
-            ValueError: ``version`` or the optimizer scalars are malformed.
+            ValueError: ``version``, the optimizer scalars or the optimizer
+                state's keys are malformed; nothing was changed.
         """
         values = tensors.get(VALUES_KEY)
         if values is None or values.numel() != self.numel:
@@ -354,7 +338,7 @@ class ParameterShard:
             and saved_opt.get("name") == self.optimizer_config.name
             and saved_opt.get("torch_class", "") == self.optimizer_config.torch_class
         )
-        restored: dict[str, object] = {}
+        restored: dict[str, StateValue] = {}
         if same_optimizer:
             for name, tensor in tensors.items():
                 if not name.startswith(OPTIM_PREFIX):
@@ -373,10 +357,8 @@ class ParameterShard:
             for key, entry in scalars.items():
                 restored[str(key)] = _scalar_from_json(str(key), entry)
         with self._cond:
-            self._param.data.copy_(values.detach().reshape(-1))
-            template = self._optimizer.state_dict()
-            template["state"] = {0: restored} if restored else {}
-            self._optimizer.load_state_dict(template)
+            self._rule.load_state(restored)
+            self._values.copy_(values.detach().reshape(-1))
             self._version = version
         return same_optimizer
 
@@ -566,15 +548,11 @@ class ParameterShard:
         Caller holds self._cond; the version is bumped by the caller afterwards.
         """
         lr = self.optimizer_config.lr * self._schedule.factor(self._version)
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        values = self._param.data
+        values = self._values
         kept = [values[lo:hi].clone() for _, lo, hi in self._frozen_pieces]
-        self._param.grad = grad
         try:
-            self._optimizer.step()
+            self._rule.step(grad, lr)
         finally:
-            self._param.grad = None
             for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
                 values[lo:hi].copy_(old)
 
@@ -648,7 +626,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _scalar_from_json(key: str, entry: object) -> object:
+def _scalar_from_json(key: str, entry: object) -> StateValue:
     """Turn an ``optimizer_scalars`` entry back into a 0-d tensor or a number."""
     if not isinstance(entry, Mapping):
         raise ValueError(f"saved optimizer scalar {key!r} must be an object")
