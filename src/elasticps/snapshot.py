@@ -7,10 +7,10 @@ and a ``manifest.json`` that ties them together. The coordinator
 plane with ``CONTROL`` frames:
 
 1. ``{"op": "freeze"}`` on every server: each stops between two steps, and
-   pushes wait. In sync mode, if the servers stopped at different versions
-   (one had applied step k and another not yet), the laggards are sent
-   ``{"op": "freeze", "version": max}``: they run until that version and stop
-   right after it, so every shard is saved at the same model version.
+   pushes wait. In sync mode, a server stopped with a half-collected step
+   (one shard had applied step k and another not yet) is sent
+   ``{"op": "freeze", "finish_round": true}``: it runs until that round
+   completes and stops right after it, so every shard holds the same steps.
 2. ``{"op": "snapshot", "dir": ...}`` on every server, in parallel: each
    writes its shard file and answers its CRC-32, size, version and layout.
 3. ``{"op": "thaw"}`` on every server (always, even after a failure; a
@@ -208,33 +208,32 @@ def take_consistent_checkpoint(
     return manifest
 
 
-def catch_up_targets(freezes: Sequence[Mapping[str, object]]) -> dict[int, int]:
-    """Which frozen shards must run on, and to which version (pure).
+def shards_mid_step(freezes: Sequence[Mapping[str, object]]) -> list[int]:
+    """Which frozen shards must first finish their open sync round (pure).
 
     In sync mode every trainer pushes each step to every shard at once, so a
     shard frozen with a half-collected step (``open_round`` > 0: some
-    trainers' gradients for it are in, others are on their way) may be one
-    step behind shards that already applied it. Such a shard runs on until
-    that step is applied. Versions alone cannot tell this, because a shard
-    restored from its periodic checkpoint keeps its own version count. In
-    async mode every push is applied on arrival and nothing is half-done.
+    trainers' pushes for it are in, others are on their way) may be one step
+    behind shards that already applied it. Such a shard runs on until that
+    round completes. Versions alone cannot tell this, because a shard
+    restored from its periodic checkpoint keeps its own version count; and
+    the round may close without a step (when only idle trainers' empty
+    pushes joined it and the others left), so the version is no target
+    either. In async mode every push is applied on arrival and nothing is
+    half-done.
 
     Args:
         freezes: the ``freeze`` answers, in server order (``initialized``,
-            ``version``, ``mode``, ``open_round``).
+            ``mode``, ``open_round``).
 
     Returns:
-        Server index -> version to freeze at, for the shards mid-step; empty
-        if none (or not every initialized shard runs in sync mode).
+        The indices of the shards mid-step; empty if none (or not every
+        initialized shard runs in sync mode).
     """
     live = {i: f for i, f in enumerate(freezes) if f.get("initialized")}
     if not live or not all(f.get("mode") == "sync" for f in live.values()):
-        return {}
-    return {
-        i: _int(f.get("version"), "version") + 1
-        for i, f in live.items()
-        if _int(f.get("open_round", 0), "open_round") > 0
-    }
+        return []
+    return [i for i, f in live.items() if _int(f.get("open_round", 0), "open_round") > 0]
 
 
 def _align_sync_versions(
@@ -242,13 +241,13 @@ def _align_sync_versions(
     freezes: list[dict[str, object]],
     timeout_s: float,
 ) -> list[dict[str, object]]:
-    """Let the shards :func:`catch_up_targets` names run to their target, then freeze."""
+    """Let the shards :func:`shards_mid_step` names finish their round, then freeze."""
     out = list(freezes)
-    for i, target in catch_up_targets(freezes).items():
+    for i in shards_mid_step(freezes):
         client = clients[i]
         try:
             out[i] = client.request(
-                {"op": "freeze", "version": target, "timeout_s": timeout_s},
+                {"op": "freeze", "finish_round": True, "timeout_s": timeout_s},
                 timeout_s=timeout_s + 10.0,
             )
         except RemoteError as exc:
@@ -259,7 +258,7 @@ def _align_sync_versions(
             log.warning("parameter server %d: open step not applied in time: %s", i, exc)
             out[i] = {**client.request({"op": "freeze"}), "incomplete_step": True}
             continue
-        log.info("parameter server %d finished its open step: version %s", i, out[i]["version"])
+        log.info("parameter server %d finished its open round: version %s", i, out[i]["version"])
     return out
 
 

@@ -24,6 +24,7 @@ from elasticps.errors import ConfigError, RemoteError, ServiceUnavailableError
 from elasticps.netutil import LOOPBACK
 from elasticps.placement import Placement
 from elasticps.pserver.server import ParameterServer
+from elasticps.snapshot import take_consistent_checkpoint
 from elasticps.testing import wait_for
 from elasticps.trainer import client as client_module
 from elasticps.trainer.client import ParameterClient, parse_address
@@ -316,6 +317,54 @@ def test_sync_pushes_from_two_trainers_both_receive_the_sample_weighted_average_
     assert torch.equal(a.params, expected)
     assert torch.equal(b.params, expected)
     assert a.client.versions == b.client.versions == [1] * num_servers
+
+
+def test_consistent_checkpoint_of_a_round_that_closes_without_a_step_does_not_stall(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # The end of a job: THIRD, idle, has pushed an empty gradient into the open
+    # round; SECOND leaves. The round closes without a step, so the version
+    # never moves; the snapshot must not wait for it to (it used to wait out
+    # its catch-up timeout and record an incomplete step).
+    initialized(cluster, 2, UpdateMode.SYNC)
+    for server in cluster.servers:
+        server.set_live_trainers({SECOND, THIRD})
+    idle = cluster.peer(THIRD)
+    idle.client.hello(initialize=False)
+    watcher = observer(cluster)
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        empty_push = pool.submit(idle.client.push_empty)
+        wait_for(
+            lambda: all(s["open_round"] == 1 for s in shard_stats(watcher)),
+            "the empty push to open a round on every server",
+        )
+        # Frozen, the round stays open when SECOND leaves: the state the
+        # snapshot finds when it freezes a server just before the departure.
+        shards = [server.shard for server in cluster.servers]
+        for shard in shards:
+            assert shard is not None
+            shard.freeze()
+        for server in cluster.servers:
+            server.set_live_trainers({THIRD})  # SECOND left
+        assert all(s["open_round"] == 1 for s in shard_stats(watcher))
+        snapshot = pool.submit(
+            take_consistent_checkpoint,
+            cluster.addresses,
+            tmp_path / "snap",
+            ledger_revision=None,
+            extra={},
+            catch_up_timeout_s=DEADLINE_S * 3,
+        )
+
+        manifest = snapshot.result(timeout=DEADLINE_S)
+        empty_push.result(timeout=DEADLINE_S)
+    finally:
+        pool.shutdown(wait=False)
+
+    assert manifest["complete_steps"] is True
+    assert manifest["version"] == 0
+    assert idle.client.versions == [0, 0]
 
 
 def test_sync_push_waits_for_every_live_trainer_before_applying(cluster: Cluster) -> None:

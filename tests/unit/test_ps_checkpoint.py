@@ -31,11 +31,11 @@ from elasticps.pserver.shard import ParameterShard
 from elasticps.snapshot import (
     ConsistentCheckpoint,
     build_manifest,
-    catch_up_targets,
     load_consistent_checkpoint,
     piece_fits,
     shard_file_name,
     shard_state_for_layout,
+    shards_mid_step,
     write_manifest,
 )
 from elasticps.testing import wait_for
@@ -531,14 +531,14 @@ def test_sync_shards_frozen_mid_step_finish_that_step_first() -> None:
         _freeze(5, open_round=2),
     ]
 
-    assert catch_up_targets(freezes) == {1: 7, 4: 6}
+    assert shards_mid_step(freezes) == [1, 4]
 
 
 def test_sync_shards_with_different_version_counts_but_no_open_step_stay_as_they_are() -> None:
     # A shard restored from its periodic checkpoint counts versions from there.
     freezes = [_freeze(40), _freeze(37)]
 
-    assert catch_up_targets(freezes) == {}
+    assert shards_mid_step(freezes) == []
 
 
 @pytest.mark.parametrize(
@@ -551,4 +551,4 @@ def test_sync_shards_with_different_version_counts_but_no_open_step_stay_as_they
     ids=["sync-aligned", "async", "uninitialized"],
 )
 def test_shards_already_aligned_or_async_do_not_catch_up(freezes: list[dict[str, object]]) -> None:
-    assert catch_up_targets(freezes) == {}
+    assert shards_mid_step(freezes) == []

@@ -603,6 +603,52 @@ def test_freeze_at_a_version_not_reached_in_time_raises_and_leaves_the_shard_tha
     assert shard.push(0, full(1.0), 1, 1) == PushResult(accepted=True, version=2)
 
 
+def test_freeze_to_finish_the_open_round_waits_for_its_step(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.SYNC)
+    shard.set_live_trainers({0, 1})
+    first = push_in_thread(shard, 0, full(1.0))
+    wait_for(lambda: shard.stats().open_round == 1)
+    shard.freeze()
+    freezing: Future[int] = Future()
+    threading.Thread(
+        target=lambda: freezing.set_result(shard.freeze(finish_round=True, timeout_s=TIMEOUT_S)),
+        daemon=True,
+    ).start()
+
+    second = push_in_thread(shard, 1, full(3.0))
+    assert freezing.result(TIMEOUT_S) == 1
+    assert first.result(TIMEOUT_S).version == second.result(TIMEOUT_S).version == 1
+    assert shard.frozen
+
+
+def test_freeze_to_finish_a_round_that_closes_without_a_step_does_not_wait_for_a_version(
+    make_shard: ShardFactory,
+) -> None:
+    # An idle trainer's empty push opens the round; the other trainer leaves
+    # (job over), so the round closes without a step and the version stays.
+    shard = make_shard(UpdateMode.SYNC)
+    shard.set_live_trainers({0, 1})
+    idle = push_in_thread(shard, 1, None)
+    wait_for(lambda: shard.stats().open_round == 1)
+    shard.freeze()
+    freezing: Future[int] = Future()
+    threading.Thread(
+        target=lambda: freezing.set_result(shard.freeze(finish_round=True, timeout_s=TIMEOUT_S)),
+        daemon=True,
+    ).start()
+
+    shard.set_live_trainers({1})
+    assert freezing.result(TIMEOUT_S) == 0
+    assert idle.result(TIMEOUT_S) == PushResult(accepted=False, version=0)
+    assert shard.frozen
+
+
+def test_freeze_to_finish_a_round_with_none_open_freezes_at_once(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.SYNC)
+    assert shard.freeze(finish_round=True, timeout_s=0.01) == 0
+    assert shard.frozen
+
+
 def test_close_releases_a_push_waiting_on_a_freeze(make_shard: ShardFactory) -> None:
     shard = make_shard(UpdateMode.ASYNC)
     shard.freeze()

@@ -26,11 +26,13 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
     :func:`~elasticps.wire.frame.local_host_id`, so that a client on the same
     host can switch to the Unix socket (allowed before HELLO).
   - ``shutdown``: ask the server process to stop.
-  - ``freeze`` (optional ``version``, ``timeout_s``): stop the shard between
-    two steps (pushes wait) and answer ``{"shard", "initialized", "version",
-    "mode"}``. With ``version``, first let the shard run until that version
-    and freeze right after it (only if no other connection holds a freeze;
-    else ERROR ``busy``). The freeze belongs to the connection: ``thaw``, or
+  - ``freeze`` (optional ``version`` or ``finish_round``, ``timeout_s``): stop
+    the shard between two steps (pushes wait) and answer ``{"shard",
+    "initialized", "version", "mode", "open_round"}``. With ``version``, first
+    let the shard run until that version and freeze right after it; with
+    ``"finish_round": true``, until its open sync round completes (with or
+    without a step). Either only if no other connection holds a freeze, else
+    ERROR ``busy``. The freeze belongs to the connection: ``thaw``, or
     the connection closing, releases it; the shard thaws when no
     connection holds one.
   - ``snapshot`` (``dir``: an absolute path; only while this connection
@@ -525,6 +527,12 @@ class ParameterServer:
             not isinstance(at_version, int) or isinstance(at_version, bool) or at_version < 0
         ):
             raise _RequestError("bad_control", "freeze 'version' must be a non-negative integer")
+        finish_round = msg.get("finish_round", False)
+        if not isinstance(finish_round, bool) or (finish_round and at_version is not None):
+            raise _RequestError(
+                "bad_control", "freeze 'finish_round' must be a boolean, and not with 'version'"
+            )
+        waits = at_version is not None or finish_round
         timeout_s = msg.get("timeout_s", FREEZE_TIMEOUT_S)
         if (
             not isinstance(timeout_s, int | float)
@@ -539,15 +547,17 @@ class ParameterServer:
         # the set of freezers and the shard's state never disagree. A freeze
         # at a later version waits outside it; "busy" keeps others out meanwhile.
         with self._cond:
-            if at_version is not None and self._freezers - {conn}:
+            if waits and self._freezers - {conn}:
                 raise _RequestError("busy", "another client holds a freeze of this shard")
             self._freezers.add(conn)
             shard = self._shard
-            if shard is not None and at_version is None:
+            if shard is not None and not waits:
                 version = shard.freeze()
-        if shard is not None and at_version is not None:
+        if shard is not None and waits:
             try:
-                version = shard.freeze(at_version=at_version, timeout_s=float(timeout_s))
+                version = shard.freeze(
+                    at_version=at_version, finish_round=finish_round, timeout_s=float(timeout_s)
+                )
             except FreezeTimeoutError as exc:
                 raise _RequestError("freeze_timeout", str(exc)) from exc
         if version is not None:

@@ -205,7 +205,9 @@ class ParameterShard:
         self._live: set[int] = set()
         self._closed = False
         self._frozen = False
+        # A pending freeze: at this version, or once this round number is reached.
         self._freeze_at: int | None = None
+        self._freeze_at_round: int | None = None
         self._pushes = 0
         self._stale = 0
         self._steps = 0
@@ -419,7 +421,13 @@ class ParameterShard:
 
     # --- consistent snapshots ----------------------------------------------------
 
-    def freeze(self, *, at_version: int | None = None, timeout_s: float | None = None) -> int:
+    def freeze(
+        self,
+        *,
+        at_version: int | None = None,
+        finish_round: bool = False,
+        timeout_s: float | None = None,
+    ) -> int:
         """Stop applying updates; pushes wait (they are not refused) until :meth:`thaw`.
 
         Steps are applied under the shard's lock, so once this returns no step
@@ -433,22 +441,32 @@ class ParameterShard:
                 shard is thawed for that); used to bring every shard of a
                 sync job to the same version. A shard already at or past it
                 freezes at once.
-            timeout_s: how long to wait for ``at_version``; None waits forever.
+            finish_round: sync mode: freeze right after the open round
+                completes, whether it applies a step or closes without one
+                (when only empty pushes joined it); at once if no round is
+                open. This is how a snapshot lets a shard caught mid-step
+                finish it (see :func:`elasticps.snapshot.shards_mid_step`).
+            timeout_s: how long to wait for ``at_version`` or the round; None
+                waits forever.
 
         Returns:
             The version the shard is frozen at.
 
         Raises:
-            FreezeTimeoutError: ``at_version`` was not reached in time; the
-                shard is then left thawed.
+            FreezeTimeoutError: ``at_version`` or the end of the round was not
+                reached in time; the shard is then left thawed.
             ShardClosedError: the shard closed while waiting.
         """
         with self._cond:
-            if at_version is None or self._version >= at_version:
+            round_open = finish_round and bool(self._contributors)
+            if not round_open and (at_version is None or self._version >= at_version):
                 self._frozen = True
-                self._freeze_at = None
+                self._freeze_at = self._freeze_at_round = None
                 return self._version
-            self._freeze_at = at_version
+            if round_open:
+                self._freeze_at_round = self._round + 1
+            else:
+                self._freeze_at = at_version
             if self._frozen:
                 self._frozen = False
                 self._maybe_complete_round()
@@ -457,10 +475,11 @@ class ParameterShard:
             if self._closed and not self._frozen:
                 raise ShardClosedError("parameter server is shutting down")
             if not reached:
-                self._freeze_at = None
+                self._freeze_at = self._freeze_at_round = None
+                goal = "the end of its open round" if round_open else f"version {at_version}"
                 raise FreezeTimeoutError(
-                    f"shard did not reach version {at_version} within {timeout_s:g} s "
-                    f"(it is at {self._version})"
+                    f"shard did not reach {goal} within {timeout_s:g} s "
+                    f"(it is at version {self._version})"
                 )
             return self._version
 
@@ -468,7 +487,7 @@ class ParameterShard:
         """Let waiting and new pushes through again. Idempotent."""
         with self._cond:
             self._frozen = False
-            self._freeze_at = None
+            self._freeze_at = self._freeze_at_round = None
             self._maybe_complete_round()
             self._cond.notify_all()
 
@@ -480,10 +499,12 @@ class ParameterShard:
             raise ShardClosedError("parameter server is shutting down")
 
     def _after_step(self) -> None:
-        # Caller holds self._cond, right after the version moved.
-        if self._freeze_at is not None and self._version >= self._freeze_at:
+        # Caller holds self._cond, right after the version moved or a round closed.
+        if (self._freeze_at is not None and self._version >= self._freeze_at) or (
+            self._freeze_at_round is not None and self._round >= self._freeze_at_round
+        ):
             self._frozen = True
-            self._freeze_at = None
+            self._freeze_at = self._freeze_at_round = None
         self._cond.notify_all()
 
     # --- updates -------------------------------------------------------------
