@@ -33,6 +33,7 @@ from elasticps.config import (
     GRAD_COMPRESSIONS,
     OPTIMIZERS,
     PS_TRANSPORTS,
+    SPAWN_METHODS,
     CommonConfig,
     JobConfig,
     MasterConfig,
@@ -219,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument(
+        "--spawn",
+        choices=SPAWN_METHODS,
+        default=_env("spawn", "fork"),
+        help="start role processes by forking a server that has imported torch (fork, "
+        "fast) or as new interpreters (exec)",
+    )
+    train.add_argument(
+        "--eval-each-pass",
+        action="store_true",
+        help="evaluate on DATA/test.parquet at the end of every pass, while training goes on "
+        "(results in OUTPUT/run.json, pass_evaluations)",
+    )
+    train.add_argument(
         "--standby-masters",
         type=int,
         default=0,
@@ -392,6 +406,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         checkpoint_every_s=args.checkpoint_every_s,
         resume=args.resume,
         max_staleness=args.max_staleness,
+        spawn=args.spawn,
+        eval_each_pass=args.eval_each_pass,
     )
 
 
@@ -429,20 +445,27 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
+    from elasticps.launcher.spawn import start_spawner
 
     config = job_config(args)
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
     os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
-    launcher = LocalLauncher(config)
-    with sigterm_as_interrupt():
-        try:
-            result = launcher.run()
-        except KeyboardInterrupt:
-            launcher.stop_all()
-            print("elasticps: interrupted; every process of the job was stopped", file=sys.stderr)
-            return 130
+    # Started before the launcher imports torch (below, and to validate the
+    # model file), so that the fork server's import of it runs alongside.
+    with start_spawner(config.spawn) as spawner:
+        from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
+
+        launcher = LocalLauncher(config, spawner=spawner)
+        with sigterm_as_interrupt():
+            try:
+                result = launcher.run()
+            except KeyboardInterrupt:
+                launcher.stop_all()
+                print(
+                    "elasticps: interrupted; every process of the job was stopped", file=sys.stderr
+                )
+                return 130
     line: dict[str, object] = {
         "checkpoint": str(result.output),
         "wall_s": round(result.wall_s, 2),

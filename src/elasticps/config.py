@@ -243,6 +243,9 @@ GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 PS_TRANSPORTS = ("auto", "tcp", "unix")
 """Values of ``--ps-transport`` (:class:`TrainerConfig`)."""
 
+SPAWN_METHODS = ("fork", "exec")
+"""Values of ``--spawn`` (:class:`JobConfig`): how the local launcher starts role processes."""
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -355,6 +358,11 @@ class JobConfig:
         standby_ps: extra parameter servers waiting for a free slot, >= 0.
         max_restarts: restarts allowed per master, PS and etcd process, >= 0.
         chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
+        spawn: how role processes start: ``fork`` from a fork server that
+            has imported torch already (:mod:`elasticps.launcher.spawn`),
+            or ``exec`` (each a new ``python -m elasticps``).
+        eval_each_pass: evaluate on the test set at the end of every pass
+            (:mod:`elasticps.launcher.pass_eval`).
         checkpoint_every_s: seconds between a PS's shard checkpoints.
         resume: a consistent checkpoint directory to start from, or None.
         max_staleness: async: the PS drop gradients more than this many
@@ -394,9 +402,15 @@ class JobConfig:
     min_trainers: int | None = None
     max_trainers: int | None = None
     stuck_after_s: float | None = None
+    spawn: str = "fork"
+    eval_each_pass: bool = False
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.spawn not in SPAWN_METHODS:
+            raise ConfigError(
+                f"--spawn must be one of {', '.join(SPAWN_METHODS)}, got {self.spawn!r}"
+            )
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         if self.trainers < 1:

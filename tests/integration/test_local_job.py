@@ -215,6 +215,7 @@ def test_sync_job_trains_one_pass_beats_the_untrained_model_and_leaves_no_proces
     assert accuracy >= untrained_accuracy + 0.3
     for name in ("model.safetensors", "manifest.json", "run.json", "pids.json"):
         assert (job.output / name).is_file(), name
+    assert "fork-server" in job.pids()  # the default: --spawn fork
     assert Path(str(line["checkpoint"])).resolve() == job.output.resolve()
     job.assert_every_process_gone()
 
@@ -235,6 +236,33 @@ def test_async_job_with_push_and_pull_intervals_trains_to_good_accuracy(
     line = job.result_line()
     assert line["samples_trained"] == TRAIN_ROWS
     assert float(line["accuracy"]) >= 0.8  # type: ignore[arg-type]
+    job.assert_every_process_gone()
+
+
+def test_every_pass_is_evaluated_while_training_with_exec_spawned_processes(
+    start_job: Callable[..., Job], mnist_dir: Path
+) -> None:
+    # --spawn exec: the path without the fork server stays covered by a whole job.
+    job = start_job(
+        *small_job_args(
+            mnist_dir, "--mode", "sync", "--epochs", "3", "--eval-each-pass", "--spawn", "exec"
+        )
+    )
+
+    assert job.wait() == 0, job.stderr()[-4000:]
+
+    line = job.result_line()
+    evaluations = json.loads((job.output / "run.json").read_text())["pass_evaluations"]
+    assert [e["pass_id"] for e in evaluations] == [0, 1, 2]
+    versions = [e["version"] for e in evaluations]
+    assert versions == sorted(versions) and versions[0] > 0
+    for e in evaluations:
+        assert 0.0 <= e["accuracy"] <= 1.0 and e["samples"] == 1000
+        assert e["snapshot_time"] <= e["time"]
+    # The last pass ends the training: its snapshot is the final model.
+    assert evaluations[-1]["accuracy"] == line["accuracy"]
+    assert evaluations[-1]["loss"] == pytest.approx(float(line["loss"]), rel=1e-6)  # type: ignore[arg-type]
+    assert "fork-server" not in job.pids()
     job.assert_every_process_gone()
 
 

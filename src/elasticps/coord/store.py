@@ -968,13 +968,32 @@ class JobStore:
         Raises:
             CoordinationError: etcd failed.
         """
-        with self._etcd("watching trainers"):
-            watch = Watch(
-                self._client, self.keys.trainers_prefix, _decode_object, on_change, start_revision
-            )
-        with self._lock:
-            self._watches.append(watch)
-        return watch
+        return self._start_watch(
+            "trainers", self.keys.trainers_prefix, _decode_object, on_change, start_revision
+        )
+
+    def watch_pass_summaries(
+        self, on_change: Callable[[dict[int, dict[str, object]]], None]
+    ) -> Watch:
+        """Call ``on_change`` with every pass audit written so far, after each new one.
+
+        The master writes ``passes/<n>`` in the transaction that completes
+        pass ``n``. Reads the prefix first and watches from the next revision,
+        so no pass is missed. ``on_change`` runs on the watch's thread.
+
+        Returns:
+            The watch; :meth:`Watch.cancel` it when done.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        prefix = self.keys.passes_prefix
+        _, revision = self.get_prefix_json(prefix)
+
+        def report(values: dict[str, dict[str, object]]) -> None:
+            on_change({int(k): v for k, v in values.items() if k.isdigit()})
+
+        return self._start_watch("pass summaries", prefix, _decode_object, report, revision + 1)
 
     def watch_ps(
         self, on_change: Callable[[dict[int, str]], None], start_revision: int = 0
@@ -1006,11 +1025,9 @@ class JobStore:
                 }
             )
 
-        with self._etcd("watching parameter servers"):
-            watch = Watch(self._client, self.keys.ps_prefix, _decode_object, report, start_revision)
-        with self._lock:
-            self._watches.append(watch)
-        return watch
+        return self._start_watch(
+            "parameter servers", self.keys.ps_prefix, _decode_object, report, start_revision
+        )
 
     # --- wanted trainers ----------------------------------------------------------------
 
@@ -1071,8 +1088,23 @@ class JobStore:
             count = values.get("", {}).get("count")  # the exact key, not a longer one
             on_change(count if isinstance(count, int) else None)
 
-        with self._etcd("watching trainers_wanted"):
-            watch = Watch(self._client, key, decode, report, start_revision)
+        return self._start_watch("trainers_wanted", key, decode, report, start_revision)
+
+    def _start_watch(
+        self,
+        what: str,
+        prefix: str,
+        decode: Callable[[bytes, str], dict[str, object]],
+        report: Callable[[dict[str, dict[str, object]]], None],
+        start_revision: int,
+    ) -> Watch:
+        """A :class:`Watch` of ``prefix``, closed with the store.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        with self._etcd(f"watching {what}"):
+            watch = Watch(self._client, prefix, decode, report, start_revision)
         with self._lock:
             self._watches.append(watch)
         return watch

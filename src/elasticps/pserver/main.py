@@ -75,6 +75,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
     watch = None
     checkpointer: ShardCheckpointer | None = None
     try:
+        log.info("parameter server listening on %s; claiming a slot", server.address)
         try:
             server.shard_index = store.claim_ps_slot_within(
                 server.address, lease, config.claim_timeout_s, cancel=stop, unix=server.unix_path

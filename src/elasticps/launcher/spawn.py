@@ -1,0 +1,572 @@
+"""How the local launchers start role processes: exec'ed, or forked from a fork server.
+
+:class:`ExecSpawner` starts each as a new ``python -m elasticps <role>``.
+:class:`ForkServer`, the default of ``elasticps train`` (``--spawn fork``),
+forks each from a server that has imported torch already. Both return
+handles with the :class:`subprocess.Popen` methods the launchers use
+(:class:`ProcessHandle`), and give every child its own session, stdin from
+``/dev/null`` and one pipe for its stdout and stderr.
+
+Why fork: a role process started as ``python -m elasticps <role>`` spends about
+1.8 s of CPU importing torch before it does anything. A local job starts its
+parameter servers and trainers at once, so on this project's 2-core machine
+those imports queue behind each other: 3.7 s from spawning the role processes
+to the first task of a 2-trainer, 2-PS job. A :class:`ForkServer` pays the
+import once, in a process started before the launcher validates its inputs
+(so the two imports run side by side), and forks every role process from it.
+Measured figures are in the README's performance section.
+
+This is the pattern of ``multiprocessing``'s forkserver with
+``set_forkserver_preload`` (and of Android's zygote), written out because the
+launcher needs what that module does not give: each child in its own session,
+its stdout and stderr on a pipe the launcher reads and prefixes, the exit
+status of every child, and no pickle between the processes.
+
+Protocol, over a ``SOCK_SEQPACKET`` Unix socket pair, one JSON object per
+message:
+
+- launcher -> server: ``{"op": "spawn", "id": n, "args": [...], "env":
+  {...}}``, with one file descriptor attached (``SCM_RIGHTS``): the write end
+  of the pipe the child's stdout and stderr go to. ``args`` are the arguments
+  of the ``elasticps`` command (``["ps", "--job", ...]``); ``env`` is the
+  child's whole environment.
+- server -> launcher: ``{"op": "started", "id": n, "pid": p}``, or
+  ``{"op": "failed", "id": n, "error": "..."}``; later, for every child,
+  ``{"op": "exited", "pid": p, "returncode": r}`` (``-N`` for signal ``N``,
+  as :class:`subprocess.Popen` reports it).
+
+The server exits when the launcher's end of the socket closes; it gets
+SIGTERM if the launcher dies (``setpriv --pdeathsig``), and each child gets
+SIGTERM if the server dies (``PR_SET_PDEATHSIG``). Children find the server's
+pid in ``ELASTICPS_PARENT_PID`` and stop when they are orphaned.
+
+Fork safety: the server forks from a single Python thread and imports only
+:data:`PRELOAD` (torch and what it pulls in). Importing torch starts one
+native thread, numpy's OpenBLAS server, which has its own fork handlers, as
+PyTorch's ``DataLoader`` workers rely on. gRPC, etcd clients and pyarrow are
+imported by each child after the fork. Glibc reads ``MALLOC_*`` variables and
+Python reads ``PYTHONUNBUFFERED`` when a process starts, so those come from
+the server's own environment (see :func:`~elasticps.launcher.local_backend.child_env`),
+not from the per-child ``env``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import importlib
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from typing import IO, Protocol
+
+from elasticps.errors import ElasticPSError
+from elasticps.netutil import die_with_parent_prefix
+
+log = logging.getLogger(__name__)
+
+PRELOAD = ("torch", "safetensors.torch", "elasticps.pserver.shard", "elasticps.trainer.flat")
+"""Modules the server imports before forking: the heavy ones every role shares."""
+
+MAX_MESSAGE_BYTES = 1 << 20
+"""Largest protocol message, bytes (a spawn request carries the child's environment)."""
+
+SPAWN_TIMEOUT_S = 120.0
+"""How long a spawn waits for the server (which may still be importing), seconds."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a role process started by the local launchers.
+
+    Args:
+        role: ``master``, ``ps`` or ``trainer`` (a ``-<i>`` suffix is dropped).
+        extra: more variables; they win.
+    """
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
+    # glibc returns big freed blocks to the OS at once by default, so a
+    # 64 MB gradient tensor costs ~16k page faults on every backward;
+    # keeping them in the heap cut a 20M-parameter step from 92 to 65 ms
+    # here (benchmarks/README.md). A user's own settings win.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
+    # The child stops itself if the launcher dies (even by SIGKILL).
+    env["ELASTICPS_PARENT_PID"] = str(os.getpid())
+    env.update(extra or {})
+    return env
+
+
+class ProcessHandle(Protocol):
+    """What the launchers use of a child process; :class:`subprocess.Popen` has it too."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+
+    def poll(self) -> int | None:
+        """The exit status if the process has ended, else None."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to end and return its exit status."""
+        ...
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` if the process is still running."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL the process if it is still running."""
+        ...
+
+
+class Spawner(Protocol):
+    """Starts ``elasticps`` role processes."""
+
+    def start(self, args: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+        """Start ``elasticps <args>`` with environment ``env``.
+
+        The child runs in its own session, with stdin from ``/dev/null`` and
+        stdout and stderr on one pipe, the handle's ``stdout``.
+
+        Raises:
+            ElasticPSError: the process could not be started.
+        """
+        ...
+
+    def pids(self) -> dict[str, int]:
+        """Name -> pid of the spawner's own processes (none, or the fork server)."""
+        ...
+
+
+class ExecSpawner:
+    """Each role process is a new ``[setpriv --pdeathsig TERM] python -m elasticps``."""
+
+    def start(self, args: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+        """Start ``python -m elasticps <args>`` (see :meth:`Spawner.start`).
+
+        Raises:
+            ElasticPSError: the interpreter could not be started.
+        """
+        try:
+            return subprocess.Popen(
+                [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(env),
+                # Own session: Ctrl-C reaches only the launcher, which stops
+                # the children in order, by PID.
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ElasticPSError(f"could not start elasticps {' '.join(args[:1])}: {exc}") from exc
+
+    def pids(self) -> dict[str, int]:
+        """No process of its own: ``{}``."""
+        return {}
+
+
+class ForkedProcess:
+    """A child of the fork server, with the :class:`subprocess.Popen` methods the launchers use.
+
+    Its exit status arrives from the server; ``wait`` raises
+    :class:`subprocess.TimeoutExpired` like ``Popen.wait``.
+    """
+
+    def __init__(self, args: Sequence[str], stdout: IO[bytes]) -> None:
+        self.args = list(args)
+        self.pid = -1
+        self.returncode: int | None = None
+        self.stdout: IO[bytes] | None = stdout
+        self._cond = threading.Condition()
+
+    def poll(self) -> int | None:
+        """The exit status if the process has ended, else None."""
+        with self._cond:
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait up to ``timeout`` seconds (None: forever) for the exit status.
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout``.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            assert self.returncode is not None
+            return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` unless the process has ended (its pid may be reused then)."""
+        with self._cond:
+            if self.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM the process if it is still running."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the process if it is still running."""
+        self.send_signal(signal.SIGKILL)
+
+    def _exited(self, returncode: int) -> None:
+        with self._cond:
+            self.returncode = returncode
+            self._cond.notify_all()
+
+
+class ForkServer:
+    """The launcher's side of a fork server (see the module docstring).
+
+    Args:
+        env: the server's own environment; its ``MALLOC_*`` and
+            ``PYTHONUNBUFFERED`` settings hold for every child.
+        preload: modules the server imports before its first fork.
+
+    Raises:
+        ElasticPSError: the server process could not be started.
+    """
+
+    def __init__(self, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    *die_with_parent_prefix(), sys.executable, "-m", "elasticps.launcher.spawn",
+                    str(theirs.fileno()), ",".join(preload),
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=dict(env),
+                start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            mine.close()
+            raise ElasticPSError(f"could not start the fork server: {exc}") from exc
+        finally:
+            theirs.close()
+        self._sock = mine
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pending: dict[int, tuple[ForkedProcess, Future[None]]] = {}
+        self._children: dict[int, ForkedProcess] = {}
+        self._dead: str | None = None
+        self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
+        self._reader.start()
+
+    def pids(self) -> dict[str, int]:
+        """``{"fork-server": pid}``."""
+        return {"fork-server": self._proc.pid}
+
+    def start(self, args: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
+        """Fork ``elasticps <args>`` from the server (see :meth:`Spawner.start`).
+
+        Waits for the server to finish its imports, at most :data:`SPAWN_TIMEOUT_S`.
+
+        Raises:
+            ElasticPSError: the server is gone, refused, or did not answer in time.
+        """
+        read_fd, write_fd = os.pipe()
+        child = ForkedProcess(args, open(read_fd, "rb"))  # noqa: SIM115 (the handle owns it)
+        started: Future[None] = Future()
+        try:
+            with self._lock:
+                if self._dead is not None:
+                    raise ElasticPSError(f"the fork server is gone: {self._dead}")
+                self._next_id += 1
+                request_id = self._next_id
+                self._pending[request_id] = (child, started)
+            message = {"op": "spawn", "id": request_id, "args": list(args), "env": dict(env)}
+            data = json.dumps(message).encode()
+            with self._send_lock:
+                socket.send_fds(self._sock, [data], [write_fd])
+        except OSError as exc:
+            assert child.stdout is not None
+            child.stdout.close()
+            raise ElasticPSError(f"could not reach the fork server: {exc}") from exc
+        except BaseException:
+            assert child.stdout is not None
+            child.stdout.close()
+            raise
+        finally:
+            os.close(write_fd)  # the child holds it now; we must see EOF when it exits
+        try:
+            started.result(timeout=SPAWN_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise ElasticPSError(
+                f"the fork server did not start elasticps {args[0]} in {SPAWN_TIMEOUT_S:g} s"
+            ) from exc
+        return child
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the server (its children, if any are left, get SIGTERM) and wait for it."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=timeout_s)
+        self._sock.close()
+
+    def _read(self) -> None:
+        why = "it closed its socket"
+        try:
+            while True:
+                data = self._sock.recv(MAX_MESSAGE_BYTES)
+                if not data:
+                    break
+                self._dispatch(json.loads(data))
+        except (OSError, ValueError) as exc:
+            why = str(exc)
+        code = self._proc.wait()
+        why = f"{why} (exit status {code})"
+        with self._lock:
+            self._dead = why
+            pending, self._pending = self._pending, {}
+        for _, future in pending.values():
+            future.set_exception(ElasticPSError(f"the fork server is gone: {why}"))
+        with self._lock:
+            orphans, self._children = list(self._children.values()), {}
+        if orphans:
+            # They got SIGTERM from PR_SET_PDEATHSIG, and their exit statuses
+            # died with the server: report each as ended by that signal once
+            # it is gone, so that nobody waits forever.
+            log.error("the fork server ended while %d children ran: %s", len(orphans), why)
+            for child in orphans:
+                _wait_gone(child.pid)
+                child._exited(-signal.SIGTERM)
+
+    def _dispatch(self, message: dict[str, object]) -> None:
+        op = message.get("op")
+        if op in ("started", "failed"):
+            request_id = message.get("id")
+            with self._lock:
+                entry = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+            if entry is None:
+                return
+            child, future = entry
+            pid = message.get("pid")
+            if op == "started" and isinstance(pid, int):
+                child.pid = pid
+                with self._lock:
+                    self._children[pid] = child
+                future.set_result(None)
+            else:
+                future.set_exception(ElasticPSError(f"fork server: {message.get('error')}"))
+        elif op == "exited":
+            pid, code = message.get("pid"), message.get("returncode")
+            with self._lock:
+                ended = self._children.pop(pid, None) if isinstance(pid, int) else None
+            if ended is not None and isinstance(code, int):
+                ended._exited(code)
+
+
+def _wait_gone(pid: int) -> None:
+    """Block until process ``pid`` (not our child) has ended."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            selector.select()
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def start_spawner(method: str) -> Iterator[Spawner]:
+    """The spawner ``method`` names (``fork`` or ``exec``), closed on exit.
+
+    Raises:
+        ElasticPSError: the fork server could not be started.
+        ValueError: an unknown method.
+    """
+    if method == "exec":
+        yield ExecSpawner()
+        return
+    if method != "fork":
+        raise ValueError(f"unknown spawn method {method!r}")
+    server = ForkServer(child_env("fork-server"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+# --- the server process ----------------------------------------------------------------
+
+
+def _serve(sock: socket.socket, preload: Sequence[str]) -> None:
+    """The server's loop: fork on request, report exits; return when the launcher hangs up."""
+    for name in preload:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    server_fds = (sock.fileno(), wake_r, wake_w, selector.fileno())
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _report_exits(sock)
+                continue
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
+            if not data:
+                return
+            _spawn(sock, data, fds, server_fds)
+        # A SIGCHLD may have raced with the select; reaping is cheap.
+        _report_exits(sock)
+
+
+def _spawn(sock: socket.socket, data: bytes, fds: list[int], server_fds: tuple[int, ...]) -> None:
+    request_id: object = None
+    try:
+        message = json.loads(data)
+        request_id = message.get("id")
+        args, env = message["args"], message["env"]
+        if len(fds) != 1 or not isinstance(args, list) or not isinstance(env, dict):
+            raise ValueError("a spawn request needs 'args', 'env' and one file descriptor")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            environment = {str(k): str(v) for k, v in env.items()}
+            _child([str(a) for a in args], environment, fds[0], server_fds, ready_w)
+        # As Popen does, answer once the child has its session, parent-death
+        # signal and file descriptors: it closes ready_w then (or dies).
+        os.close(ready_w)
+        os.read(ready_r, 1)
+        os.close(ready_r)
+        _send(sock, {"op": "started", "id": request_id, "pid": pid})
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        _send(sock, {"op": "failed", "id": request_id, "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _child(
+    args: list[str], env: dict[str, str], out_fd: int, server_fds: tuple[int, ...], ready_fd: int
+) -> None:
+    """Become ``elasticps <args>``, closing ``ready_fd`` once set up; never returns."""
+    code = 1
+    try:
+        server_pid = os.getppid()
+        os.setsid()
+        _set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != server_pid:
+            os._exit(1)  # the server died before the signal was armed
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        for fd in server_fds:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(devnull)
+        os.close(out_fd)
+        os.close(ready_fd)
+        os.environ.clear()
+        os.environ.update(env)
+        # The process whose death orphans us is the server, not the launcher.
+        os.environ["ELASTICPS_PARENT_PID"] = str(server_pid)
+        from elasticps.cli import main
+
+        code = main(args)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    """The status ``sys.exit(code)`` gives (None: 0, an int: itself, else printed and 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _report_exits(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"op": "exited", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _send(sock: socket.socket, message: dict[str, object]) -> None:
+    with contextlib.suppress(OSError):  # the launcher is gone: we are about to stop
+        sock.send(json.dumps(message).encode())
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    """``prctl(PR_SET_PDEATHSIG, signum)`` on Linux; a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _main(argv: Sequence[str]) -> int:
+    fd, preload = int(argv[0]), [m for m in argv[1].split(",") if m]
+    # Ctrl-C and the launcher's SIGTERM handling are the launcher's business;
+    # we stop when its socket closes (or by SIGTERM from setpriv if it dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    started = time.monotonic()
+    sock = socket.socket(fileno=fd)
+    try:
+        _serve(sock, preload)
+    finally:
+        sock.close()
+    log.debug("fork server ran for %.1f s", time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

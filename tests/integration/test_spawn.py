@@ -1,0 +1,149 @@
+"""Spawners (elasticps.launcher.spawn): forked and exec'ed role processes behave alike.
+
+Real processes: ``elasticps`` commands run through a ForkServer and an
+ExecSpawner. A long-lived role is a spare parameter server waiting for the one slot of a
+job, which the test holds (it waits as long as ``--claim-timeout-s``).
+Every process a test starts is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticps.coord.etcd_server import EtcdServer
+from elasticps.coord.store import JobStore
+from elasticps.errors import ElasticPSError
+from elasticps.launcher.spawn import (
+    ExecSpawner,
+    ForkServer,
+    ProcessHandle,
+    Spawner,
+    child_env,
+    start_spawner,
+)
+from elasticps.testing import pid_gone, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+DEADLINE_S = 30.0
+
+
+@pytest.fixture(params=["fork", "exec"])
+def spawner(request: pytest.FixtureRequest) -> Iterator[Spawner]:
+    with start_spawner(request.param) as made:
+        yield made
+
+
+def _output(proc: ProcessHandle) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.read().decode(errors="replace")
+
+
+def _stop(proc: ProcessHandle) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=DEADLINE_S)
+
+
+@pytest.fixture
+def held_slot(etcd_server: EtcdServer) -> Iterator[str]:
+    """A job whose only PS slot the test holds; yields the job name."""
+    job_name = f"spawn-{uuid.uuid4().hex[:8]}"  # role commands take at most 63 characters
+    with JobStore(etcd_server.endpoint, job_name) as store:
+        store.set_ps_desired(1)
+        lease = store.grant_lease(60.0)
+        store.claim_ps_slot_within("127.0.0.1:9", lease, DEADLINE_S)
+        try:
+            yield job_name
+        finally:
+            lease.revoke()
+
+
+def _waiting_ps(spawner: Spawner, etcd: EtcdServer, job: str) -> ProcessHandle:
+    """A parameter server waiting for a slot of ``job`` (the test holds the only one).
+
+    Returns once it says so, with its signal handlers in place.
+    """
+    args = ["ps", "--job", job, "--etcd", etcd.endpoint, "--claim-timeout-s", "600"]
+    proc = spawner.start(args, child_env("ps"))
+    assert proc.stdout is not None
+    deadline = time.monotonic() + DEADLINE_S
+    for line in iter(proc.stdout.readline, b""):  # ends at EOF, if it died
+        if b"claiming a slot" in line or time.monotonic() > deadline:
+            break
+    return proc
+
+
+def test_output_and_exit_status_come_back_through_the_handle(spawner: Spawner) -> None:
+    ok = spawner.start(["--help"], child_env("help"))
+    bad = spawner.start(["train", "--no-such-flag"], child_env("train"))
+
+    assert "usage: elasticps" in _output(ok)
+    assert ok.wait(timeout=DEADLINE_S) == 0
+    assert "elasticps: error:" in _output(bad)
+    assert bad.wait(timeout=DEADLINE_S) == 2
+    assert bad.poll() == 2
+
+
+def test_a_role_runs_in_its_own_session_and_its_signals_are_reported(
+    spawner: Spawner, etcd_server: EtcdServer, held_slot: str
+) -> None:
+    ps = _waiting_ps(spawner, etcd_server, held_slot)
+    try:
+        assert os.getsid(ps.pid) == ps.pid
+        with pytest.raises(subprocess.TimeoutExpired):
+            ps.wait(timeout=0.2)
+        assert ps.poll() is None
+        ps.send_signal(signal.SIGKILL)
+        assert ps.wait(timeout=DEADLINE_S) == -signal.SIGKILL
+    finally:
+        _stop(ps)
+    wait_for(lambda: pid_gone(ps.pid), "the killed process to be reaped")
+
+
+def test_sigterm_stops_a_role_cleanly(
+    spawner: Spawner, etcd_server: EtcdServer, held_slot: str
+) -> None:
+    ps = _waiting_ps(spawner, etcd_server, held_slot)
+    try:
+        ps.send_signal(signal.SIGTERM)
+        assert ps.wait(timeout=DEADLINE_S) == 0  # asked to stop while waiting for a slot
+    finally:
+        _stop(ps)
+
+
+def test_forked_roles_are_children_of_the_server_and_stop_when_it_closes(
+    etcd_server: EtcdServer, held_slot: str
+) -> None:
+    server = ForkServer(child_env("fork-server"))
+    try:
+        ps = _waiting_ps(server, etcd_server, held_slot)
+        (server_pid,) = server.pids().values()
+        with open(f"/proc/{ps.pid}/stat") as stat:
+            assert int(stat.read().rsplit(")", 1)[1].split()[1]) == server_pid  # ppid
+    finally:
+        server.close()
+    wait_for(lambda: pid_gone(server_pid), "the fork server to exit")
+    # PR_SET_PDEATHSIG: the child got SIGTERM when the server exited.
+    wait_for(lambda: pid_gone(ps.pid), "the orphaned child to stop", timeout_s=DEADLINE_S)
+
+
+def test_a_spawn_after_the_server_is_gone_is_a_clear_error(tmp_path: Path) -> None:
+    server = ForkServer(child_env("fork-server"))
+    server.close()
+    with pytest.raises(ElasticPSError, match="fork server is gone"):
+        server.start(["--help"], child_env("help"))
+
+
+def test_the_exec_spawner_has_no_process_of_its_own() -> None:
+    assert ExecSpawner().pids() == {}
