@@ -83,6 +83,8 @@ class ProgressReporter:
         self._trainer_id = trainer_id
         self._cond = threading.Condition()
         self._latest: master_pb2.ReportProgressRequest | None = None
+        # An update taken by the thread and not yet answered by the master.
+        self._sending = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
         self._thread.start()
@@ -101,9 +103,16 @@ class ProgressReporter:
             self._cond.notify()
 
     def discard(self) -> None:
-        """Drop any unsent update (the task is being reported done or failed)."""
+        """Drop any unsent update, and wait for the one being sent, if any.
+
+        Called before a task is reported done or failed: that report then
+        reaches the master after every progress report of the task, which
+        would otherwise arrive late and be rejected as stale (harmlessly, but
+        logged).
+        """
         with self._cond:
             self._latest = None
+            self._cond.wait_for(lambda: not self._sending)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send the last recorded update, then stop the thread.
@@ -126,12 +135,17 @@ class ProgressReporter:
                 if self._latest is None:
                     return  # closed, nothing left to send
                 request, self._latest = self._latest, None
+                self._sending = True
             try:
                 self._master.report_progress(request)
             except StaleTaskError:
-                pass  # the attempt is over (done, or re-dispatched after a timeout)
+                pass  # the attempt is over (re-dispatched after a timeout or a lost lease)
             except (ElasticPSError, grpc.RpcError) as exc:
                 log.warning("could not report progress of task %d: %s", request.task_id, exc)
+            finally:
+                with self._cond:
+                    self._sending = False
+                    self._cond.notify_all()
 
 
 class Trainer:
