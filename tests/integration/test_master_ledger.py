@@ -239,7 +239,7 @@ def test_a_new_master_restores_the_same_queue_from_etcd(
     service = MasterService(queue, ledger)
     try:
         # Pass 0: every task done, one of them over two attempts.
-        tasks = [get_task(service, "a") for _ in range(5)]
+        tasks = [get_task(service, f"a{i}") for i in range(5)]
         progress(service, tasks[0], 4)
         report(service, tasks[0], success=False)
         for task in tasks[1:]:
@@ -282,7 +282,7 @@ def test_a_new_master_restores_the_same_queue_from_etcd(
             progress(service2, again, 5)
         assert caught.value.code is grpc.StatusCode.FAILED_PRECONDITION
         # The requeued task resumes at its offset (0: it made no progress).
-        task_ids = [get_task(service2, "d").task_id for _ in range(3)]
+        task_ids = [get_task(service2, t).task_id for t in ("d", "e", "f")]
         assert task_ids == [3, 4, lost.task_id]
     finally:
         service2.stop()
@@ -440,7 +440,7 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
                 )
             )
             # "gone" is not: its task was requeued at once and resumes at offset 6.
-            resumed = [resolving.get_task("new").task for _ in range(3)]
+            resumed = [resolving.get_task(t).task for t in ("new1", "new2", "new3")]
             assert [(t.task_id, t.attempt, t.offset) for t in resumed] == [
                 (3, 1, 0),
                 (4, 1, 0),

@@ -21,7 +21,9 @@ from hypothesis.stateful import (
 
 from elasticps.errors import ConfigError, StaleTaskError, UnknownTaskError
 from elasticps.master.taskqueue import (
+    DISPATCH_NOT_RECEIVED,
     MAX_RETRY_AFTER_S,
+    TRAINER_LOST,
     DataRange,
     Dispatch,
     EventKind,
@@ -54,6 +56,7 @@ def make_queue(
 
 
 def dispatch(queue: TaskQueue, trainer_id: str = "t0", now: float = 0.0) -> Dispatch:
+    """Dispatch to ``trainer_id``; a trainer holds one task (asking again requeues it)."""
     result, _ = queue.get_task(trainer_id, now)
     assert isinstance(result, Dispatch)
     return result
@@ -140,9 +143,10 @@ def test_tasks_are_dispatched_in_range_order_with_a_deadline() -> None:
     assert events == [
         TaskEvent(EventKind.DISPATCHED, 0, pass_id=0, attempt=1, timeout_count=0, trainer_id="t0")
     ]
-    assert [dispatch(queue, "t1").task_id, dispatch(queue, "t0").task_id] == [1, 2]
+    assert [dispatch(queue, "t1").task_id, dispatch(queue, "t2").task_id] == [1, 2]
     assert queue.state_of(0) is TaskState.PENDING
-    assert [d.task_id for d in queue.pending_of("t0")] == [0, 2]
+    assert [d.task_id for d in queue.pending_of("t0")] == [0]
+    assert [d.task_id for d in queue.pending_of("t2")] == [2]
 
 
 def test_successful_report_marks_the_task_done() -> None:
@@ -280,12 +284,11 @@ def test_trainer_lost_requeues_its_tasks_without_raising_their_count() -> None:
     queue = make_queue(3, max_task_timeouts=1)
     dispatch(queue, "dead")
     dispatch(queue, "alive")
-    dispatch(queue, "dead")
     events = queue.trainer_lost("dead", now=1.0)
     assert [(e.kind, e.task_id, e.timeout_count, e.reason) for e in events] == [
-        (EventKind.REQUEUED, 0, 0, "trainer lost"),
-        (EventKind.REQUEUED, 2, 0, "trainer lost"),
+        (EventKind.REQUEUED, 0, 0, TRAINER_LOST),
     ]
+    assert [d.task_id for d in queue.pending_of("alive")] == [1]
     assert queue.pending_of("dead") == []
     assert queue.trainer_lost("dead", now=1.0) == []
     assert queue.trainer_lost("never-seen", now=1.0) == []
@@ -297,6 +300,28 @@ def test_trainer_lost_requeues_its_tasks_without_raising_their_count() -> None:
     assert queue.stats().failed == 0
 
 
+def test_a_trainer_asking_again_gets_the_task_it_never_received_requeued() -> None:
+    # The master persisted the dispatch of task 0 and died before replying;
+    # the trainer asks the new master for work with empty hands.
+    queue = make_queue(3, max_task_timeouts=1)
+    lost = dispatch(queue, "t0")
+    progress(queue, lost, 4)  # progress from an earlier attempt is kept
+    result, events = queue.get_task("t0", now=1.0)
+    assert [(e.kind, e.task_id, e.timeout_count, e.reason) for e in events] == [
+        (EventKind.REQUEUED, 0, 0, DISPATCH_NOT_RECEIVED),
+        (EventKind.DISPATCHED, 1, 0, ""),
+    ]
+    assert isinstance(result, Dispatch) and result.task_id == 1
+    assert queue.pending_of("t0") == [result]
+    # A late report for the attempt that never arrived is stale.
+    with pytest.raises(StaleTaskError):
+        succeed(queue, lost)
+    # The requeued task resumes at its offset with a new attempt, no timeout counted.
+    again = [dispatch(queue, t) for t in ("t1", "t2")][-1]
+    assert (again.task_id, again.attempt, again.offset) == (0, 2, 4)
+    assert queue.record(0)["timeouts"] == 0
+
+
 # --- passes and the end of the job ---------------------------------------------
 
 
@@ -306,8 +331,8 @@ def test_next_pass_starts_with_all_tasks_todo_and_counts_reset() -> None:
     dispatch(queue, now=now)  # task 0 times out twice and fails
     now += TIMEOUT_S
     queue.expire(now)
-    d1 = dispatch(queue, now=now)
-    d0 = dispatch(queue, now=now)
+    d1 = dispatch(queue, "t1", now=now)
+    d0 = dispatch(queue, "t0", now=now)
     assert d0.task_id == 0
     queue.report_task(0, 0, d0.attempt, success=False, now=now, error="bad")
     assert queue.state_of(0) is TaskState.FAILED
@@ -380,16 +405,16 @@ def test_stats_count_tasks_in_each_state() -> None:
         finished=False,
         done_all_passes=0,
     )
-    d0 = dispatch(queue, now=0.0)
-    d1 = dispatch(queue, now=0.0)
-    dispatch(queue, now=0.0)
+    d0 = dispatch(queue, "t0", now=0.0)
+    d1 = dispatch(queue, "t1", now=0.0)
+    dispatch(queue, "t2", now=0.0)
     succeed(queue, d0)
     queue.report_task(d1.task_id, 0, d1.attempt, success=False, now=0.0)
     stats = queue.stats()
     assert (stats.todo, stats.pending, stats.done, stats.failed) == (3, 1, 1, 0)
-    d1 = dispatch(queue, now=0.0)
-    while d1.task_id != 1:
-        d1 = dispatch(queue, now=0.0)
+    # Todo is now tasks 3, 4, then the requeued 1.
+    d1 = [dispatch(queue, t, now=0.0) for t in ("t3", "t4", "t5")][-1]
+    assert d1.task_id == 1
     queue.report_task(1, 0, d1.attempt, success=False, now=0.0)
     stats = queue.stats()
     assert (stats.todo, stats.pending, stats.done, stats.failed) == (0, 3, 1, 1)
@@ -399,12 +424,12 @@ def test_stats_count_tasks_in_each_state() -> None:
 def test_next_deadline_is_the_earliest_pending_deadline() -> None:
     queue = make_queue(3)
     assert queue.next_deadline() is None
-    d0 = dispatch(queue, now=1.0)
-    d1 = dispatch(queue, now=2.0)
+    d0 = dispatch(queue, "t0", now=1.0)
+    d1 = dispatch(queue, "t1", now=2.0)
     assert queue.next_deadline() == 1.0 + TIMEOUT_S
     succeed(queue, d0)
     assert queue.next_deadline() == 2.0 + TIMEOUT_S
-    queue.trainer_lost("t0", now=3.0)
+    queue.trainer_lost("t1", now=3.0)
     assert queue.next_deadline() is None
     assert d1.task_id == 1
 
@@ -641,12 +666,12 @@ def drain_order(queue: TaskQueue, now: float) -> list[tuple[int, int, int]]:
 
 def test_restore_keeps_states_offsets_counts_and_todo_order() -> None:
     queue = make_queue(6, max_task_timeouts=1)
-    d = [dispatch(queue, t, now=0.0) for t in ("a", "b", "c", "a")]
+    d = [dispatch(queue, t, now=0.0) for t in ("a", "b", "c", "d")]
     succeed(queue, d[0])
     progress(queue, d[1], 7)
     queue.trainer_lost("b", now=1.0)  # task 1 requeued at offset 7
     queue.report_task(2, 0, d[2].attempt, success=False, now=1.0)  # task 2 requeued
-    progress(queue, d[3], 3)  # task 3 pending with "a"
+    progress(queue, d[3], 3)  # task 3 pending with "d"
     restored = restore(queue, now=50.0)
     for i in range(6):
         assert restored.record(i) == queue.record(i)
@@ -654,7 +679,7 @@ def test_restore_keeps_states_offsets_counts_and_todo_order() -> None:
     assert restored.stats() == queue.stats()
     assert drain_order(restored, 60.0) == drain_order(queue, 60.0)
     assert drain_order(restored, 60.0)[:2] == [(4, 1, 0), (5, 1, 0)]
-    assert restored.trainers() == {"a"}
+    assert restored.trainers() == {"d"}
 
 
 def test_restored_pending_attempt_gets_a_fresh_deadline_and_can_still_report() -> None:
@@ -680,7 +705,7 @@ def test_restore_treats_records_of_earlier_passes_as_todo() -> None:
     assert restored.state_of(0) is TaskState.PENDING
     assert restored.state_of(1) is TaskState.TODO
     assert restored.record(1)["pass"] == 0
-    nxt = dispatch(restored)
+    nxt = dispatch(restored, "t1")
     assert (nxt.task_id, nxt.pass_id, nxt.attempt, nxt.offset) == (1, 1, 2, 0)
     assert restored.record(1)["pass"] == 1
     assert kinds(succeed(restored, d)) == [EventKind.DONE]
@@ -852,7 +877,8 @@ class TaskQueueMachine(RuleBasedStateMachine):
             return
         key = (event.pass_id, event.task_id)
         counted = event.kind is EventKind.FAILED or (
-            event.kind is EventKind.REQUEUED and event.reason != "trainer lost"
+            event.kind is EventKind.REQUEUED
+            and event.reason not in (TRAINER_LOST, DISPATCH_NOT_RECEIVED)
         )
         if counted:
             self.timeout_counts[key] += 1
@@ -878,7 +904,13 @@ class TaskQueueMachine(RuleBasedStateMachine):
 
     @rule(target=dispatches, trainer=st.sampled_from(TRAINERS))
     def get_task(self, trainer: str) -> Dispatch | None:
+        held = [] if self.queue.stats().finished else self.queue.pending_of(trainer)
         result, events = self.queue.get_task(trainer, self.now)
+        # A trainer asks with empty hands: what it still held never reached it.
+        requeued = [e for e in events if e.kind is EventKind.REQUEUED]
+        assert [e.task_id for e in requeued] == [d.task_id for d in held]
+        assert all(e.reason == DISPATCH_NOT_RECEIVED for e in requeued)
+        assert self.queue.pending_of(trainer) == ([result] if isinstance(result, Dispatch) else [])
         self.record(events)
         if isinstance(result, Dispatch):
             key = (result.task_id, result.attempt)

@@ -52,10 +52,12 @@ from elasticps.errors import (
 )
 
 __all__ = [
+    "DISPATCH_NOT_RECEIVED",
     "MAX_RETRY_AFTER_S",
     "MIN_RETRY_AFTER_S",
     "QUEUE_EVENTS",
     "QUEUE_FORMAT",
+    "TRAINER_LOST",
     "DataRange",
     "Dispatch",
     "EventKind",
@@ -307,6 +309,13 @@ class EventKind(enum.Enum):
     JOB_FINISHED = "job_finished"
 
 
+TRAINER_LOST = "trainer lost"
+"""Reason of a requeue: the trainer's lease expired (no timeout is counted)."""
+
+DISPATCH_NOT_RECEIVED = "dispatch not received"
+"""Reason of a requeue: the trainer asked for work while the ledger still charged
+it with this task, so the dispatch never reached it (no timeout is counted)."""
+
 QUEUE_EVENTS = frozenset({EventKind.PASS_COMPLETED, EventKind.PASS_STARTED, EventKind.JOB_FINISHED})
 """Event kinds that change the queue's :meth:`TaskQueue.meta` rather than a task."""
 
@@ -326,7 +335,8 @@ class TaskEvent:
             event; 0 for queue events.
         trainer_id: the trainer holding (or that held) the attempt, if any.
         reason: why a task was requeued or failed: ``"timeout"``,
-            ``"trainer lost"`` or ``"reported failure: <message>"``.
+            :data:`TRAINER_LOST`, :data:`DISPATCH_NOT_RECEIVED` or
+            ``"reported failure: <message>"``.
         offset: the task's offset after the event; 0 for queue events.
         summary: the audit of the pass, for PASS_COMPLETED only.
     """
@@ -548,6 +558,14 @@ class TaskQueue:
         Does not expire overdue attempts itself; the shell calls
         :meth:`expire` when :meth:`next_deadline` passes.
 
+        A trainer works on one task at a time and reports it before asking
+        again, so it asks with empty hands. An attempt the queue still charges
+        to it is one whose dispatch never reached it: a master persisted the
+        dispatch and died before replying (or the reply was lost and the
+        trainer retried). Such attempts go back to the end of the todo queue
+        first, at their offsets, without a timeout counted, as for a lost
+        trainer; otherwise they would hold up their pass until they timed out.
+
         Args:
             trainer_id: the trainer asking for work.
             now: current monotonic time, in seconds.
@@ -555,17 +573,20 @@ class TaskQueue:
         Returns:
             ``(result, events)``: a :class:`Dispatch` (with a DISPATCHED event),
             a :class:`Wait` if every remaining task is pending elsewhere, or
-            :class:`Finished` once all passes are over. A task dispatched again
-            after a timeout, failure or trainer loss keeps its offset, so the
-            new attempt resumes where the last one stopped.
+            :class:`Finished` once all passes are over; after REQUEUED events
+            (reason :data:`DISPATCH_NOT_RECEIVED`) for attempts the trainer
+            never received. A task dispatched again after a timeout, failure
+            or trainer loss keeps its offset, so the new attempt resumes where
+            the last one stopped.
         """
         if self._finished:
             return Finished(), []
+        events = self._requeue_held(trainer_id, DISPATCH_NOT_RECEIVED)
         task_id = self._pop_todo()
         if task_id is None:
             # The pass-transition check after every mutation guarantees that
             # an empty todo queue here means something is pending.
-            return Wait(retry_after_s=self._retry_after_s(now)), []
+            return Wait(retry_after_s=self._retry_after_s(now)), events
         task = self._tasks[task_id]
         self._begin_pass(task)
         self._transition(task, TaskState.PENDING)
@@ -584,7 +605,8 @@ class TaskQueue:
         self._by_trainer.setdefault(trainer_id, set()).add(task_id)
         heapq.heappush(self._deadlines, (dispatch.deadline, task_id, dispatch.attempt))
         self._compact_deadlines()
-        return dispatch, [self._event(EventKind.DISPATCHED, task_id, trainer_id=trainer_id)]
+        events.append(self._event(EventKind.DISPATCHED, task_id, trainer_id=trainer_id))
+        return dispatch, events
 
     def report_progress(
         self, task_id: int, pass_id: int, attempt: int, offset: int, now: float
@@ -713,22 +735,25 @@ class TaskQueue:
             now: current monotonic time, in seconds.
 
         Returns:
-            One REQUEUED event per task it held (reason ``"trainer lost"``).
+            One REQUEUED event per task it held (reason :data:`TRAINER_LOST`).
         """
         del now  # Kept for a uniform interface.
+        events = self._requeue_held(trainer_id, TRAINER_LOST)
+        # Requeueing never empties the queue, but keep the check after every
+        # mutation so the invariant does not depend on that reasoning.
+        events.extend(self._maybe_advance_pass())
+        return events
+
+    def _requeue_held(self, trainer_id: str, reason: str) -> list[TaskEvent]:
+        """Requeue every attempt ``trainer_id`` holds, in id order; no timeout counted."""
         events: list[TaskEvent] = []
         for task_id in sorted(self._by_trainer.get(trainer_id, ())):
             task = self._tasks[task_id]
             self._release(task_id, task)
             self._requeue(task_id, task)
             events.append(
-                self._event(
-                    EventKind.REQUEUED, task_id, trainer_id=trainer_id, reason="trainer lost"
-                )
+                self._event(EventKind.REQUEUED, task_id, trainer_id=trainer_id, reason=reason)
             )
-        # Requeueing never empties the queue, but keep the check after every
-        # mutation so the invariant does not depend on that reasoning.
-        events.extend(self._maybe_advance_pass())
         return events
 
     def settle(self) -> list[TaskEvent]:

@@ -61,6 +61,10 @@ class MasterServicer:
 
     def GetTask(self, request, context):
         """Hands one task to a trainer, or says to wait, or that the job is over.
+        A trainer calls it with empty hands: it reports each task before asking
+        again. A task the ledger still charges to the caller is one whose
+        dispatch never reached it (the master persisted the dispatch, then died
+        before replying): it goes back to todo at its offset first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
