@@ -41,6 +41,7 @@ MLP = ROOT / "examples" / "mnist_mlp.py"
 # flags, as the comparison requires.
 EPOCHS = 4
 ACCURACY_TOLERANCE = 0.015
+TRAIN_ROWS = 4000
 JOB_TIMEOUT_S = 180.0
 ASYNC_LR_SCHEDULE = '{"kind": "piecewise", "boundaries": [375], "factors": [1.0, 0.1]}'
 
@@ -116,6 +117,8 @@ def assert_exactly_once(run: JobRun) -> None:
         assert isinstance(audit, dict)
         assert audit["exactly_once"] is True, audit
         assert audit["failed"] == 0, audit
+    # Counted from the ledger, so a master's death does not lose any.
+    assert run.line["samples_trained"] == EPOCHS * TRAIN_ROWS, run.line
 
 
 @pytest.fixture(scope="module")

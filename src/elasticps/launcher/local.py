@@ -116,7 +116,9 @@ class JobResult:
     Attributes:
         output: directory holding ``model.safetensors`` and ``manifest.json``.
         wall_s: seconds from launch to checkpoint.
-        samples: samples trained (as reported by trainers).
+        samples: samples trained over all passes, from the ledger's pass
+            audits (``records_trained``), or as reported by trainers to the
+            current master if an audit is missing.
         evaluation: ``accuracy`` / ``loss`` / ``samples`` on ``test.parquet``, if present.
         pids: pid of every child, by role.
     """
@@ -241,6 +243,11 @@ class LocalLauncher:
                 snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                 tensors, versions = self._pull_final(spec, store)
                 self._passes = self._pass_audits(store)
+                if len(self._passes) == cfg.epochs:
+                    # A record is a sample (a Parquet row). The ledger's audits
+                    # cover every pass whichever master ran it; the master's own
+                    # count starts at zero after a failover.
+                    samples = sum(int(str(p["records_trained"])) for p in self._passes)
                 self._await_trainers()
                 self._store = None  # closed below; late reaper events must not use it
             wall_s = time.monotonic() - started
