@@ -1,5 +1,5 @@
 """``python -m elasticps``: the same as the ``elasticps`` command."""
 
-from elasticps.cli import main
+from elasticps.cli import run
 
-raise SystemExit(main())
+run()

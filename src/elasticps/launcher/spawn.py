@@ -569,4 +569,8 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    status = _main(sys.argv[1:])
+    sys.stderr.flush()
+    # Nothing to clean up; skip tearing down an interpreter that imported
+    # torch (0.5 s here), which the launcher would wait for at every job's end.
+    os._exit(status)
