@@ -286,35 +286,36 @@ class ForkServer:
             ElasticPSError: the server is gone, refused, or did not answer in time.
         """
         read_fd, write_fd = os.pipe()
-        child = ForkedProcess(args, open(read_fd, "rb"))  # noqa: SIM115 (the handle owns it)
+        stdout = open(read_fd, "rb")  # noqa: SIM115 (the handle owns it)
+        child = ForkedProcess(args, stdout)
         started: Future[None] = Future()
+        request_id: int | None = None
         try:
-            with self._lock:
-                if self._dead is not None:
-                    raise ElasticPSError(f"the fork server is gone: {self._dead}")
-                self._next_id += 1
-                request_id = self._next_id
-                self._pending[request_id] = (child, started)
-            message = {"op": "spawn", "id": request_id, "args": list(args), "env": dict(env)}
-            data = json.dumps(message).encode()
-            with self._send_lock:
-                socket.send_fds(self._sock, [data], [write_fd])
-        except OSError as exc:
-            assert child.stdout is not None
-            child.stdout.close()
-            raise ElasticPSError(f"could not reach the fork server: {exc}") from exc
-        except BaseException:
-            assert child.stdout is not None
-            child.stdout.close()
-            raise
-        finally:
-            os.close(write_fd)  # the child holds it now; we must see EOF when it exits
-        try:
+            try:
+                with self._lock:
+                    if self._dead is not None:
+                        raise ElasticPSError(f"the fork server is gone: {self._dead}")
+                    self._next_id += 1
+                    request_id = self._next_id
+                    self._pending[request_id] = (child, started)
+                message = {"op": "spawn", "id": request_id, "args": list(args), "env": dict(env)}
+                with self._send_lock:
+                    socket.send_fds(self._sock, [json.dumps(message).encode()], [write_fd])
+            finally:
+                os.close(write_fd)  # the child holds it now; we must see EOF when it exits
             started.result(timeout=SPAWN_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise ElasticPSError(
-                f"the fork server did not start elasticps {args[0]} in {SPAWN_TIMEOUT_S:g} s"
-            ) from exc
+        except BaseException as exc:
+            if request_id is not None:
+                with self._lock:
+                    self._pending.pop(request_id, None)
+            stdout.close()
+            if isinstance(exc, TimeoutError):  # before OSError, its base class
+                raise ElasticPSError(
+                    f"the fork server did not start elasticps {args[0]} in {SPAWN_TIMEOUT_S:g} s"
+                ) from exc
+            if isinstance(exc, OSError):
+                raise ElasticPSError(f"could not reach the fork server: {exc}") from exc
+            raise
         return child
 
     def close(self, timeout_s: float = 5.0) -> None:
