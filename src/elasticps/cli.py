@@ -925,11 +925,9 @@ def run() -> None:
     An exception :func:`main` does not handle takes the normal path (its
     traceback, exit status 1).
     """
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from elasticps.launcher.spawn import exit_now
+
+    exit_now(main())
 
 
 if __name__ == "__main__":

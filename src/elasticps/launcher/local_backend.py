@@ -34,7 +34,13 @@ from dataclasses import dataclass
 
 from elasticps.errors import ElasticPSError, UnschedulableError
 from elasticps.launcher.backend import Cancel, Role, WorkerEvent, WorkerSpec, WorkerState
-from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
+from elasticps.launcher.spawn import (
+    ExecSpawner,
+    ProcessHandle,
+    Spawner,
+    child_env,
+    popen_child,
+)
 
 __all__ = ["LocalBackend", "child_env", "exit_status"]
 
@@ -91,7 +97,7 @@ class LocalBackend:
         capacity: int | None = None,
         term_timeout_s: float = 10.0,
     ) -> None:
-        self._spawner_of_workers: Spawner = spawner or ExecSpawner()
+        self._spawner: Spawner = spawner or ExecSpawner()
         self._command = command
         self._env = env or (lambda spec: child_env(spec.role.value, spec.env))
         self._on_output = on_output
@@ -104,7 +110,7 @@ class LocalBackend:
         self._closed = False
         # One long-lived spawning thread: the parent-death signal of a child
         # fires when the thread that forked it exits.
-        self._spawner = concurrent.futures.ThreadPoolExecutor(
+        self._spawn_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="local-backend-spawn"
         )
 
@@ -132,7 +138,7 @@ class LocalBackend:
                     f"no capacity for {spec.name}: {alive} of {self._capacity} slots in use"
                 )
         try:
-            proc = self._spawner.submit(self._start, spec).result()
+            proc = self._spawn_thread.submit(self._start, spec).result()
         except OSError as exc:
             raise ElasticPSError(f"could not start {spec.name}: {exc}") from exc
         entry = _Proc(spec, proc, time.time())
@@ -216,25 +222,14 @@ class LocalBackend:
                 entry.reaper.join(timeout=5)
             if entry.killer is not None:
                 entry.killer.cancel()
-        self._spawner.shutdown(wait=True)
+        self._spawn_thread.shutdown(wait=True)
 
     # --- internals ----------------------------------------------------------------------------
 
     def _start(self, spec: WorkerSpec) -> ProcessHandle:
         if self._command is None:
-            return self._spawner_of_workers.start(
-                [spec.role.value, *spec.args], dict(self._env(spec))
-            )
-        return subprocess.Popen(
-            list(self._command(spec)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(self._env(spec)),
-            # Own session: Ctrl-C reaches only the launcher, which stops the
-            # workers by PID.
-            start_new_session=True,
-        )
+            return self._spawner.start([spec.role.value, *spec.args], self._env(spec))
+        return popen_child(self._command(spec), self._env(spec))
 
     def _reap(self, entry: _Proc) -> None:
         stdout = entry.proc.stdout

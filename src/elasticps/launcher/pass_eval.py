@@ -22,7 +22,6 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,7 +80,6 @@ class PassEvaluator:
         test_path: the test Parquet file.
         work_dir: where snapshots are written and deleted (the PS write them,
             so it must be on their file system).
-        on_result: called with each evaluation, on the worker thread.
     """
 
     def __init__(
@@ -91,15 +89,12 @@ class PassEvaluator:
         seed: int,
         test_path: Path,
         work_dir: Path,
-        *,
-        on_result: Callable[[PassEvaluation], None] | None = None,
     ) -> None:
         self._store = store
         self._spec = spec
         self._shapes = {n: p.shape for n, p in spec.instantiate(seed).named_parameters()}
         self._test_path = test_path
         self._work_dir = work_dir
-        self._on_result = on_result
         self._passes: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._snapshots: queue.SimpleQueue[_Snapshot | None] = queue.SimpleQueue()
         self._seen: set[int] = set()
@@ -173,8 +168,6 @@ class PassEvaluator:
                 "pass %d: test accuracy %.4f, loss %.4f (model version %d)",
                 result.pass_id, result.accuracy, result.loss, result.version,
             )  # fmt: skip
-            if self._on_result is not None:
-                self._on_result(result)
 
     def _snapshot(self, pass_id: int) -> _Snapshot:
         directory = self._work_dir / f"pass-{pass_id}"

@@ -69,7 +69,7 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import IO, Protocol
+from typing import IO, NoReturn, Protocol
 
 from elasticps.errors import ElasticPSError
 from elasticps.netutil import die_with_parent_prefix
@@ -153,6 +153,25 @@ class Spawner(Protocol):
         ...
 
 
+def popen_child(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as a child of the launchers: its own session, stdin from
+    ``/dev/null``, stdout and stderr on one pipe (the handle's ``stdout``).
+
+    Raises:
+        OSError: the program could not be started.
+    """
+    return subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=dict(env),
+        # Own session: Ctrl-C reaches only the launcher, which stops the
+        # children in order, by PID.
+        start_new_session=True,
+    )
+
+
 class ExecSpawner:
     """Each role process is a new ``[setpriv --pdeathsig TERM] python -m elasticps``."""
 
@@ -163,15 +182,8 @@ class ExecSpawner:
             ElasticPSError: the interpreter could not be started.
         """
         try:
-            return subprocess.Popen(
-                [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(env),
-                # Own session: Ctrl-C reaches only the launcher, which stops
-                # the children in order, by PID.
-                start_new_session=True,
+            return popen_child(
+                [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args], env
             )
         except OSError as exc:
             raise ElasticPSError(f"could not start elasticps {' '.join(args[:1])}: {exc}") from exc
@@ -417,6 +429,21 @@ def start_spawner(method: str) -> Iterator[Spawner]:
         server.close()
 
 
+def exit_now(code: int) -> NoReturn:
+    """Flush logging and the standard streams, then end the process with ``code``.
+
+    Skips tearing down the interpreter, which takes 0.5 s here once torch is
+    imported; for processes that have already stopped their children, closed
+    their files and joined their threads. A flush that fails (a closed pipe)
+    does not stop the exit.
+    """
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 # --- the server process ----------------------------------------------------------------
 
 
@@ -512,11 +539,7 @@ def _child(
         traceback.print_exc()
         code = 1
     finally:
-        with contextlib.suppress(Exception):
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
 
 
 def _exit_code(code: object) -> int:
@@ -570,8 +593,6 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    status = _main(sys.argv[1:])
-    sys.stderr.flush()
-    # Nothing to clean up; skip tearing down an interpreter that imported
-    # torch (0.5 s here), which the launcher would wait for at every job's end.
-    os._exit(status)
+    # Nothing to clean up after _main; the launcher waits for this exit at
+    # the end of every job.
+    exit_now(_main(sys.argv[1:]))
