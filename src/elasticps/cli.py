@@ -328,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--claim-timeout-s", type=float,
                     default=float(str(_env("claim-timeout-s", 30.0))))  # fmt: skip
     ps.add_argument(
+        "--run-id",
+        default=str(_env("run-id", "")),
+        help="the job run this PS's checkpoint files belong to; files of other runs are "
+        "never loaded (empty: any run)",
+    )
+    ps.add_argument(
         "--frozen",
         nargs="+",
         metavar="PATTERN",
@@ -584,6 +590,7 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         claim_timeout_s=args.claim_timeout_s,
         frozen=tuple(args.frozen),
         max_staleness=args.max_staleness,
+        run_id=args.run_id,
     )
     return _run_role(lambda stop: run_ps(config, stop))
 

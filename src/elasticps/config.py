@@ -188,11 +188,13 @@ class PSConfig:
         port: tensor-plane TCP port; 0 picks a free one.
         init_timeout_s: seconds a trainer waits for another trainer to finish
             initializing the shard.
-        checkpoint_dir: where the server keeps its own shard checkpoint,
-            ``<checkpoint_dir>/ps-<index>/shard.safetensors``; it is loaded
-            on restart. None: no checkpoints.
+        checkpoint_dir: where the server keeps its own shard checkpoints,
+            ``<checkpoint_dir>/ps-<index>/shard-e<epoch>-v<version>.safetensors``
+            (:class:`~elasticps.pserver.checkpoint.ShardFiles`); the newest is
+            loaded on restart. None: no checkpoints.
         checkpoint_every_s: seconds between checkpoints (taken only if the
-            version moved), > 0.
+            version moved), > 0. In sync mode the master takes them, at the
+            same version on every shard.
         checkpoint_every_versions: also checkpoint once the version moved by
             this much; 0 disables.
         resume_dir: a consistent checkpoint (``elasticps.snapshot``) to fill
@@ -205,6 +207,8 @@ class PSConfig:
             them are refused.
         max_staleness: async mode: drop gradients computed more than this
             many versions behind the shard (bounded staleness); None accepts any.
+        run_id: the job run the server's checkpoint files belong to; files of
+            another run are never loaded. Empty: any run (tools, tests).
     """
 
     common: CommonConfig
@@ -220,6 +224,7 @@ class PSConfig:
     claim_timeout_s: float = 30.0
     frozen: tuple[str, ...] = ()
     max_staleness: int | None = None
+    run_id: str = ""
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--ps-port")

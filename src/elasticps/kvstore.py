@@ -672,16 +672,17 @@ class DistKVStore(KVStore):
             value = self._specs[name]
             params[off : off + value.numel()].copy_(value.reshape(-1))
         grads = torch.zeros(placement.total_numel, dtype=torch.float32)
-        addresses = self._store.ps_addresses(timeout_s=self._timeout_s)
+        slots = self._store.wait_ps_slots(self._timeout_s)
         client = ParameterClient(
             placement,
-            addresses,
+            slots,
             params,
             grads,
             self._rank,
             timeout_s=self._timeout_s,
-            resolve=lambda i: self._store.wait_ps_address(i, timeout_s=1.0),
+            resolve=lambda i: self._store.wait_ps_slots(1.0)[i],
             reconnect_timeout_s=self._timeout_s,
+            sync=self.mode is UpdateMode.SYNC,
         )
         try:
             self._lease = self._store.grant_lease(self._lease_ttl_s)

@@ -76,13 +76,16 @@ class ControlClient:
     Args:
         address: ``host:port`` of the server.
         timeout_s: connect timeout and default reply deadline, seconds.
+        epoch: the slot epoch the server must hold (the server refuses the
+            request otherwise); 0 for any.
 
     Raises:
         ServiceUnavailableError: the server cannot be reached.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 30.0, epoch: int = 0) -> None:
         self.address = address
+        self.epoch = epoch
         self._timeout_s = timeout_s
         self._scratch = bytearray(HEADER_SIZE)
         host, _, port = address.rpartition(":")
@@ -108,7 +111,7 @@ class ControlClient:
         """
         try:
             self._sock.settimeout(self._timeout_s if timeout_s is None else timeout_s)
-            send_json(self._sock, MsgType.CONTROL, body)
+            send_json(self._sock, MsgType.CONTROL, body, epoch=self.epoch)
             header = recv_header(self._sock, self._scratch, max_body_bytes=0)
             answer = recv_json(self._sock, header)
         except OSError as exc:  # ConnectionClosedError and TimeoutError included

@@ -32,6 +32,7 @@ from elasticps.wire.frame import (
     Flags,
     FrameHeader,
     MsgType,
+    PushStatus,
     decode_error,
     decode_header,
     discard_body,
@@ -87,6 +88,15 @@ def raw_header(**fields: object) -> bytes:
         "model_version": 0,
         "step": 0,
         "body_nbytes": 0,
+        "epoch": 0,
+        "task_id": 0,
+        "pass_id": 0,
+        "key_lo": 0,
+        "key_hi": 0,
+        "generation": 0,
+        "status": 0,
+        "reserved8": 0,
+        "reserved16": 0,
     }
     assert set(fields) <= set(values)
     values.update(fields)
@@ -113,7 +123,7 @@ def run_in_thread(fn: Callable[[], None]) -> threading.Thread:
 
 
 def test_header_is_forty_bytes() -> None:
-    assert HEADER_SIZE == HEADER.size == 40
+    assert HEADER_SIZE == HEADER.size == 76
 
 
 def test_every_message_type_has_a_valid_example() -> None:
@@ -133,7 +143,7 @@ def test_header_round_trips_for_every_message_type(msg_type: MsgType) -> None:
 
 def test_encode_header_into_writes_the_same_bytes_at_the_front() -> None:
     header = VALID_HEADERS[MsgType.PUSH]
-    buf = bytearray(b"\xff" * 48)
+    buf = bytearray(b"\xff" * (HEADER_SIZE + 8))
     encode_header_into(header, buf)
     assert bytes(buf[:HEADER_SIZE]) == encode_header(header)
     assert buf[HEADER_SIZE:] == b"\xff" * 8
@@ -141,10 +151,10 @@ def test_encode_header_into_writes_the_same_bytes_at_the_front() -> None:
 
 def test_encode_header_into_rejects_short_or_readonly_buffer() -> None:
     header = VALID_HEADERS[MsgType.PULL]
-    with pytest.raises(ValueError, match="40"):
-        encode_header_into(header, bytearray(39))
+    with pytest.raises(ValueError, match="76"):
+        encode_header_into(header, bytearray(HEADER_SIZE - 1))
     with pytest.raises(ValueError):
-        encode_header_into(header, memoryview(bytes(40)))
+        encode_header_into(header, memoryview(bytes(76)))
 
 
 def test_empty_push_round_trips_with_any_flags() -> None:
@@ -189,7 +199,8 @@ def test_encode_header_rejects_invalid_fields(header: FrameHeader, match: str) -
     [
         (raw_header(magic=b"EPSG"), "bad magic"),
         (raw_header(version=0), "unsupported protocol version 0"),
-        (raw_header(version=2), "unsupported protocol version 2"),
+        (raw_header(version=1), "unsupported protocol version 1"),
+        (raw_header(version=3), "unsupported protocol version 3"),
         (raw_header(msg_type=0), "unknown msg_type 0"),
         (raw_header(msg_type=11), "unknown msg_type 11"),
         (raw_header(dtype=4), "unknown dtype 4"),
@@ -267,6 +278,15 @@ _FIELD_STRATEGIES: list[tuple[st.SearchStrategy[object], st.SearchStrategy[objec
     (st.integers(0, 8), st.integers(-(1 << 63), (1 << 63) - 1)),
     (st.integers(0, 8), st.integers(-(1 << 63), (1 << 63) - 1)),
     (st.integers(0, 70), st.integers(0, (1 << 64) - 1)),
+    (st.integers(0, 3), st.integers(0, (1 << 64) - 1)),  # epoch
+    (st.just(0), st.integers(0, (1 << 64) - 1)),  # task_id
+    (st.just(0), st.integers(0, (1 << 32) - 1)),  # pass_id
+    (st.just(0), st.integers(0, (1 << 32) - 1)),  # key_lo
+    (st.just(0), st.integers(0, (1 << 32) - 1)),  # key_hi
+    (st.integers(0, 3), st.integers(0, (1 << 32) - 1)),  # generation
+    (st.just(0), st.integers(0, 255)),  # status
+    (st.just(0), st.integers(0, 255)),  # reserved
+    (st.just(0), st.integers(0, (1 << 16) - 1)),  # reserved
 ]
 
 
@@ -380,7 +400,7 @@ def test_tensor_frame_scatters_into_several_views_exactly(
     # Send as three views, receive into five of different boundaries (one empty).
     src_parts = [tensor_view(p) for p in torch.split(src, [1, 200_000, 100_006])]
     sender = run_in_thread(lambda: send_frame(a, header, src_parts))
-    scratch = bytearray(64)
+    scratch = bytearray(HEADER_SIZE + 24)
     got = recv_header(b, scratch, max_body_bytes=header.body_nbytes)
     assert got == header
     dst = torch.empty(300_007)
@@ -598,7 +618,10 @@ def test_close_mid_header_is_an_unclean_connection_closed(
     a, b = pair
     a.sendall(encode_header(VALID_HEADERS[MsgType.PULL])[:25])
     a.close()
-    with pytest.raises(ConnectionClosedError, match=r"header cut short.*15 of 15") as info:
+    missing = HEADER_SIZE - 25
+    with pytest.raises(
+        ConnectionClosedError, match=rf"header cut short.*{missing} of {missing}"
+    ) as info:
         recv_header(b, bytearray(HEADER_SIZE), max_body_bytes=LIMIT)
     assert not info.value.clean
 
@@ -729,7 +752,9 @@ def test_16_bit_bodies_must_be_whole_elements_and_within_the_limit(
     dtype: DType, numel: int, extra: int, msg_type: MsgType
 ) -> None:
     nbytes = numel * 2 + extra
-    raw = HEADER.pack(MAGIC, PROTO_VERSION, msg_type, dtype, 0, 0, 0, 0, 0, nbytes)
+    raw = HEADER.pack(
+        MAGIC, PROTO_VERSION, msg_type, dtype, 0, 0, 0, 0, 0, nbytes, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    )
     limit = numel * 4  # what a PS allows: its shard in float32
     if extra:
         with pytest.raises(FrameError, match="not a multiple"):
@@ -749,3 +774,54 @@ def test_local_host_id_is_hostname_and_boot_id_and_stable() -> None:
     assert host_id == local_host_id()
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
         assert boot_id == f.read().strip()
+
+
+# --- protocol 2: epochs, push keys, generations, statuses ---------------------------
+
+
+def test_keyed_push_round_trips() -> None:
+    header = FrameHeader(
+        MsgType.PUSH,
+        DType.FLOAT32,
+        body_nbytes=16,
+        epoch=123456789,
+        task_id=(1 << 40) + 5,
+        pass_id=3,
+        key_lo=64,
+        key_hi=128,
+        generation=2,
+    )
+    got = decode_header(encode_header(header), max_body_bytes=16)
+    assert got == header
+    assert got.keyed
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        (FrameHeader(MsgType.PULL, key_lo=0, key_hi=5), "push key is allowed on a non-empty PUSH"),
+        (
+            FrameHeader(MsgType.PUSH, DType.FLOAT32, Flags.EMPTY, key_hi=5),
+            "push key is allowed on a non-empty PUSH",
+        ),
+        (FrameHeader(MsgType.PUSH, DType.FLOAT32, task_id=3), "malformed push key"),
+        (FrameHeader(MsgType.PUSH, DType.FLOAT32, key_lo=9, key_hi=5), "malformed push key"),
+        (FrameHeader(MsgType.PULL, status=PushStatus.STALE), "status STALE not allowed"),
+    ],
+)
+def test_keys_and_statuses_are_checked(header: FrameHeader, match: str) -> None:
+    with pytest.raises(FrameError, match=match):
+        encode_header(header)
+
+
+def test_a_reply_carries_its_status() -> None:
+    for status in PushStatus:
+        header = FrameHeader(MsgType.PUSH_OK, model_version=4, epoch=9, status=status)
+        assert decode_header(encode_header(header), max_body_bytes=0).status is status
+
+
+def test_nonzero_reserved_bytes_are_refused() -> None:
+    with pytest.raises(FrameError, match="reserved"):
+        decode_header(raw_header(reserved16=1), max_body_bytes=0)
+    with pytest.raises(FrameError, match="unknown status"):
+        decode_header(raw_header(status=7), max_body_bytes=0)

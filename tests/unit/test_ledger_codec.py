@@ -235,6 +235,11 @@ def test_the_end_of_a_pass_writes_the_record_the_summary_and_the_meta_last() -> 
         "records_trained": 10,
         "duplicated_records": 0,
         "missing_records": 0,
+        "shards_checked": None,
+        "records_reopened": 0,
+        "records_lost": 0,
+        "passes_lost": [],
+        "failed_tasks": [],
         "exactly_once": True,
     }
     assert json.loads(writes[2][1]) == queue.meta()

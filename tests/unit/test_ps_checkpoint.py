@@ -21,7 +21,9 @@ from elasticps.errors import DataError
 from elasticps.placement import ParamSpec, Placement, plan_placement
 from elasticps.pserver.checkpoint import (
     SHARD_FILE,
+    CheckpointHealth,
     ShardCheckpointer,
+    ShardFiles,
     encode_shard,
     load_shard,
     save_shard,
@@ -247,16 +249,17 @@ def test_shard_file_without_layout_or_fingerprint_is_rejected(tmp_path: Path, mi
 
 def test_checkpointer_saves_once_the_version_moved_far_enough(tmp_path: Path) -> None:
     (shard,) = shards_for(1, named_values())
-    path = tmp_path / SHARD_FILE
-    checkpointer = ShardCheckpointer(path, lambda: shard, every_s=3600.0, every_versions=3)
+    files = ShardFiles(tmp_path, 0, epoch=5)
+    checkpointer = ShardCheckpointer(files, lambda: shard, every_s=3600.0, every_versions=3)
     checkpointer.start()
     try:
         train([shard], 2)
         time.sleep(0.2)  # several polls: 2 versions are not enough
-        assert not path.exists()
+        assert files.durable_versions() == []
         train([shard], 1)
         wait_for(lambda: checkpointer.saved_version == 3)
-        assert load_shard(path)[1]["version"] == 3
+        assert files.durable_versions() == [3]
+        assert files.load_version(3)[1]["version"] == 3
     finally:
         checkpointer.stop()
 
@@ -264,14 +267,13 @@ def test_checkpointer_saves_once_the_version_moved_far_enough(tmp_path: Path) ->
 def test_checkpointer_saves_on_time_only_when_the_version_moved(tmp_path: Path) -> None:
     (shard,) = shards_for(1, named_values())
     train([shard], 1)
-    path = tmp_path / SHARD_FILE
-    checkpointer = ShardCheckpointer(path, lambda: shard, every_s=0.05, saved_version=0)
+    files = ShardFiles(tmp_path, 0, epoch=5)
+    checkpointer = ShardCheckpointer(files, lambda: shard, every_s=0.05, saved_version=0)
     checkpointer.start()
     try:
         wait_for(lambda: checkpointer.saved_version == 1)
-        first_write = path.stat().st_mtime_ns
         time.sleep(0.3)  # several periods without a step: nothing to write
-        assert path.stat().st_mtime_ns == first_write
+        assert files.durable_versions() == [1]
     finally:
         checkpointer.stop()
 
@@ -279,28 +281,113 @@ def test_checkpointer_saves_on_time_only_when_the_version_moved(tmp_path: Path) 
 def test_checkpointer_never_writes_once_writing_is_not_allowed(tmp_path: Path) -> None:
     (shard,) = shards_for(1, named_values())
     train([shard], 2)
-    path = tmp_path / SHARD_FILE
-    checkpointer = ShardCheckpointer(
-        path, lambda: shard, every_s=0.01, every_versions=1, may_write=lambda: False
-    )
+    files = ShardFiles(tmp_path, 0, epoch=5, may_write=lambda: False)
+    checkpointer = ShardCheckpointer(files, lambda: shard, every_s=0.01, every_versions=1)
     checkpointer.start()
     time.sleep(0.2)
     checkpointer.stop()
 
     assert checkpointer.save_now() is None
-    assert not path.exists()
+    assert files.durable_versions() == []
 
 
 def test_checkpointer_waits_for_the_shard_to_exist(tmp_path: Path) -> None:
     holder: list[ParameterShard] = []
     checkpointer = ShardCheckpointer(
-        tmp_path / SHARD_FILE, lambda: holder[0] if holder else None, every_s=0.01
+        ShardFiles(tmp_path, 0, epoch=5), lambda: holder[0] if holder else None, every_s=0.01
     )
 
     assert checkpointer.save_now() is None
     holder.extend(shards_for(1, named_values()))
     saved = checkpointer.save_now()
     assert saved is not None and saved.version == 0
+
+
+def test_a_failing_write_is_reported_in_the_health_until_one_succeeds(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    blocker = tmp_path / "ck"
+    blocker.write_text("a file where the directory should be")
+    reports: list[CheckpointHealth] = []
+    checkpointer = ShardCheckpointer(
+        ShardFiles(blocker, 0, epoch=5), lambda: shard, every_s=1.0, on_health=reports.append
+    )
+    for _ in range(2):
+        with pytest.raises(OSError):
+            checkpointer.save_now()
+    health = checkpointer.health
+    assert not health.ok and health.failures == 2 and health.failing_since_unix_s is not None
+    assert "ck" in health.error
+    assert [r.failures for r in reports] == [1, 2]
+    blocker.unlink()
+    assert checkpointer.save_now() is not None
+    assert checkpointer.health.ok and reports[-1].ok
+
+
+# --- a slot's own files: lineage and fencing -----------------------------------------------
+
+
+def test_files_are_named_by_epoch_and_version_and_pruned(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    files = ShardFiles(tmp_path, 0, epoch=7, keep=2)
+    for _ in range(4):
+        files.save(*shard.state())
+        train([shard], 1)
+    assert files.durable_versions() == [3, 2]
+    assert sorted(p.name for p in files.directory.iterdir()) == [
+        "shard-e000000000007-v000000000002.safetensors",
+        "shard-e000000000007-v000000000003.safetensors",
+    ]
+
+
+def test_a_restarted_server_adopts_the_newest_file_of_earlier_epochs(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    old = ShardFiles(tmp_path, 0, epoch=7)
+    old.save(*shard.state())
+    train([shard], 2)
+    old.save(*shard.state())
+
+    new = ShardFiles(tmp_path, 0, epoch=9)
+    found = new.restore()
+    assert found is not None
+    assert found[1]["version"] == 2
+    # Linked under the new epoch: our own lineage is complete on disk.
+    assert new.durable_versions() == [2]
+
+
+def test_a_deposed_server_cannot_outrank_its_successor(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    ShardFiles(tmp_path, 0, epoch=7).save(*shard.state())
+    successor = ShardFiles(tmp_path, 0, epoch=9)
+    assert successor.restore() is not None
+    successor.save(*shard.state())
+    # The deposed server (epoch 7) goes on writing newer versions...
+    train([shard], 5)
+    ShardFiles(tmp_path, 0, epoch=7).save(*shard.state())
+    # ...but the next restart (epoch 11) follows epoch 9's lineage.
+    found = ShardFiles(tmp_path, 0, epoch=11).restore()
+    assert found is not None and found[1]["version"] == 0 and found[1]["epoch"] == 9
+
+
+def test_files_of_another_run_are_never_loaded(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    ShardFiles(tmp_path, 0, epoch=7, run_id="run-a").save(*shard.state())
+    files = ShardFiles(tmp_path, 0, epoch=9, run_id="run-b")
+    assert files.restore() is None
+    assert "belongs to job run 'run-a'" in files.skipped_files()[0]
+
+
+def test_a_corrupt_newest_file_falls_back_to_the_one_before(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    files = ShardFiles(tmp_path, 0, epoch=7)
+    files.save(*shard.state())
+    train([shard], 1)
+    saved = files.save(*shard.state())
+    assert saved is not None
+    saved.path.write_bytes(saved.path.read_bytes()[:-10])
+    again = ShardFiles(tmp_path, 0, epoch=9)
+    found = again.restore()
+    assert found is not None and found[1]["version"] == 0
+    assert len(again.skipped_files()) == 1
 
 
 # --- consistent checkpoints on disk -------------------------------------------------------

@@ -19,14 +19,17 @@ from torch.testing import assert_close
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import FrozenParameterError, LayoutMismatchError
+from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.shard import (
     FreezeTimeoutError,
+    MisalignedPushError,
     ParameterShard,
     PushResult,
     ShardClosedError,
     frozen_pieces,
 )
 from elasticps.testing import wait_for
+from elasticps.wire.frame import PushStatus
 
 NUMEL = 6
 FINGERPRINT = "f" * 64
@@ -62,13 +65,14 @@ def push_in_thread(
     *,
     model_version: int = 0,
     num_samples: int = 1,
+    key: PushKey | None = None,
 ) -> Future[PushResult]:
     """Run ``shard.push`` on a daemon thread (a push stuck by a bug cannot hang the run)."""
     future: Future[PushResult] = Future()
 
     def target() -> None:
         try:
-            future.set_result(shard.push(trainer_id, grad, model_version, num_samples))
+            future.set_result(shard.push(trainer_id, grad, model_version, num_samples, key=key))
         except BaseException as exc:
             future.set_exception(exc)
 
@@ -177,7 +181,7 @@ def test_async_gradient_more_than_max_staleness_behind_is_dropped(
 
     too_old = shard.push(1, full(100.0), 1, 1, max_staleness=1)
 
-    assert too_old == PushResult(accepted=False, version=3)
+    assert too_old == PushResult(accepted=False, version=3, status=PushStatus.STALE)
     assert_close(shard.values, before)
     assert shard.stats().stale_pushes == 1
 
@@ -266,7 +270,7 @@ def test_sync_push_computed_on_an_older_version_is_dropped(make_shard: ShardFact
 
     late = shard.push(1, full(100.0), 0, 1)
 
-    assert late == PushResult(accepted=False, version=1)
+    assert late == PushResult(accepted=False, version=1, status=PushStatus.STALE)
     assert_close(shard.values, before)
     stats = shard.stats()
     assert (stats.version, stats.stale_pushes) == (1, 1)
@@ -282,7 +286,7 @@ def test_sync_second_push_by_the_same_trainer_in_one_step_is_dropped(
 
     # Returns at once, without joining (or holding up) the step.
     duplicate = push_in_thread(shard, 0, full(100.0)).result(TIMEOUT_S)
-    assert duplicate == PushResult(accepted=False, version=0)
+    assert duplicate == PushResult(accepted=False, version=0, status=PushStatus.STALE)
     assert shard.stats().stale_pushes == 1
 
     other = push_in_thread(shard, 1, full(3.0))
@@ -539,7 +543,9 @@ def test_frozen_sync_shard_completes_no_step_until_thawed(make_shard: ShardFacto
     # The step completed with trainer 0 only: trainer 1 left before its push got in,
     # so that push, computed on version 0, is now stale.
     assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
-    assert second.result(TIMEOUT_S) == PushResult(accepted=False, version=1)
+    assert second.result(TIMEOUT_S) == PushResult(
+        accepted=False, version=1, status=PushStatus.STALE
+    )
     assert_close(shard.values, full(-2.0))
 
 
@@ -717,10 +723,13 @@ def test_state_exports_the_optimizer_state_as_flat_tensors_and_scalars(
 
     tensors, meta = shard.state()
 
-    assert sorted(tensors) == ["optim.exp_avg", "optim.exp_avg_sq", "values"]
+    assert sorted(tensors) == ["coverage", "optim.exp_avg", "optim.exp_avg_sq", "values"]
+    coverage = tensors.pop("coverage")
+    assert coverage.dtype == torch.int64 and coverage.shape == (0, 4)
     assert all(t.dtype == torch.float32 and t.shape == (NUMEL,) for t in tensors.values())
     assert meta["optimizer_scalars"] == {"step": {"value": 2.0, "dtype": "float32"}}
     assert meta["version"] == 2
+    assert meta["sealed_through"] == -1
     assert meta["mode"] == "async"
     assert meta["optimizer"] == {
         "name": "adam",
@@ -947,3 +956,127 @@ def test_shard_max_staleness_is_the_default_bound_of_async_pushes() -> None:
     assert not shard.push(0, full(1.0), 1, 1).accepted  # 2 versions behind
     assert shard.push(0, full(1.0), 2, 1).accepted
     assert shard.push(0, full(1.0), 0, 1, max_staleness=10).accepted  # per-call bound wins
+
+
+# --- push keys: exactly once --------------------------------------------------------
+
+
+def test_async_push_with_a_held_key_is_a_duplicate_and_not_applied(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    k = PushKey(0, 3, 0, 32)
+    assert shard.push(0, full(1.0), 0, 32, key=k) == PushResult(True, 1)
+    again = shard.push(1, full(1.0), 0, 32, key=k)
+    assert again == PushResult(False, 1, PushStatus.DUPLICATE)
+    assert_close(shard.values, full(-1.0))
+    assert shard.stats().duplicate_pushes == 1
+    assert shard.coverage_of(0) == (False, [(3, 0, 32)])
+
+
+def test_a_misaligned_key_is_refused_and_nothing_applied(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.push(0, full(1.0), 0, 32, key=PushKey(0, 3, 0, 32))
+    with pytest.raises(MisalignedPushError, match="batch-size"):
+        shard.push(0, full(1.0), 1, 32, key=PushKey(0, 3, 16, 48))
+    assert shard.version == 1
+    assert_close(shard.values, full(-1.0))
+
+
+def test_sync_duplicate_joins_the_step_like_an_empty_push(make_shard: ShardFactory) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    k = PushKey(0, 0, 0, 10)
+    first = push_in_thread(shard, 0, full(2.0), key=k)
+    wait_for(lambda: shard.stats().pushes == 1)
+    # Another attempt of the same records joins the same round: a duplicate.
+    second = push_in_thread(shard, 1, full(100.0), key=k)
+    assert first.result(TIMEOUT_S) == PushResult(True, 1)
+    assert second.result(TIMEOUT_S) == PushResult(False, 1, PushStatus.DUPLICATE)
+    assert_close(shard.values, full(-2.0))
+    assert shard.coverage_of(0) == (False, [(0, 0, 10)])
+
+
+def test_sync_round_of_duplicates_only_moves_the_version_without_a_step(
+    make_shard: ShardFactory,
+) -> None:
+    shard = make_shard(optimizer=OptimizerConfig(name="momentum", lr=1.0, momentum=0.5))
+    shard.set_live_trainers({0})
+    k = PushKey(0, 0, 0, 10)
+    assert shard.push(0, full(1.0), 0, 10, key=k).accepted
+    before = shard.values.clone()
+    result = shard.push(0, full(1.0), 1, 10, key=k)
+    assert result == PushResult(False, 2, PushStatus.DUPLICATE)
+    assert torch.equal(shard.values, before)  # momentum did not move it either
+    assert shard.stats().steps == 1
+
+
+def test_sealed_pass_pushes_are_duplicates(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.push(0, full(1.0), 0, 10, key=PushKey(0, 0, 0, 10))
+    shard.seal(0)
+    assert shard.coverage_of(0) == (True, [])
+    late = shard.push(0, full(1.0), 1, 10, key=PushKey(0, 5, 0, 10))
+    assert late.status is PushStatus.DUPLICATE
+    assert shard.version == 1
+
+
+def test_coverage_survives_state_and_load_state(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.push(0, full(1.0), 0, 10, key=PushKey(0, 0, 0, 10))
+    shard.push(0, full(1.0), 1, 10, key=PushKey(1, 2, 10, 20))
+    shard.seal(0)
+    tensors, meta = shard.state()
+    restored = make_shard(UpdateMode.ASYNC)
+    restored.load_state(tensors, meta)
+    assert restored.coverage_of(0) == (True, [])
+    assert restored.coverage_of(1) == (False, [(2, 10, 20)])
+    assert restored.push(0, full(1.0), 2, 10, key=PushKey(1, 2, 10, 20)).status is (
+        PushStatus.DUPLICATE
+    )
+
+
+def test_discarded_round_answers_its_pushes_stale(make_shard: ShardFactory) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    waiting = push_in_thread(shard, 0, full(2.0), key=PushKey(0, 0, 0, 10))
+    wait_for(lambda: shard.stats().pushes == 1)
+    assert shard.discard_round() == 1
+    assert waiting.result(TIMEOUT_S) == PushResult(False, 0, PushStatus.STALE)
+    assert shard.coverage_of(0) == (False, [])
+    assert_close(shard.values, full(0.0))
+    # The next round starts clean, and the same key can be applied in it.
+    shard.set_live_trainers({0})
+    assert shard.push(0, full(2.0), 0, 10, key=PushKey(0, 0, 0, 10)).accepted
+
+
+def test_sync_push_of_another_generation_is_stale(make_shard: ShardFactory) -> None:
+    shard = make_shard()
+    shard.set_live_trainers({0})
+    shard.set_generation(7)
+    assert shard.push(0, full(1.0), 0, 1, generation=6).status is PushStatus.STALE
+    assert shard.push(0, full(1.0), 0, 1, generation=7).accepted
+
+
+def test_a_shard_that_is_not_serving_holds_pushes(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    shard.set_serving(False)
+    held = push_in_thread(shard, 0, full(1.0))
+    done, _ = wait([held], timeout=0.2)  # expected to time out
+    assert not done
+    assert not shard.wait_serving(timeout_s=0.01)
+    shard.set_serving(True)
+    assert held.result(TIMEOUT_S).accepted
+    assert shard.wait_serving(timeout_s=0.01)
+
+
+def test_a_step_waits_for_readers_of_the_values(make_shard: ShardFactory) -> None:
+    shard = make_shard(UpdateMode.ASYNC)
+    with shard.reading() as version:
+        assert version == 0
+        pushed = push_in_thread(shard, 0, full(1.0))
+        done, _ = wait([pushed], timeout=0.2)  # expected to time out
+        assert not done
+        assert_close(shard.values, full(0.0))
+    assert pushed.result(TIMEOUT_S).accepted
+    assert_close(shard.values, full(-1.0))

@@ -621,6 +621,7 @@ def test_pass_completed_carries_an_exactly_once_audit() -> None:
         records_trained=28,  # 10 + 10 for the done tasks, 8 for the failed one
         duplicated_records=0,
         missing_records=0,
+        failed_tasks=(2,),
     )
     assert summary.exactly_once
     assert summary.as_dict()["exactly_once"] is True
@@ -1076,3 +1077,101 @@ TaskQueueMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_every_task_ends_done_or_failed_exactly_once_per_pass = TaskQueueMachine.TestCase
+
+
+# --- verified passes: PASS_READY, rewind, complete_pass ----------------------------
+
+
+def make_verified_queue(num_tasks: int = 2, num_passes: int = 2) -> TaskQueue:
+    ranges = [DataRange("data.parquet", 10 * i, 10 * i + 10) for i in range(num_tasks)]
+    config = QueueConfig(task_timeout_s=TIMEOUT_S, num_passes=num_passes, verify_passes=True)
+    return TaskQueue(ranges, config)
+
+
+def finish_all(queue: TaskQueue) -> list[TaskEvent]:
+    events: list[TaskEvent] = []
+    while True:
+        result, _ = queue.get_task("t0", 0.0)
+        if not isinstance(result, Dispatch):
+            return events
+        events.extend(succeed(queue, result))
+
+
+def test_a_verified_pass_waits_for_complete_pass() -> None:
+    queue = make_verified_queue()
+    events = finish_all(queue)
+    assert kinds(events)[-1] is EventKind.PASS_READY
+    assert queue.awaiting_verification
+    result, again = queue.get_task("t1", 0.0)
+    assert isinstance(result, Wait) and again == []
+    assert queue.settle() == []  # announced once
+
+    done = queue.complete_pass(0)
+    assert kinds(done) == [EventKind.PASS_COMPLETED, EventKind.PASS_STARTED]
+    summary = done[0].summary
+    assert summary is not None and summary.shards_checked is True and summary.exactly_once
+    assert queue.complete_pass(0) == []  # once only
+
+
+def test_rewinding_a_done_task_reopens_it_at_the_first_record_some_shard_lacks() -> None:
+    queue = make_verified_queue(num_tasks=2, num_passes=1)
+    finish_all(queue)
+    events = queue.rewind(1, 4, 0.0)
+    assert kinds(events) == [EventKind.REOPENED]
+    assert not queue.awaiting_verification
+    assert queue.state_of(1) is TaskState.TODO
+    assert queue.offset_of(1) == 4
+    d = dispatch(queue)
+    assert (d.task_id, d.offset) == (1, 4)
+    assert kinds(succeed(queue, d)) == [EventKind.DONE, EventKind.PASS_READY]
+    done = queue.complete_pass(0)
+    summary = done[0].summary
+    assert summary is not None
+    # The ledger tiles every task exactly once again, and says what was re-opened.
+    assert summary.ledger_exactly_once and summary.records_reopened == 6
+    assert summary.records_trained == 20
+    assert kinds(done)[-1] is EventKind.JOB_FINISHED
+
+
+def test_rewind_past_the_offset_or_of_a_failed_task_changes_nothing() -> None:
+    queue = make_verified_queue(num_tasks=1, num_passes=1)
+    d = dispatch(queue)
+    queue.report_progress(d.task_id, d.pass_id, d.attempt, 3, 0.0)
+    assert queue.rewind(0, 5, 0.0) == []
+    assert queue.offset_of(0) == 3
+
+
+def test_rewinding_a_pending_task_ends_its_attempt() -> None:
+    queue = make_verified_queue(num_tasks=1, num_passes=1)
+    d = dispatch(queue)
+    queue.report_progress(d.task_id, d.pass_id, d.attempt, 8, 0.0)
+    queue.rewind(0, 2, 0.0)
+    with pytest.raises(StaleTaskError):
+        succeed(queue, d)
+    again = dispatch(queue, "t1")
+    assert again.offset == 2 and again.attempt == d.attempt + 1
+
+
+def test_a_summary_with_lost_records_is_not_exactly_once() -> None:
+    queue = make_verified_queue(num_tasks=1, num_passes=1)
+    finish_all(queue)
+    (completed, _) = queue.complete_pass(0, records_lost=7, passes_lost=[0])
+    assert completed.summary is not None
+    assert completed.summary.ledger_exactly_once
+    assert not completed.summary.exactly_once
+    assert completed.summary.as_dict()["passes_lost"] == [0]
+
+
+def test_a_restored_queue_announces_a_ready_pass_again() -> None:
+    queue = make_verified_queue(num_tasks=2, num_passes=2)
+    finish_all(queue)
+    records = {i: queue.record(i) for i in range(queue.num_tasks)}
+    restored = TaskQueue.restore(
+        [DataRange("data.parquet", 10 * i, 10 * i + 10) for i in range(2)],
+        QueueConfig(task_timeout_s=TIMEOUT_S, num_passes=2, verify_passes=True),
+        queue.meta(),
+        records,
+        0.0,
+    )
+    assert kinds(restored.settle()) == [EventKind.PASS_READY]
+    assert restored.done_tasks() == [0, 1]

@@ -45,7 +45,7 @@ from typing import IO
 
 from elasticps.config import OptimizerConfig, UpdateMode, check_job_name
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
-from elasticps.coord.store import JobStore
+from elasticps.coord.store import JobStore, PSSlot
 from elasticps.errors import ConfigError, CoordinationError, JobFailedError
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.updater import ps_flags
@@ -191,6 +191,15 @@ class LocalServers:
     def ps_addresses(self) -> list[str]:
         """``host:port`` of PS slot ``i`` at index ``i``, as claimed at startup."""
         return list(self._ps_addresses)
+
+    def ps_slots(self) -> list[PSSlot]:
+        """The parameter servers' current slots (address and epoch), by index.
+
+        Raises:
+            CoordinationError: not all claimed within 30 s, or etcd failed.
+        """
+        with JobStore(self.etcd_endpoint, self.config.job) as store:
+            return store.wait_ps_slots(30.0)
 
     @property
     def master_address(self) -> str | None:

@@ -597,7 +597,7 @@ def _run_trainer_threads(
 def _pull_final(spec: ModelSpec, cluster: Local, servers: LocalServers) -> tuple[ParameterSet, int]:
     flat = bind_flat_buffers(spec.instantiate(0), cluster.ps, cluster.big_array_bound)
     client = ParameterClient(
-        flat.placement, servers.ps_addresses, flat.params, flat.grads, _FINAL_PULL_ID
+        flat.placement, servers.ps_slots(), flat.params, flat.grads, _FINAL_PULL_ID
     )
     try:
         client.hello(initialize=False)

@@ -30,6 +30,7 @@ prefix listing, which etcd sorts by key bytes, comes out in numeric order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -52,7 +53,16 @@ from pyetcd.utils import prefix_range_end
 from elasticps.coord.etcd_server import parse_endpoint
 from elasticps.errors import ConfigError, CoordinationError
 
-__all__ = ["MAX_TXN_OPS", "JobStore", "KeptLease", "Keys", "TrainerMap", "Watch", "is_transient"]
+__all__ = [
+    "MAX_TXN_OPS",
+    "JobStore",
+    "KeptLease",
+    "Keys",
+    "PSSlot",
+    "TrainerMap",
+    "Watch",
+    "is_transient",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -82,6 +92,26 @@ _NAME_RE: Final = re.compile(r"[A-Za-z0-9_.-]+")
 
 #: Trainer id -> the info object the trainer registered.
 TrainerMap = dict[str, dict[str, object]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PSSlot:
+    """A claimed parameter-server slot.
+
+    Attributes:
+        index: the slot, 0-based.
+        address: ``host:port`` of the server holding it.
+        epoch: the etcd revision that created the slot key: no other claim of
+            the slot ever has it (the fencing token of the claim).
+        unix: the server's AF_UNIX path, or None.
+        host_id: the server host's id (see ``local_host_id``), or None.
+    """
+
+    index: int
+    address: str
+    epoch: int
+    unix: str | None = None
+    host_id: str | None = None
 
 
 def _check_name(what: str, name: str) -> str:
@@ -1183,6 +1213,97 @@ class JobStore:
                 if suffix.isdigit():
                     slots[int(suffix)] = _address_of(kv.value, key)
         return desired, slots
+
+    def ps_slots(self) -> dict[int, PSSlot]:
+        """The claimed parameter-server slots with their epochs, from one read.
+
+        Raises:
+            CoordinationError: etcd failed, or a slot value is malformed.
+        """
+        prefix = self.keys.ps_prefix
+        with self._etcd("listing PS slots"):
+            response = self._client.get_prefix_response(prefix)
+        slots: dict[int, PSSlot] = {}
+        for kv in response.kvs:
+            key = kv.key.decode("utf-8")
+            suffix = key[len(prefix) :]
+            if not suffix.isdigit():
+                continue
+            obj = _decode_object(kv.value, key)
+            address = obj.get("address")
+            if not isinstance(address, str):
+                raise CoordinationError(f"{key} has no address")
+            unix, host_id = obj.get("unix"), obj.get("host_id")
+            slots[int(suffix)] = PSSlot(
+                int(suffix),
+                address,
+                int(kv.create_revision),
+                unix if isinstance(unix, str) else None,
+                host_id if isinstance(host_id, str) else None,
+            )
+        return slots
+
+    def slot_epoch(self, index: int) -> int | None:
+        """The epoch of slot ``index``'s current claim, or None if it is free.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        key = self.keys.ps(index)
+        with self._etcd(f"reading {key}"):
+            response = self._client.get_response(key)
+        if not response.kvs:
+            return None
+        return int(response.kvs[0].create_revision)
+
+    def wait_ps_slots(
+        self, timeout_s: float, *, cancel: threading.Event | None = None
+    ) -> list[PSSlot]:
+        """Wait until every one of ``ps_desired`` slots is claimed; return them by index.
+
+        Raises:
+            CoordinationError: not all claimed within ``timeout_s`` seconds
+                (the message names the missing slots), cancelled, or etcd failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        delays = _poll_delays()
+        while True:
+            desired = self.ps_desired()
+            slots = self.ps_slots()
+            missing = [] if desired is None else [i for i in range(desired) if i not in slots]
+            if desired is not None and not missing:
+                return [slots[i] for i in range(desired)]
+            if cancel is not None and cancel.is_set():
+                raise CoordinationError("cancelled while waiting for the parameter servers")
+            if time.monotonic() >= deadline:
+                if desired is None:
+                    raise CoordinationError(
+                        f"{self.keys.ps_desired} was not set within {timeout_s:g} s"
+                    )
+                raise CoordinationError(
+                    f"parameter servers missing after {timeout_s:g} s: "
+                    f"slots {missing} of {desired} are not claimed"
+                )
+            _sleep_until_next_poll(delays, deadline)
+
+    def watch_ps_slots(self, on_change: Callable[[dict[int, PSSlot]], None]) -> Watch:
+        """Call ``on_change`` with the claimed slots (epochs included) after each change.
+
+        Runs ``on_change`` on the watch's thread, with a fresh read of the slots.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+
+        def changed(_: dict[int, str]) -> None:
+            try:
+                slots = self.ps_slots()
+            except CoordinationError as exc:
+                _log.warning("could not read the PS slots after a change: %s", exc)
+                return
+            on_change(slots)
+
+        return self.watch_ps(changed)
 
     def ps_addresses(self, timeout_s: float) -> list[str]:
         """Wait until every parameter-server slot is claimed; return their addresses.

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,8 @@ class LocalLauncher:
         # Trainer events from the backend, for _supervise (failures) on the main thread.
         self._trainer_events: queue.SimpleQueue[WorkerEvent] = queue.SimpleQueue()
         self._trainer_pids: dict[str, int] = {}
+        # Names this run's checkpoint files: a PS never loads another run's.
+        self.run_id = uuid.uuid4().hex
 
     # --- public ---------------------------------------------------------------
 
@@ -316,6 +319,7 @@ class LocalLauncher:
                     *staleness,
                     "--checkpoint-dir", str(checkpoints),
                     "--checkpoint-every-s", str(cfg.checkpoint_every_s),
+                    "--run-id", self.run_id,
                     "--claim-timeout-s", str(_FOREVER_S),
                     *resume,
                 ],
@@ -736,7 +740,7 @@ class LocalLauncher:
         flat = bind_flat_buffers(spec.instantiate(cfg.seed), cfg.ps, cfg.big_array_bound)
         client = ParameterClient(
             flat.placement,
-            store.ps_addresses(timeout_s=30),
+            store.wait_ps_slots(30),
             flat.params,
             flat.grads,
             LAUNCHER_CLIENT_ID,

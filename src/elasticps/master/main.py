@@ -41,6 +41,7 @@ from elasticps.data.parquet import count_rows
 from elasticps.errors import CoordinationError, PortInUseError
 from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.service import MasterService
+from elasticps.master.shards import PassVerifier, close_quietly
 from elasticps.master.taskqueue import QueueConfig
 from elasticps.proto import master_pb2_grpc
 
@@ -107,6 +108,7 @@ def queue_config(config: MasterConfig) -> QueueConfig:
         task_timeout_s=config.task_timeout_s,
         max_task_timeouts=config.max_task_timeouts,
         num_passes=config.num_passes,
+        verify_passes=True,
     )
 
 
@@ -164,6 +166,7 @@ def serve_master(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"))
     lease: KeptLease | None = None
     watch: Watch | None = None
+    verifier: PassVerifier | None = None
     health = _add_health(server)
     stop_active: Callable[[], None] | None = None
     try:
@@ -181,7 +184,21 @@ def serve_master(
             ledger,
             on_finished=lambda: store.set_job_state("finished"),
             on_stepped_down=step_down,
+            on_pass_ready=lambda pass_id: None if verifier is None else verifier.start(pass_id),
         )
+        active = service
+        verifier = PassVerifier(
+            store,
+            queue.task_records(),
+            active.done_tasks,
+            active.reopen,
+            active.complete_pass,
+            lambda p: _failed_tasks_of(store, p),
+            stop,
+        )
+        ready = service.awaiting_verification()
+        if ready is not None:
+            verifier.start(ready)
         if stop.is_set():  # the lease was lost while restoring
             return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
         master_pb2_grpc.add_MasterServicer_to_server(service, server)  # type: ignore[no-untyped-call]
@@ -201,6 +218,7 @@ def serve_master(
     finally:
         if stop_active is not None:
             stop_active()
+        close_quietly(verifier)
         health.enter_graceful_shutdown()  # readiness probes fail from now on
         if watch is not None:
             watch.cancel()
@@ -211,6 +229,13 @@ def serve_master(
             lease.revoke()  # releases the lock at once, so a standby takes over now
         store.close()
     return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
+
+
+def _failed_tasks_of(store: JobStore, pass_id: int) -> list[int]:
+    """The failed tasks of a completed pass, from its summary in etcd."""
+    summary = store.get_json(store.keys.pass_summary(pass_id)) or {}
+    failed = summary.get("failed_tasks", [])
+    return [t for t in failed if isinstance(t, int)] if isinstance(failed, list) else []
 
 
 def _add_health(server: grpc.Server) -> Any:

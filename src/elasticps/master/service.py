@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
@@ -55,6 +55,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
         on_stepped_down: called once, with the reason, when the service stops
             serving because a ledger write failed (or :meth:`step_down` was
             called).
+        on_pass_ready: called with the pass id when every task of a pass is
+            done or failed and the pass waits to be checked on the parameter
+            servers (``QueueConfig.verify_passes``).
     """
 
     def __init__(
@@ -65,8 +68,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
         clock: Callable[[], float] = time.monotonic,
         on_finished: Callable[[], None] | None = None,
         on_stepped_down: Callable[[str], None] | None = None,
+        on_pass_ready: Callable[[int], None] | None = None,
     ) -> None:
         self._queue = queue
+        self._on_pass_ready = on_pass_ready
         self._journal = journal
         self._timeout_s = queue.config.task_timeout_s
         self._dispatched_any = False
@@ -182,6 +187,45 @@ class MasterService(master_pb2_grpc.MasterServicer):
             )
 
     # --- membership and lifecycle ------------------------------------------------
+
+    def reopen(self, rewinds: dict[int, int]) -> None:
+        """Re-open tasks of the current pass at the given records (task id -> record).
+
+        Raises:
+            SteppedDownError: the ledger write failed.
+        """
+
+        def mutate(now: float) -> list[TaskEvent]:
+            events: list[TaskEvent] = []
+            for task_id, offset in sorted(rewinds.items()):
+                events.extend(self._queue.rewind(task_id, offset, now))
+            return events
+
+        self._mutate_events(mutate)
+
+    def complete_pass(self, pass_id: int, records_lost: int, passes_lost: Sequence[int]) -> None:
+        """Complete a pass the parameter servers were shown to hold (see ``TaskQueue``).
+
+        Raises:
+            SteppedDownError: the ledger write failed.
+        """
+        self._mutate_events(
+            lambda now: self._queue.complete_pass(
+                pass_id, records_lost=records_lost, passes_lost=passes_lost
+            )
+        )
+
+    def awaiting_verification(self) -> int | None:
+        """The pass waiting to be checked on the parameter servers, or None."""
+        with self._lock:
+            if self._queue.awaiting_verification:
+                return self._queue.stats().pass_id
+            return None
+
+    def done_tasks(self) -> list[int]:
+        """The tasks done in the current pass."""
+        with self._lock:
+            return self._queue.done_tasks()
 
     def pending_trainers(self) -> set[str]:
         """Return the trainers that hold pending attempts (after a restore, too)."""
@@ -326,18 +370,29 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 log.log(
                     logging.INFO if s.exactly_once else logging.ERROR,
                     "pass %d completed: %d/%d tasks done, %d failed, %d records trained, "
-                    "exactly once: %s (duplicated %d, missing %d)",
+                    "exactly once on every shard: %s (checked on the servers: %s; ledger "
+                    "duplicated %d, missing %d; re-opened %d; lost %d of passes %s)",
                     s.pass_id,
                     s.done,
                     s.tasks,
                     s.failed,
                     s.records_trained,
                     s.exactly_once,
+                    s.shards_checked,
                     s.duplicated_records,
                     s.missing_records,
+                    s.records_reopened,
+                    s.records_lost,
+                    list(s.passes_lost),
                 )
             elif e.kind is EventKind.PASS_STARTED:
                 log.info("pass %d started", e.pass_id)
+            elif e.kind is EventKind.PASS_READY:
+                log.info("pass %d: every task reported; checking the parameter servers", e.pass_id)
+                if self._on_pass_ready is not None:
+                    self._on_pass_ready(e.pass_id)
+            elif e.kind is EventKind.REOPENED:
+                log.info("task %s re-opened at record %d: %s", e.task_id, e.offset, e.reason)
             elif e.kind is EventKind.JOB_FINISHED:
                 log.info("all passes finished")
                 if self._on_finished is not None:

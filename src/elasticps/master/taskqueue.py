@@ -14,6 +14,13 @@ resumes where the last attempt stopped, and the end of each pass is audited: the
 segments of every done task must tile its range exactly once
 (:class:`PassSummary`).
 
+With ``QueueConfig.verify_passes`` (what the master runs), a pass whose tasks
+are all done or failed does not complete by itself: the queue announces it
+(PASS_READY) and waits. The shell then checks what the parameter servers
+actually applied (:mod:`elasticps.master.verify`) and either re-opens the
+records some shard lacks (:meth:`TaskQueue.rewind`) or completes the pass
+(:meth:`TaskQueue.complete_pass`) with the shards' verdict in its summary.
+
 This module does no I/O, starts no threads and reads no clock: the caller
 passes ``now`` (seconds on a monotonic clock) into every mutation. Every
 mutation returns the :class:`TaskEvent` records it caused, so the service shell
@@ -57,6 +64,7 @@ __all__ = [
     "MIN_RETRY_AFTER_S",
     "QUEUE_EVENTS",
     "QUEUE_FORMAT",
+    "REOPENED_LACKING",
     "TRAINER_LOST",
     "DataRange",
     "Dispatch",
@@ -164,10 +172,13 @@ class TaskState(enum.Enum):
 # The one table of allowed transitions within a pass; ``TaskQueue._transition``
 # enforces it. DONE and FAILED are final for the pass: a task becomes TODO again
 # only through the lazy reset of a later pass (``TaskQueue._begin_pass``).
+#
+# DONE -> TODO is the one way back: :meth:`TaskQueue.rewind` re-opens a done
+# task whose records some parameter server does not hold.
 _ALLOWED_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
     TaskState.TODO: frozenset({TaskState.PENDING}),
     TaskState.PENDING: frozenset({TaskState.TODO, TaskState.DONE, TaskState.FAILED}),
-    TaskState.DONE: frozenset(),
+    TaskState.DONE: frozenset({TaskState.TODO}),
     TaskState.FAILED: frozenset(),
 }
 
@@ -182,6 +193,9 @@ class QueueConfig:
         max_task_timeouts: how many timeouts or reported failures a task may
             have within one pass, >= 1; one more and it is FAILED for that pass.
         num_passes: how many passes (epochs) over all tasks, >= 1.
+        verify_passes: a pass with every task done or failed waits for
+            :meth:`TaskQueue.complete_pass` (after the shell checked the
+            parameter servers) instead of completing by itself.
 
     Raises:
         ConfigError: a value is out of range.
@@ -190,6 +204,7 @@ class QueueConfig:
     task_timeout_s: float = 60.0
     max_task_timeouts: int = 3
     num_passes: int = 1
+    verify_passes: bool = False
 
     def __post_init__(self) -> None:
         # ``not x > 0`` also rejects NaN.
@@ -275,6 +290,18 @@ class PassSummary:
         duplicated_records: records of done tasks covered by more than one
             segment (counted once per extra coverage).
         missing_records: records of done tasks covered by no segment.
+        shards_checked: whether every parameter server was shown to hold
+            every record of every done task before the pass completed (None:
+            no servers were checked, as in a queue used alone).
+        records_reopened: records of done tasks re-opened during the pass
+            because some server did not hold them (a server restored from a
+            checkpoint); they were trained again, and applied only where missing.
+        records_lost: records of earlier, sealed passes that a server lost
+            for good (it restarted without a checkpoint that held them),
+            counted once per server; found while this pass was checked.
+        passes_lost: the earlier passes those records belong to.
+        failed_tasks: the ids of the failed tasks (their records are not
+            checked on the servers).
     """
 
     pass_id: int
@@ -285,15 +312,34 @@ class PassSummary:
     records_trained: int
     duplicated_records: int
     missing_records: int
+    shards_checked: bool | None = None
+    records_reopened: int = 0
+    records_lost: int = 0
+    passes_lost: tuple[int, ...] = ()
+    failed_tasks: tuple[int, ...] = ()
+
+    @property
+    def ledger_exactly_once(self) -> bool:
+        """Whether the ledger's segments of every done task tile its range exactly once."""
+        return self.duplicated_records == 0 and self.missing_records == 0
 
     @property
     def exactly_once(self) -> bool:
-        """Whether the segments of every done task tile its range exactly once."""
-        return self.duplicated_records == 0 and self.missing_records == 0
+        """Whether every record of every done task was applied once on every shard.
+
+        True only if the ledger agrees, the servers were checked (or there
+        were none to check), and no earlier pass's records were lost.
+        """
+        return (
+            self.ledger_exactly_once and self.shards_checked is not False and not self.records_lost
+        )
 
     def as_dict(self) -> dict[str, object]:
         """The summary as a JSON-ready dict, ``exactly_once`` included."""
-        return {**dataclasses.asdict(self), "exactly_once": self.exactly_once}
+        out = dataclasses.asdict(self)
+        out["passes_lost"] = list(self.passes_lost)
+        out["failed_tasks"] = list(self.failed_tasks)
+        return {**out, "exactly_once": self.exactly_once}
 
 
 class EventKind(enum.Enum):
@@ -307,10 +353,18 @@ class EventKind(enum.Enum):
     PASS_COMPLETED = "pass_completed"
     PASS_STARTED = "pass_started"
     JOB_FINISHED = "job_finished"
+    PASS_READY = "pass_ready"
+    """Every task of the pass is done or failed; the shell checks the servers
+    (with ``verify_passes`` only). Changes nothing durable."""
+    REOPENED = "reopened"
+    """A done task re-opened at an earlier record (see :meth:`TaskQueue.rewind`)."""
 
 
 TRAINER_LOST = "trainer lost"
 """Reason of a requeue: the trainer's lease expired (no timeout is counted)."""
+
+REOPENED_LACKING = "a parameter server lacks its records"
+"""Reason of a re-opening: some parameter server does not hold all of the task's records."""
 
 DISPATCH_NOT_RECEIVED = "dispatch not received"
 """Reason of a requeue: the trainer asked for work while the ledger still charged
@@ -456,6 +510,9 @@ class TaskQueue:
         self._records_trained = 0
         self._duplicated = 0
         self._missing = 0
+        self._reopened = 0
+        # verify_passes: the pass is over but not yet completed by the shell.
+        self._ready = False
 
     # --- queries -----------------------------------------------------------
 
@@ -540,6 +597,22 @@ class TaskQueue:
     def trainers(self) -> set[str]:
         """Return the trainers that hold at least one pending attempt."""
         return set(self._by_trainer)
+
+    @property
+    def awaiting_verification(self) -> bool:
+        """Whether every task of the pass is done or failed and the pass waits for
+        :meth:`complete_pass` (with ``verify_passes`` only)."""
+        return self._ready
+
+    def done_tasks(self) -> list[int]:
+        """The tasks done in the current pass, by id."""
+        return [
+            i for i, t in enumerate(self._tasks) if self._in_pass(t) and t.state is TaskState.DONE
+        ]
+
+    def task_records(self) -> dict[int, int]:
+        """Task id -> number of records, for every task."""
+        return {i: t.data.num_rows for i, t in enumerate(self._tasks)}
 
     def next_deadline(self) -> float | None:
         """Return the earliest deadline of a pending attempt, for the shell's timer.
@@ -755,6 +828,91 @@ class TaskQueue:
                 self._event(EventKind.REQUEUED, task_id, trainer_id=trainer_id, reason=reason)
             )
         return events
+
+    def rewind(self, task_id: int, offset: int, now: float) -> list[TaskEvent]:
+        """Re-open a task of the current pass at ``offset``: its records from there on
+        are trained again.
+
+        The shell calls it for a done task some parameter server does not
+        hold in full (``offset``: the first record some server lacks). The
+        segments beyond ``offset`` are dropped from the ledger (and from the
+        pass audit), the task goes back to the end of the todo queue at that
+        offset, with no timeout counted, and the next attempt trains from
+        there. A pending attempt is ended first (its later reports are
+        stale). A task already at or below ``offset`` is left as it is.
+
+        Args:
+            task_id: the task.
+            offset: the record to re-open it at, ``0 <= offset``.
+            now: current monotonic time, in seconds.
+
+        Returns:
+            One REOPENED event, or nothing.
+
+        Raises:
+            UnknownTaskError: no such task.
+            ValueError: ``offset`` < 0.
+        """
+        del now
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        task = self._task(task_id)
+        if not self._in_pass(task) or task.offset <= offset or task.state is TaskState.FAILED:
+            return []
+        trainer_id: str | None = None
+        if task.state is TaskState.DONE:
+            dup, missing = _audit_of(task)
+            self._duplicated -= dup
+            self._missing -= missing
+        elif task.state is TaskState.PENDING:
+            trainer_id = self._release(task_id, task)
+        kept: list[Segment] = []
+        for seg in task.segments:
+            if seg.start >= offset:
+                self._records_trained -= seg.end - seg.start
+            elif seg.end > offset:
+                self._records_trained -= seg.end - offset
+                kept.append(Segment(seg.attempt, seg.start, offset))
+            else:
+                kept.append(seg)
+        self._reopened += task.offset - offset
+        task.segments = kept
+        task.offset = offset
+        if task.state is TaskState.TODO:
+            pass  # still queued; it will start at the new offset
+        else:
+            self._requeue(task_id, task)
+        self._ready = False
+        return [
+            self._event(EventKind.REOPENED, task_id, trainer_id=trainer_id, reason=REOPENED_LACKING)
+        ]
+
+    def complete_pass(
+        self,
+        pass_id: int,
+        *,
+        records_lost: int = 0,
+        passes_lost: Sequence[int] = (),
+    ) -> list[TaskEvent]:
+        """Complete the current pass after the shell checked every parameter server.
+
+        Args:
+            pass_id: the pass the shell checked; must be the current one.
+            records_lost: records of earlier, sealed passes some server lost
+                (see :class:`PassSummary`).
+            passes_lost: those passes.
+
+        Returns:
+            PASS_COMPLETED (with ``shards_checked`` True) followed by
+            PASS_STARTED or JOB_FINISHED; nothing if the pass is not awaiting
+            verification (a re-opened task, a master that moved on).
+        """
+        if not self._ready or pass_id != self._pass_id or self._finished:
+            return []
+        self._ready = False
+        return self._advance_pass(
+            shards_checked=True, records_lost=records_lost, passes_lost=tuple(passes_lost)
+        )
 
     def settle(self) -> list[TaskEvent]:
         """Complete the current pass if nothing is todo or pending.
@@ -1026,13 +1184,9 @@ class TaskQueue:
 
     def _audit_done(self, task: _Task) -> None:
         """Add a done task's duplicated and missing records to the pass audit."""
-        covered_to = 0
-        for s in sorted(task.segments, key=lambda s: (s.start, s.end)):
-            if s.start > covered_to:
-                self._missing += s.start - covered_to
-            self._duplicated += max(0, min(s.end, covered_to) - s.start)
-            covered_to = max(covered_to, s.end)
-        self._missing += max(0, task.data.num_rows - covered_to)
+        dup, missing = _audit_of(task)
+        self._duplicated += dup
+        self._missing += missing
 
     def _count_failure(self, task_id: int, task: _Task, *, reason: str) -> list[TaskEvent]:
         """Requeue a pending task after a timeout or failure, or fail it past the limit."""
@@ -1048,9 +1202,24 @@ class TaskQueue:
 
     def _maybe_advance_pass(self) -> list[TaskEvent]:
         """Audit the pass and start the next one, or finish the job, once no task
-        is todo or pending. O(1): task records are reset lazily."""
+        is todo or pending (with ``verify_passes``: announce it, and wait for
+        :meth:`complete_pass`). O(1): task records are reset lazily."""
         if self._finished or self._num_todo() or self._num_pending:
             return []
+        if self._config.verify_passes:
+            if self._ready:
+                return []
+            self._ready = True
+            return [self._queue_event(EventKind.PASS_READY)]
+        return self._advance_pass(shards_checked=None)
+
+    def _advance_pass(
+        self,
+        *,
+        shards_checked: bool | None,
+        records_lost: int = 0,
+        passes_lost: tuple[int, ...] = (),
+    ) -> list[TaskEvent]:
         summary = PassSummary(
             pass_id=self._pass_id,
             tasks=len(self._tasks),
@@ -1060,6 +1229,17 @@ class TaskQueue:
             records_trained=self._records_trained,
             duplicated_records=self._duplicated,
             missing_records=self._missing,
+            shards_checked=shards_checked,
+            records_reopened=self._reopened,
+            records_lost=records_lost,
+            passes_lost=passes_lost,
+            failed_tasks=tuple(
+                i
+                for i, t in enumerate(self._tasks)
+                if self._in_pass(t) and t.state is TaskState.FAILED
+            )
+            if self._num_failed
+            else (),
         )
         events = [self._queue_event(EventKind.PASS_COMPLETED, summary)]
         if self._pass_id + 1 >= self._config.num_passes:
@@ -1073,7 +1253,7 @@ class TaskQueue:
         self._fresh_next = 0
         self._next_seq = 0
         self._num_done = self._num_failed = 0
-        self._records_trained = self._duplicated = self._missing = 0
+        self._records_trained = self._duplicated = self._missing = self._reopened = 0
         events.append(self._queue_event(EventKind.PASS_STARTED))
         return events
 
@@ -1134,6 +1314,19 @@ class TaskQueue:
             trainer_id=None,
             summary=summary,
         )
+
+
+def _audit_of(task: _Task) -> tuple[int, int]:
+    """A done task's duplicated and missing records, from its segments."""
+    duplicated = missing = 0
+    covered_to = 0
+    for s in sorted(task.segments, key=lambda s: (s.start, s.end)):
+        if s.start > covered_to:
+            missing += s.start - covered_to
+        duplicated += max(0, min(s.end, covered_to) - s.start)
+        covered_to = max(covered_to, s.end)
+    missing += max(0, task.data.num_rows - covered_to)
+    return duplicated, missing
 
 
 # --- record validation (restore) --------------------------------------------------

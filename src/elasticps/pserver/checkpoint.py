@@ -21,8 +21,19 @@ Writes go to a temporary file in the same directory, which is flushed and
 fsynced, renamed over the final name, and then the directory is fsynced so
 the rename survives a power loss. There is no pickle anywhere.
 
-This module also runs the periodic checkpoints of a parameter server
+This module also keeps a parameter server's own checkpoint files
+(:class:`ShardFiles`) and runs its periodic checkpoints
 (:class:`ShardCheckpointer`).
+
+Fencing and lineage. A server's files are named after the slot epoch it
+holds and the version they save, ``ps-<index>/shard-e<epoch>-v<version>.safetensors``,
+and are never overwritten. A server that restarts (a new epoch) loads the
+newest file of the highest epoch below its own, and first links it under its
+own epoch, so that its own lineage is complete on disk. A deposed server
+that has not noticed yet (partitioned from etcd) can only add files of its
+old epoch, which no successor ever prefers to its own: it can neither
+overwrite nor outrank its successor's files. Files of another job run (the
+``run_id`` in their metadata) are never loaded.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -46,7 +58,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from elasticps.errors import DataError
-from elasticps.pserver.shard import VALUES_KEY, ParameterShard
+from elasticps.pserver.shard import COVERAGE_KEY, VALUES_KEY, ParameterShard
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +90,7 @@ class SavedShard:
 
 
 def shard_checkpoint_path(checkpoint_dir: Path, index: int) -> Path:
-    """``<checkpoint_dir>/ps-<index>/shard.safetensors``: where PS ``index`` keeps its state."""
+    """``<checkpoint_dir>/ps-<index>/shard.safetensors``: the single file of older versions."""
     return Path(checkpoint_dir) / f"ps-{index}" / SHARD_FILE
 
 
@@ -256,6 +268,10 @@ def _check_consistent(
     if VALUES_KEY not in tensors:
         raise DataError(f"shard checkpoint {where} has no {VALUES_KEY!r} tensor")
     for name, tensor in tensors.items():
+        if name == COVERAGE_KEY:
+            if tensor.dtype != torch.int64 or tensor.dim() != 2 or tensor.shape[1] != 4:
+                raise DataError(f"shard checkpoint {where}: malformed {COVERAGE_KEY!r} tensor")
+            continue
         if tensor.dtype != torch.float32 or tensor.numel() != numel:
             raise DataError(
                 f"shard checkpoint {where}: tensor {name!r} is {tensor.dtype} with "
@@ -267,7 +283,217 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+# --- one slot's own files ---------------------------------------------------------------
+
+_FILE_RE = re.compile(r"shard-e(\d{12})-v(\d{12})\.safetensors")
+
+KEEP_CHECKPOINTS = 3
+"""How many of its newest checkpoint files a parameter server keeps."""
+
+
+class ShardFiles:
+    """The checkpoint files of one parameter-server slot, for one job run and one epoch.
+
+    Files live in ``<checkpoint_dir>/ps-<index>/`` and are named
+    ``shard-e<epoch>-v<version>.safetensors`` (zero-padded, so names sort by
+    epoch then version). See the module docstring for why.
+
+    Args:
+        checkpoint_dir: the job's checkpoint directory.
+        index: the slot index.
+        epoch: the slot epoch this server holds (> 0; 0 without etcd).
+        run_id: the job run the files belong to; files of other runs are
+            ignored. Empty: any run.
+        keep: newest files of this epoch to keep, >= 2 (a sync job rolls back
+            to a version every shard has saved).
+        may_write: checked before every write; False refuses (the server's
+            lease is not known to be valid: a successor may hold the slot).
+
+    Raises:
+        ValueError: ``keep`` < 2.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        index: int,
+        epoch: int,
+        run_id: str = "",
+        *,
+        keep: int = KEEP_CHECKPOINTS,
+        may_write: Callable[[], bool] = lambda: True,
+    ) -> None:
+        if keep < 2:
+            raise ValueError(f"keep must be >= 2, got {keep}")
+        self.directory = Path(checkpoint_dir) / f"ps-{index}"
+        self.index = index
+        self.epoch = epoch
+        self.run_id = run_id
+        self._keep = keep
+        self._may_write = may_write
+        self._lock = threading.Lock()
+
+    def path_of(self, version: int, epoch: int | None = None) -> Path:
+        """The file of ``version`` under ``epoch`` (default: this server's)."""
+        e = self.epoch if epoch is None else epoch
+        return self.directory / f"shard-e{e:012d}-v{version:012d}.safetensors"
+
+    def _listing(self) -> list[tuple[int, int, Path]]:
+        """``(epoch, version, path)`` of every checkpoint file here, newest first."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            m = _FILE_RE.fullmatch(name)
+            if m:
+                out.append((int(m.group(1)), int(m.group(2)), self.directory / name))
+        return sorted(out, reverse=True)
+
+    def durable_versions(self) -> list[int]:
+        """Versions saved under this server's epoch, newest first."""
+        return [v for e, v, _ in self._listing() if e == self.epoch]
+
+    def save(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]
+    ) -> SavedShard | None:
+        """Write a new checkpoint file (never overwriting one), then prune old ones.
+
+        Returns:
+            What was written, or None if writing is not allowed now.
+
+        Raises:
+            OSError: the file cannot be written (a full disk, say); the
+                previous files are untouched.
+            TypeError: ``meta`` is not JSON-serialisable.
+        """
+        record = {**meta, "epoch": self.epoch, "run_id": self.run_id}
+        version = record.get("version")
+        if not isinstance(version, int):
+            raise TypeError("shard meta needs an integer 'version'")
+        with self._lock:
+            if not self._may_write():
+                return None
+            data = encode_shard(tensors, record)
+            if not self._may_write():
+                return None
+            path = self.path_of(version)
+            write_atomic(path, data)
+            self._prune()
+        return SavedShard(path, zlib.crc32(data), len(data), version)
+
+    def _prune(self) -> None:
+        # Caller holds self._lock. Keep the newest `keep` of our epoch; older
+        # epochs' files stay until we have `keep` of our own (we may still
+        # need to fall back to them).
+        listing = self._listing()
+        ours = [p for e, _, p in listing if e == self.epoch]
+        for path in ours[self._keep :]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if len(ours) >= self._keep:
+            for e, _, path in listing:
+                if e < self.epoch:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+
+    def load_version(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """Load this epoch's checkpoint of ``version``.
+
+        Raises:
+            DataError: there is none, or it fails verification.
+        """
+        path = self.path_of(version)
+        if not path.exists():
+            raise DataError(
+                f"parameter server {self.index} has no checkpoint of version {version} "
+                f"(it has {self.durable_versions()})"
+            )
+        return self._load(path)
+
+    def _load(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        tensors, meta = load_shard(path)
+        if self.run_id and meta.get("run_id") != self.run_id:
+            raise DataError(
+                f"{path} belongs to job run {meta.get('run_id')!r}, not {self.run_id!r}"
+            )
+        layout = meta.get("layout")
+        if not isinstance(layout, dict) or layout.get("shard") != self.index:
+            got = layout.get("shard") if isinstance(layout, dict) else None
+            raise DataError(f"{path} holds the shard of parameter server {got!r}, not {self.index}")
+        return tensors, meta
+
+    def restore(self) -> tuple[dict[str, torch.Tensor], dict[str, object], list[str]] | None:
+        """Load the newest good checkpoint of an earlier epoch, and adopt it as ours.
+
+        Files are tried newest first by (epoch, version), among those of
+        earlier epochs than this server's. A file that fails verification,
+        or belongs to another run, is skipped with a reason. The one loaded
+        is hard-linked (copied where links are impossible) under this
+        server's epoch before it is used.
+
+        Returns:
+            ``(tensors, meta, skipped)`` with a line per skipped file, or
+            None if no file could be loaded (``skipped`` is then lost; call
+            :meth:`skipped_files` for the reasons).
+
+        Raises:
+            OSError: the adopted copy cannot be written.
+        """
+        self._skipped: list[str] = []
+        for epoch, version, path in self._listing():
+            if epoch >= self.epoch and self.epoch:
+                continue
+            try:
+                tensors, meta = self._load(path)
+            except DataError as exc:
+                self._skipped.append(str(exc))
+                continue
+            if self.epoch:
+                target = self.path_of(version)
+                if not target.exists():
+                    try:
+                        os.link(path, target)
+                    except OSError:
+                        write_atomic(target, path.read_bytes())
+                    dir_fd = os.open(self.directory, os.O_RDONLY)
+                    try:
+                        os.fsync(dir_fd)
+                    finally:
+                        os.close(dir_fd)
+            return tensors, meta, list(self._skipped)
+        return None
+
+    def skipped_files(self) -> list[str]:
+        """Why each file passed over by the last :meth:`restore` was skipped."""
+        return list(getattr(self, "_skipped", []))
+
+
 # --- periodic checkpoints ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointHealth:
+    """Whether a parameter server's checkpoints are being written.
+
+    Attributes:
+        failing_since_unix_s: wall-clock time of the first failed write since
+            the last success, or None while writes succeed.
+        error: the last failure, one line, or "".
+        failures: failed writes since the last success.
+        saved_version: the version of the last successful save, or None.
+    """
+
+    failing_since_unix_s: float | None
+    error: str
+    failures: int
+    saved_version: int | None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the last write succeeded (or none failed yet)."""
+        return self.failing_since_unix_s is None
 
 
 class ShardCheckpointer:
@@ -277,39 +503,43 @@ class ShardCheckpointer:
     last save, and as soon as the version is ``every_versions`` past it (if
     ``every_versions`` > 0). The shard's state is copied under its lock (a
     short pause for pushes) and written outside it, so pushes never wait for
-    the disk. A failed write is logged and retried at the next due time.
+    the disk. A failed write is logged loudly, recorded in :attr:`health`
+    (reported through ``on_health``) and retried at the next due time.
 
     Args:
-        path: the file to keep up to date.
+        files: where to write (:class:`ShardFiles`).
         get_shard: returns the shard, or None while it is not initialized.
         every_s: seconds between time-based saves, > 0.
         every_versions: save once the version moved this far; 0 disables.
-        may_write: checked before every write; False stops writing (the
-            server lost its lease: another server may own the file now).
-        saved_version: the version already in ``path`` (a server that
-            restored from it), or None.
+        saved_version: the version already on disk (a server that restored
+            from it), or None.
+        on_health: called with the new :class:`CheckpointHealth` whenever a
+            write fails, or succeeds after failing.
     """
 
     def __init__(
         self,
-        path: Path,
+        files: ShardFiles,
         get_shard: Callable[[], ParameterShard | None],
         *,
         every_s: float,
         every_versions: int = 0,
-        may_write: Callable[[], bool] = lambda: True,
         saved_version: int | None = None,
+        on_health: Callable[[CheckpointHealth], None] | None = None,
     ) -> None:
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0, got {every_s}")
         if every_versions < 0:
             raise ValueError(f"every_versions must be >= 0, got {every_versions}")
-        self.path = Path(path)
+        self.files = files
         self._get_shard = get_shard
         self._every_s = every_s
         self._every_versions = every_versions
-        self._may_write = may_write
         self._saved_version = saved_version
+        self._on_health = on_health
+        self._failing_since: float | None = None
+        self._failures = 0
+        self._error = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -319,6 +549,14 @@ class ShardCheckpointer:
         """The version of the last successful save (or the one given at start)."""
         with self._lock:
             return self._saved_version
+
+    @property
+    def health(self) -> CheckpointHealth:
+        """Whether writes succeed, and since when they fail."""
+        with self._lock:
+            return CheckpointHealth(
+                self._failing_since, self._error, self._failures, self._saved_version
+            )
 
     def start(self) -> None:
         """Start the background thread."""
@@ -338,19 +576,42 @@ class ShardCheckpointer:
             What was written, or None if there was no shard or writing is not allowed.
 
         Raises:
-            OSError: the file cannot be written.
+            OSError: the file cannot be written (also recorded in :attr:`health`).
         """
         with self._lock:
             shard = self._get_shard()
-            if shard is None or not self._may_write():
+            if shard is None:
                 return None
             tensors, meta = shard.state()
-            if not self._may_write():
+            try:
+                saved = self.files.save(tensors, meta)
+            except OSError as exc:
+                self._record_failure(exc)
+                raise
+            if saved is None:
                 return None
-            saved = save_shard(self.path, tensors, meta)
+            recovered = self._failing_since is not None
             self._saved_version = saved.version
-        log.debug("checkpointed shard version %d to %s", saved.version, self.path)
+            self._failing_since, self._failures, self._error = None, 0, ""
+            health = CheckpointHealth(None, "", 0, saved.version)
+        if recovered:
+            log.warning("checkpoints of the shard are written again (version %d)", saved.version)
+            if self._on_health is not None:
+                self._on_health(health)
+        log.debug("checkpointed shard version %d to %s", saved.version, saved.path)
         return saved
+
+    def _record_failure(self, exc: OSError) -> None:
+        # Caller holds self._lock.
+        if self._failing_since is None:
+            self._failing_since = time.time()
+        self._failures += 1
+        self._error = f"{exc.strerror or exc} ({self.files.directory})"
+        health = CheckpointHealth(
+            self._failing_since, self._error, self._failures, self._saved_version
+        )
+        if self._on_health is not None:
+            self._on_health(health)
 
     def _due(self, shard: ParameterShard, time_due: bool) -> bool:
         version = shard.version
@@ -371,10 +632,12 @@ class ShardCheckpointer:
                 if time_due:
                     next_due = now + self._every_s
                 continue
-            if not self._may_write():
-                return
             try:
                 self.save_now()
-            except (OSError, ValueError, TypeError):
-                log.exception("checkpoint of the shard to %s failed; retrying later", self.path)
+            except (OSError, ValueError, TypeError) as exc:
+                log.error(
+                    "CHECKPOINT FAILED for the shard in %s: %s; training goes on, but updates "
+                    "since version %s are not on stable storage; retrying in %g s",
+                    self.files.directory, exc, self.saved_version, self._every_s,
+                )  # fmt: skip
             next_due = time.monotonic() + self._every_s

@@ -1,16 +1,24 @@
 """The parameter-server process: claim a slot in etcd and serve a shard.
 
-Crash recovery: with ``PSConfig.checkpoint_dir`` set, the server saves its
-shard (values, optimizer state, version) to
-``<checkpoint_dir>/ps-<index>/shard.safetensors`` periodically and at a clean
-shutdown. A restarted server waits for a free slot (its old lease has to
-expire first, so it gets its old index back), loads that file and serves it
-before accepting any trainer.
+Crash recovery: with ``PSConfig.checkpoint_dir`` set, the server keeps its
+shard (values, optimizer state, version, and the push keys it applied) in
+checkpoint files (:class:`~elasticps.pserver.checkpoint.ShardFiles`): in
+async mode every ``checkpoint_every_s`` seconds on its own, in sync mode when
+the master asks (so that every shard saves the same version), at every pass
+the master seals, and at a clean shutdown. A restarted server waits for a
+free slot (its old lease has to expire first, or the launcher releases it),
+loads the newest good file and serves it before accepting any trainer. What
+it applied after that file is re-opened by the master at the end of the pass
+(:mod:`elasticps.master.verify`), so no acknowledged update is lost. In sync
+mode a restored server does not serve until the master has realigned every
+shard to one version (:mod:`elasticps.master.align`).
 
-Fencing: the lease guards the file as well as the slot. A server that lost
-its lease stops writing checkpoints at once (another server may hold its
-index and write the same file) and exits with an error, so that its launcher
-restarts it and it reloads.
+Fencing: the slot's epoch guards everything the server does. Requests carry
+it (:mod:`elasticps.pserver.server`); checkpoint files are named after it;
+and the server serves and writes only while its lease is known to be valid,
+so that a server cut off from etcd stops before a successor can take over
+(see ``KeptLease.valid_until``). A server that lost its lease exits with an
+error, so that its launcher restarts it and it reloads.
 """
 
 from __future__ import annotations
@@ -20,20 +28,25 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
-from elasticps.config import PSConfig
-from elasticps.coord.store import JobStore
-from elasticps.errors import CoordinationError, DataError
-from elasticps.pserver.checkpoint import ShardCheckpointer, load_shard, shard_checkpoint_path
+from elasticps.config import PSConfig, UpdateMode
+from elasticps.coord.store import JobStore, KeptLease
+from elasticps.errors import CoordinationError, ElasticPSError
+from elasticps.pserver.checkpoint import CheckpointHealth, ShardCheckpointer, ShardFiles
 from elasticps.pserver.rules import make_update_rule
 from elasticps.pserver.server import ParameterServer
-from elasticps.pserver.shard import ParameterShard
+from elasticps.pserver.shard import ParameterShard, ShardClosedError
 from elasticps.snapshot import load_consistent_checkpoint
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(ElasticPSError):
+    """The parameter server's last checkpoint could not be written at shutdown."""
 
 
 def run_ps(config: PSConfig, stop: threading.Event) -> None:
@@ -48,7 +61,9 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
     Raises:
         CoordinationError: etcd is unreachable, no slot freed in time, or the
             lease was lost (the caller should exit non-zero, to be restarted).
-        DataError: the shard checkpoint or the resume checkpoint is corrupt.
+        DataError: the resume checkpoint is corrupt.
+        CheckpointWriteError: the final checkpoint could not be written (the
+            updates since the last good one are lost if nothing else holds them).
         OSError: the port cannot be bound.
     """
     # One intra-op thread: the fused optimizer step is memory-bound, and a
@@ -71,29 +86,63 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         frozen=config.frozen,
         max_staleness=config.max_staleness,
         unix_path=os.path.join(runtime_dir, "ps.sock"),
+        gate=lambda: _wait_lease_valid(lease, stop),
     )
     watch = None
     checkpointer: ShardCheckpointer | None = None
+    files: ShardFiles | None = None
     try:
         log.info("parameter server listening on %s; claiming a slot", server.address)
         try:
-            server.shard_index = store.claim_ps_slot_within(
+            index = store.claim_ps_slot_within(
                 server.address, lease, config.claim_timeout_s, cancel=stop, unix=server.unix_path
             )
         except CoordinationError:
             if stop.is_set() and not lease.lost.is_set():
                 return  # asked to stop while waiting for a slot: a clean exit
             raise
-        log.info("parameter server %d serving on %s", server.shard_index, server.address)
-        saved_version = _restore(config, server)
+        epoch = store.slot_epoch(index)
+        if epoch is None:
+            raise CoordinationError(f"parameter server slot {index} vanished after the claim")
+        server.shard_index, server.epoch = index, epoch
+        log.info("parameter server %d (epoch %d) serving on %s", index, epoch, server.address)
         if config.checkpoint_dir is not None:
+            files = ShardFiles(
+                config.checkpoint_dir,
+                index,
+                epoch,
+                config.run_id,
+                may_write=lambda: _lease_valid(lease),
+            )
+            server.files = files
+        saved_version = _restore(config, server, files)
+        health_key = store.keys.root + f"health/ps-{index}"
+
+        def publish(health: CheckpointHealth) -> None:
+            try:
+                store.put_json(
+                    health_key,
+                    {
+                        "epoch": epoch,
+                        "ok": health.ok,
+                        "failing_since_unix_s": health.failing_since_unix_s,
+                        "error": health.error,
+                        "failures": health.failures,
+                        "saved_version": health.saved_version,
+                    },
+                    lease,
+                )
+            except ElasticPSError as exc:
+                log.warning("could not publish the checkpoint health: %s", exc)
+
+        if files is not None and config.mode is UpdateMode.ASYNC:
             checkpointer = ShardCheckpointer(
-                shard_checkpoint_path(config.checkpoint_dir, server.shard_index),
+                files,
                 lambda: server.shard,
                 every_s=config.checkpoint_every_s,
                 every_versions=config.checkpoint_every_versions,
-                may_write=lambda: not lease.lost.is_set(),
                 saved_version=saved_version,
+                on_health=publish,
             )
             checkpointer.start()
 
@@ -106,18 +155,21 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
     finally:
         server.stop()  # no push is applied after this: the shard is closed
         shutil.rmtree(runtime_dir, ignore_errors=True)
+        final_error: BaseException | None = None
         if checkpointer is not None:
             checkpointer.stop()
-            if not lease.lost.is_set():
-                try:
-                    saved = checkpointer.save_now()
-                    if saved is not None:
-                        log.info(
-                            "parameter server %d: saved version %d to %s at shutdown",
-                            server.shard_index, saved.version, saved.path,
-                        )  # fmt: skip
-                except (OSError, ValueError, TypeError):
-                    log.exception("final checkpoint of the shard failed")
+        shard = server.shard
+        if files is not None and shard is not None and _lease_valid(lease):
+            try:
+                saved = files.save(*shard.state())
+                if saved is not None:
+                    log.info(
+                        "parameter server %d: saved version %d to %s at shutdown",
+                        server.shard_index, saved.version, saved.path,
+                    )  # fmt: skip
+            except (OSError, ValueError, TypeError) as exc:
+                log.exception("final checkpoint of the shard failed")
+                final_error = exc
         if watch is not None:
             watch.cancel()
         if not lease.lost.is_set():
@@ -128,6 +180,37 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
             f"parameter server {server.shard_index}: lease lost; exiting so that it is "
             "restarted and reloads its checkpoint"
         )
+    if final_error is not None:
+        raise CheckpointWriteError(
+            f"parameter server {server.shard_index}: the checkpoint at shutdown failed: "
+            f"{final_error}"
+        ) from final_error
+
+
+def _lease_valid(lease: KeptLease) -> bool:
+    """Whether the lease is known to be held now (see ``KeptLease.is_valid``)."""
+    is_valid = getattr(lease, "is_valid", None)
+    if callable(is_valid):
+        return bool(is_valid())
+    return not lease.lost.is_set()
+
+
+def _wait_lease_valid(lease: KeptLease, stop: threading.Event) -> None:
+    """Block while the lease is not known to be valid; raise once it never will be.
+
+    Raises:
+        ShardClosedError: the lease is lost or the server is stopping.
+    """
+    while not _lease_valid(lease):
+        if lease.lost.is_set() or stop.is_set():
+            raise ShardClosedError("parameter server lost its lease")
+        wait_valid = getattr(lease, "wait_valid", None)
+        if callable(wait_valid):
+            wait_valid(0.1)
+        else:
+            time.sleep(0.01)  # pragma: no cover - a lease without validity tracking
+    if lease.lost.is_set():
+        raise ShardClosedError("parameter server lost its lease")
 
 
 def _prewarm_optimizer(config: PSConfig) -> None:
@@ -142,22 +225,19 @@ def _prewarm_optimizer(config: PSConfig) -> None:
     make_update_rule(torch.zeros(1), config.optimizer).step(torch.zeros(1), config.optimizer.lr)
 
 
-def _restore(config: PSConfig, server: ParameterServer) -> int | None:
-    """Install the shard from this index's own checkpoint, or set up the resume.
+def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None) -> int | None:
+    """Install the shard from this slot's newest good checkpoint, or set up the resume.
 
     Returns:
-        The version restored from the server's own checkpoint, or None.
+        The version restored from the slot's own checkpoint, or None.
     """
     index = server.shard_index
-    if config.checkpoint_dir is not None:
-        path = shard_checkpoint_path(config.checkpoint_dir, index)
-        if path.exists():
-            tensors, meta = load_shard(path)
-            saved_index = meta["layout"].get("shard")  # type: ignore[attr-defined]
-            if saved_index != index:
-                raise DataError(
-                    f"{path} holds the shard of parameter server {saved_index!r}, not {index}"
-                )
+    if files is not None:
+        found = files.restore()
+        for reason in files.skipped_files():
+            log.error("parameter server %d: skipping a checkpoint: %s", index, reason)
+        if found is not None:
+            tensors, meta, _ = found
             shard = ParameterShard.from_state(
                 tensors,
                 meta,
@@ -166,12 +246,26 @@ def _restore(config: PSConfig, server: ParameterServer) -> int | None:
                 frozen=config.frozen,
                 max_staleness=config.max_staleness,
             )
+            if config.mode is UpdateMode.SYNC:
+                # The other shards may be past this version: wait until the
+                # master has brought every shard to one version.
+                shard.set_serving(False)
             server.install_shard(shard)
             log.info(
-                "parameter server %d: restored %d parameters at version %d from %s",
-                index, shard.numel, shard.version, path,
+                "parameter server %d: restored %d parameters at version %d (pass %d sealed) "
+                "from epoch %s%s",
+                index, shard.numel, shard.version, shard.stats().sealed_through,
+                meta.get("epoch"),
+                "; waiting for the master to realign the shards"
+                if config.mode is UpdateMode.SYNC else "",
             )  # fmt: skip
             return shard.version
+        if files.skipped_files():
+            log.error(
+                "parameter server %d: no usable checkpoint; the shard starts from the job's "
+                "initial parameters and the master reports what was lost",
+                index,
+            )
     if config.resume_dir is not None:
         checkpoint = load_consistent_checkpoint(Path(config.resume_dir))
         server.resume_from(checkpoint)

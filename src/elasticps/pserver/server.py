@@ -7,8 +7,13 @@ per-message allocation and no copy on the PS side.
 
 Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
 
+- Every request except CONTROL must carry the server's slot epoch in its
+  header (0 for a server run without etcd), and every reply carries it: a
+  request for another epoch gets ERROR ``wrong_epoch`` (the trainer resolved
+  a server that has been replaced; it resolves again). A CONTROL request may
+  carry 0 (tools, read-only ops) or the epoch.
 - ``HELLO`` (JSON: shard layout, fingerprint, trainer id) -> ``HELLO_OK``
-  (JSON: ``need_values``, ``version``). The first trainer to say hello to an
+  (JSON: ``need_values``, ``version``, ``generation``). The first trainer to say hello to an
   empty shard is asked for the initial values and sends ``INIT_VALUES``;
   the others wait until the shard is initialized. A shard restored from the
   server's own checkpoint, or built from a consistent checkpoint to resume
@@ -16,8 +21,12 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
   HELLO only checks the layout fingerprint.
 - ``PUSH`` (gradient, or ``EMPTY``) -> ``PUSH_OK``, or ``PARAMS`` if the push
   has ``WANT_PARAMS``. In sync mode the reply is sent once the step the
-  gradient joined has been applied.
-- ``PULL`` -> ``PARAMS``.
+  gradient joined has been applied. The reply's ``status`` says whether the
+  push was applied, a duplicate of a held push key, or stale (see
+  :mod:`elasticps.pserver.shard`). A push whose key overlaps held records
+  partly gets ERROR ``misaligned_push`` and nothing is applied.
+- ``PULL`` -> ``PARAMS``. Parameters are sent under the shard's read lock,
+  so a reply never carries half a step.
 - ``CONTROL`` (JSON ``{"op": ...}``) -> ``CONTROL_OK``, with ops:
 
   - ``stats``: the shard's counters.
@@ -40,6 +49,19 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
     ``{"shard", "file", "crc32", "bytes", "version", "layout", "mode",
     "optimizer"}``.
   - ``thaw``: release this connection's freeze; answers ``{"shard", "version"}``.
+  - ``coverage`` (``pass``): the records the shard holds in that pass:
+    ``{"shard", "epoch", "pass", "sealed", "intervals": [[task, lo, hi], ...]}``.
+  - ``seal`` (``pass``): drop the pass's push keys (every shard holds them
+    all; the master checked), save a checkpoint if the server keeps them,
+    and answer ``{"shard", "epoch", "version", "durable"}``.
+  - ``save``: (sync mode, while this connection holds a freeze) save a
+    checkpoint at the frozen version; answers ``{"shard", "version", "durable"}``.
+  - ``checkpoints``: the versions of the checkpoints on stable storage:
+    ``{"shard", "epoch", "version", "durable_versions": [...], "serving"}``.
+  - ``rollback`` (``version``; while this connection holds a freeze): load
+    this server's own checkpoint at that version; the open round is dropped
+    (its pushes answered stale) and the server stops serving until ``serve``.
+  - ``serve`` (``generation``): set the sync generation and serve again.
 
   A consistent checkpoint of every server is taken by
   :func:`elasticps.snapshot.take_consistent_checkpoint`. The tensor plane is
@@ -87,8 +109,14 @@ from elasticps.errors import (
     LayoutMismatchError,
     ProtocolError,
 )
-from elasticps.pserver.checkpoint import save_shard
-from elasticps.pserver.shard import FreezeTimeoutError, ParameterShard, ShardClosedError
+from elasticps.pserver.checkpoint import ShardFiles, save_shard
+from elasticps.pserver.coverage import PushKey
+from elasticps.pserver.shard import (
+    FreezeTimeoutError,
+    MisalignedPushError,
+    ParameterShard,
+    ShardClosedError,
+)
 from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
 from elasticps.wire.frame import (
     HEADER_SIZE,
@@ -97,6 +125,7 @@ from elasticps.wire.frame import (
     Flags,
     FrameHeader,
     MsgType,
+    PushStatus,
     discard_body,
     local_host_id,
     recv_body_into,
@@ -137,6 +166,18 @@ class ParameterServer:
         unix_path: also listen on this AF_UNIX path (at most 107 bytes; a
             stale socket file there is replaced; removed by :meth:`stop`).
             None: TCP only.
+        gate: called before a push or pull is served; it blocks while the
+            server may not act (its etcd lease is not known to be valid: a
+            successor may hold the slot) and raises
+            :class:`~elasticps.pserver.shard.ShardClosedError` once it never
+            may again. None: always may.
+
+    Attributes:
+        epoch: the slot epoch this server holds (set after its claim; 0
+            without etcd). Requests must carry it.
+        files: this server's own checkpoint files (set after its claim), for
+            the ``seal``, ``save``, ``checkpoints`` and ``rollback`` ops; None
+            if it keeps no checkpoints.
 
     Raises:
         OSError: a listener cannot be bound.
@@ -155,9 +196,13 @@ class ParameterServer:
         unix_path: str | os.PathLike[str] | None = None,
         frozen: tuple[str, ...] = (),
         max_staleness: int | None = None,
+        gate: Callable[[], None] | None = None,
     ) -> None:
         self._shard_options: dict[str, Any] = {"frozen": frozen, "max_staleness": max_staleness}
         self.shard_index = shard_index
+        self.epoch = 0
+        self.files: ShardFiles | None = None
+        self._gate = gate
         self.mode = mode
         self._optimizer = optimizer
         self._init_timeout_s = init_timeout_s
@@ -308,6 +353,9 @@ class ParameterServer:
                     # The gradient was read in full and not applied: the
                     # connection stays usable.
                     send_error(conn, "frozen_parameter", str(exc))
+                except MisalignedPushError as exc:
+                    log.error("ps %d: %s", self.shard_index, exc)
+                    send_error(conn, "misaligned_push", str(exc))
         except ConnectionClosedError:
             pass
         except FrameError as exc:
@@ -342,6 +390,13 @@ class ParameterServer:
 
     def _dispatch(self, state: _Connection, header: FrameHeader) -> None:
         kind = header.msg_type
+        if kind is not MsgType.CONTROL and header.epoch != self.epoch:
+            discard_body(state.conn, header, state.scratch)
+            raise _RequestError(
+                "wrong_epoch",
+                f"this parameter server holds slot {self.shard_index} at epoch {self.epoch}, "
+                f"the request is for epoch {header.epoch}: resolve the slot again",
+            )
         if kind is MsgType.HELLO:
             self._on_hello(state, recv_json(state.conn, header))
         elif kind is MsgType.INIT_VALUES:
@@ -350,12 +405,26 @@ class ParameterServer:
             self._on_push(state, header)
         elif kind is MsgType.PULL:
             shard = self._require_shard(state)
+            self._pass_gate(shard)
             self._send_params(state.conn, shard)
         elif kind is MsgType.CONTROL:
+            if header.epoch not in (0, self.epoch):
+                discard_body(state.conn, header, state.scratch)
+                raise _RequestError(
+                    "wrong_epoch",
+                    f"parameter server {self.shard_index} is at epoch {self.epoch}, "
+                    f"the control request is for epoch {header.epoch}",
+                )
             self._on_control(state, recv_json(state.conn, header))
         else:
             discard_body(state.conn, header, state.scratch)
             raise _RequestError("unexpected_message", f"{kind.name} is not a request")
+
+    def _pass_gate(self, shard: ParameterShard) -> None:
+        """Block until this server may serve (lease valid, shard serving)."""
+        if self._gate is not None:
+            self._gate()
+        shard.wait_serving()
 
     def _require_shard(self, state: _Connection) -> ParameterShard:
         with self._cond:
@@ -406,7 +475,13 @@ class ParameterServer:
         send_json(
             state.conn,
             MsgType.HELLO_OK,
-            {"need_values": need_values, "version": version, "shard": self.shard_index},
+            {
+                "need_values": need_values,
+                "version": version,
+                "shard": self.shard_index,
+                "generation": 0 if need_values or self._shard is None else self._shard.generation,
+            },
+            epoch=self.epoch,
         )
 
     def _on_init_values(self, state: _Connection, header: FrameHeader) -> None:
@@ -428,7 +503,8 @@ class ParameterServer:
         send_json(
             state.conn,
             MsgType.HELLO_OK,
-            {"need_values": False, "version": 0, "shard": self.shard_index},
+            {"need_values": False, "version": 0, "shard": self.shard_index, "generation": 0},
+            epoch=self.epoch,
         )
 
     def _on_push(self, state: _Connection, header: FrameHeader) -> None:
@@ -457,32 +533,61 @@ class ParameterServer:
                 recv_body_into(state.conn, header, [tensor_view(wire)])
                 state.grad_buffer.copy_(wire)  # widened to float32
             grad = state.grad_buffer
-        result = shard.push(state.trainer_id, grad, header.model_version, header.num_samples)
+        key = (
+            PushKey(header.pass_id, header.task_id, header.key_lo, header.key_hi)
+            if header.keyed
+            else None
+        )
+        if self._gate is not None:
+            self._gate()
+        result = shard.push(
+            state.trainer_id,
+            grad,
+            header.model_version,
+            header.num_samples,
+            key=key,
+            generation=header.generation if self.mode is UpdateMode.SYNC else None,
+        )
         if result.accepted and not self._updated_any:
             # Marks the end of a recovery in logs (benchmarks/recovery.py reads it).
             self._updated_any = True
             log.info("ps %d: first gradient accepted by this server", self.shard_index)
         if header.flags & Flags.WANT_PARAMS:
-            self._send_params(state.conn, shard, result.version)
+            self._send_params(state.conn, shard, result.status)
         else:
-            send_frame(state.conn, FrameHeader(MsgType.PUSH_OK, model_version=result.version))
+            send_frame(
+                state.conn,
+                FrameHeader(
+                    MsgType.PUSH_OK,
+                    model_version=result.version,
+                    epoch=self.epoch,
+                    generation=shard.generation,
+                    status=result.status,
+                ),
+            )
 
     def _send_params(
-        self, conn: socket.socket, shard: ParameterShard, version: int | None = None
+        self,
+        conn: socket.socket,
+        shard: ParameterShard,
+        status: PushStatus = PushStatus.APPLIED,
     ) -> None:
         values = shard.values
-        send_frame(
-            conn,
-            FrameHeader(
-                MsgType.PARAMS,
-                dtype=DType.FLOAT32,
-                # A push's result already knows the version: no need to take
-                # the shard lock (contended by other trainers' pushes) again.
-                model_version=shard.version if version is None else version,
-                body_nbytes=values.numel() * 4,
-            ),
-            [tensor_view(values)],
-        )
+        generation = shard.generation
+        with shard.reading() as version:
+            send_frame(
+                conn,
+                FrameHeader(
+                    MsgType.PARAMS,
+                    dtype=DType.FLOAT32,
+                    model_version=version,
+                    body_nbytes=values.numel() * 4,
+                    epoch=self.epoch,
+                    generation=generation,
+                    status=status,
+                ),
+                [tensor_view(values)],
+            )
 
     def _on_control(self, state: _Connection, msg: dict[str, object]) -> None:
         op = msg.get("op")
@@ -516,8 +621,114 @@ class ParameterServer:
             send_json(
                 state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index, "version": version}
             )
+        elif op in _RECOVERY_OPS:
+            reply = getattr(self, f"_op_{op}")(state.conn, msg)
+            send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index, **reply})
         else:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
+
+    # --- exactly-once and realignment (driven by the master) -------------------------
+
+    def _initialized(self) -> ParameterShard:
+        shard = self.shard
+        if shard is None:
+            raise _RequestError("not_initialized", "the shard holds no parameters yet")
+        return shard
+
+    def _op_coverage(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        pass_id = _int_field(msg, "pass")
+        shard = self._initialized()
+        sealed, intervals = shard.coverage_of(pass_id)
+        return {
+            "epoch": self.epoch,
+            "pass": pass_id,
+            "sealed": sealed,
+            "intervals": [list(iv) for iv in intervals],
+            "version": shard.version,
+            "sealed_through": shard.stats().sealed_through,
+        }
+
+    def _op_seal(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        pass_id = _int_field(msg, "pass")
+        shard = self._initialized()
+        shard.seal(pass_id)
+        durable = False
+        if self.files is not None:
+            try:
+                saved = self.files.save(*shard.state())
+            except OSError as exc:
+                raise _RequestError(
+                    "checkpoint_failed", f"cannot save the sealed shard: {exc}"
+                ) from exc
+            durable = saved is not None
+        log.info(
+            "ps %d: sealed pass %d at version %d%s",
+            self.shard_index, pass_id, shard.version, "" if durable else " (not saved)",
+        )  # fmt: skip
+        return {"epoch": self.epoch, "version": shard.version, "durable": durable}
+
+    def _op_save(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        shard = self._initialized()
+        with self._cond:
+            held = conn in self._freezers
+        if not held or not shard.frozen:
+            raise _RequestError("not_frozen", "send freeze on this connection before save")
+        if self.files is None:
+            return {"epoch": self.epoch, "version": shard.version, "durable": False}
+        tensors, meta = shard.state()
+        try:
+            saved = self.files.save(tensors, meta)
+        except OSError as exc:
+            raise _RequestError("checkpoint_failed", f"cannot save the shard: {exc}") from exc
+        return {"epoch": self.epoch, "version": shard.version, "durable": saved is not None}
+
+    def _op_checkpoints(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        shard = self.shard
+        return {
+            "epoch": self.epoch,
+            "initialized": shard is not None,
+            "version": None if shard is None else shard.version,
+            "generation": None if shard is None else shard.generation,
+            "serving": None if shard is None else shard.serving,
+            "durable_versions": [] if self.files is None else self.files.durable_versions(),
+        }
+
+    def _op_rollback(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        version = _int_field(msg, "version")
+        shard = self._initialized()
+        with self._cond:
+            held = conn in self._freezers
+        if not held or not shard.frozen:
+            raise _RequestError("not_frozen", "send freeze on this connection before rollback")
+        shard.set_serving(False)
+        if shard.version != version:
+            if self.files is None:
+                raise _RequestError("no_checkpoint", "this server keeps no checkpoints")
+            try:
+                tensors, meta = self.files.load_version(version)
+            except DataError as exc:
+                raise _RequestError("no_checkpoint", str(exc)) from exc
+            shard.load_state(tensors, meta)
+            log.warning(
+                "ps %d: rolled back to version %d from %s",
+                self.shard_index, version, self.files.path_of(version),
+            )  # fmt: skip
+        else:
+            dropped = shard.discard_round()
+            if dropped:
+                log.info("ps %d: dropped the open round (%d pushes)", self.shard_index, dropped)
+        return {"epoch": self.epoch, "version": shard.version}
+
+    def _op_serve(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
+        generation = _int_field(msg, "generation")
+        shard = self._initialized()
+        shard.set_generation(generation)
+        shard.set_serving(True)
+        log.info(
+            "ps %d: serving generation %d at version %d",
+            self.shard_index, generation, shard.version,
+        )  # fmt: skip
+        return {"epoch": self.epoch, "version": shard.version, "generation": generation}
 
     # --- consistent snapshots -------------------------------------------------
 
@@ -629,6 +840,16 @@ class ParameterServer:
             "" if with_optimizer else " (values only: it was saved for another optimizer)",
         )  # fmt: skip
         return shard
+
+
+_RECOVERY_OPS = frozenset({"coverage", "seal", "save", "checkpoints", "rollback", "serve"})
+
+
+def _int_field(msg: dict[str, object], name: str) -> int:
+    value = msg.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _RequestError("bad_control", f"'{name}' must be a non-negative integer")
+    return value
 
 
 class _RequestError(ElasticPSError):

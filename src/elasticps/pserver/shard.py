@@ -30,6 +30,24 @@ group's ``lr`` to :func:`elasticps.updater.lr_at` of its config at the
 version the step starts from, so the schedule is a pure function of the
 model version (restarts and resumes agree on it).
 
+Exactly-once: a push may carry a :class:`~elasticps.pserver.coverage.PushKey`
+(the records its gradient sums). The shard applies every key at most once and
+keeps the keys it applied in a :class:`~elasticps.pserver.coverage.Coverage`
+that belongs to its checkpointed state; a push whose key is held is a
+duplicate: acknowledged, not applied. In sync mode a duplicate joins its step
+like an empty push. Sealing a pass (:meth:`ParameterShard.seal`) drops the
+pass's keys once the master has checked that every shard holds all of them.
+
+Torn reads: the parameters are written in place by a step, and replies send
+them from the shard's memory without a copy. A step therefore takes the
+write side of a reader-writer lock and every reply the read side
+(:meth:`ParameterShard.reading`), so no reply carries half a step.
+
+Sync generations: in sync mode the shards of a job share a generation, set
+by the master when it realigns them (:meth:`ParameterShard.set_generation`,
+after rolling every shard back to one checkpointed version). A push of
+another generation is stale.
+
 Frozen parameters: parameters whose names match the shard's ``frozen`` glob
 patterns are pulled like any other but never change. A push whose gradient
 is non-zero anywhere in a frozen range is refused with
@@ -42,20 +60,26 @@ before each step and written back after it: frozen values stay bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ElasticPSError, FrozenParameterError, LayoutMismatchError
+from elasticps.pserver.coverage import Coverage, KeyStatus, PushKey
 from elasticps.pserver.rules import StateValue, make_update_rule
 from elasticps.updater import schedule_from_json
+from elasticps.wire.frame import PushStatus
 
 VALUES_KEY = "values"
 """Name of the parameter tensor in :meth:`ParameterShard.state`."""
+
+COVERAGE_KEY = "coverage"
+"""Name of the coverage tensor (int64 ``[n, 4]``) in :meth:`ParameterShard.state`."""
 
 OPTIM_PREFIX = "optim."
 """Prefix of the element-wise optimizer-state tensors in :meth:`ParameterShard.state`
@@ -118,19 +142,75 @@ class FreezeTimeoutError(ElasticPSError):
     """The shard did not reach the version a freeze waited for in time."""
 
 
+class MisalignedPushError(ElasticPSError):
+    """A push key overlaps records the shard holds without being one of its pushes.
+
+    Push boundaries of one job are aligned (see :mod:`elasticps.pserver.coverage`),
+    so this means trainers with different ``batch_size`` or ``push_every``;
+    nothing was applied.
+    """
+
+
+class _RWLock:
+    """A writer-preferring reader-writer lock (readers: replies; writer: a step)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
 @dataclass(frozen=True)
 class PushResult:
     """Outcome of one push.
 
     Attributes:
         accepted: the gradient counted towards an update; False if it was
-            stale (computed on an older model version) and dropped.
+            empty, stale (computed on another model version) or a duplicate.
         version: the shard's model version after the push was handled (in
             sync mode, after the step it joined was applied).
+        status: APPLIED (also for empty pushes), DUPLICATE (its key was held:
+            acknowledged, not applied) or STALE (not applied: compute again).
     """
 
     accepted: bool
     version: int
+    status: PushStatus = PushStatus.APPLIED
+
+    @property
+    def acknowledged(self) -> bool:
+        """Whether the push's records are now held by the shard (APPLIED or DUPLICATE)."""
+        return self.status is not PushStatus.STALE
 
 
 @dataclass(frozen=True)
@@ -145,6 +225,10 @@ class ShardStats:
     frozen: bool = False
     # Trainers that have pushed into the sync step not yet applied.
     open_round: int = 0
+    duplicate_pushes: int = 0
+    generation: int = 0
+    serving: bool = True
+    sealed_through: int = -1
 
 
 class ParameterShard:
@@ -197,6 +281,8 @@ class ParameterShard:
         self._acc = torch.zeros(numel, dtype=torch.float32)
         self._acc_samples = 0
         self._cond = threading.Condition()
+        # Steps write the values under the write side; replies read under the read side.
+        self._values_lock = _RWLock()
         self._version = 0
         self._round = 0
         self._contributors: set[int] = set()
@@ -205,12 +291,23 @@ class ParameterShard:
         self._live: set[int] = set()
         self._closed = False
         self._frozen = False
+        self._serving = True
+        self._generation = 0
         # A pending freeze: at this version, or once this round number is reached.
         self._freeze_at: int | None = None
         self._freeze_at_round: int | None = None
         self._pushes = 0
         self._stale = 0
+        self._duplicates = 0
         self._steps = 0
+        self._coverage = Coverage()
+        # Keys joined to the open sync round (applied with it), and whether a
+        # gradient (applied or duplicate) joined it: such a round moves the version.
+        self._round_keys: list[PushKey] = []
+        self._round_cov = Coverage()
+        self._round_has_gradient = False
+        # Rounds dropped unapplied (discard_round): their pushes are answered STALE.
+        self._discarded: set[int] = set()
 
     # --- state -------------------------------------------------------------
 
@@ -218,10 +315,19 @@ class ParameterShard:
     def values(self) -> torch.Tensor:
         """The parameters: float32 ``[numel]``. Written in place by updates.
 
-        Readers in async mode may see a mix of two versions (as in Hogwild);
-        in sync mode replies are sent between steps, so reads are whole.
+        Read them under :meth:`reading` to see whole steps only.
         """
         return self._values
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[int]:
+        """Hold off steps while the caller reads :attr:`values`; yields the version read.
+
+        Replies send the parameters from the shard's own memory while other
+        trainers' pushes arrive; without this a reply could carry half a step.
+        """
+        with self._values_lock.read():
+            yield self._version
 
     @property
     def frozen_ranges(self) -> tuple[tuple[str, int, int], ...]:
@@ -235,10 +341,22 @@ class ParameterShard:
             return self._version
 
     @property
+    def generation(self) -> int:
+        """The sync generation this shard serves (0 until the master sets one)."""
+        with self._cond:
+            return self._generation
+
+    @property
     def frozen(self) -> bool:
         """True between :meth:`freeze` and :meth:`thaw`."""
         with self._cond:
             return self._frozen
+
+    @property
+    def serving(self) -> bool:
+        """False while the shard waits to be realigned (pushes and pulls wait)."""
+        with self._cond:
+            return self._serving
 
     def stats(self) -> ShardStats:
         """A snapshot of the shard's counters."""
@@ -251,6 +369,10 @@ class ParameterShard:
                 len(self._live),
                 self._frozen,
                 len(self._contributors),
+                self._duplicates,
+                self._generation,
+                self._serving,
+                self._coverage.sealed_through,
             )
 
     def check_fingerprint(self, fingerprint: str) -> None:
@@ -260,6 +382,80 @@ class ParameterShard:
                 "the trainer's parameter layout differs from the one this parameter server "
                 "holds (different model, --ps count or --big-array-bound?)"
             )
+
+    # --- coverage --------------------------------------------------------------
+
+    def coverage_of(self, pass_id: int) -> tuple[bool, list[tuple[int, int, int]]]:
+        """The records this shard holds in one pass.
+
+        Returns:
+            ``(sealed, intervals)``: whether the pass is sealed (every record
+            held, intervals empty), else the held ``(task, lo, hi)`` intervals,
+            sorted.
+        """
+        with self._cond:
+            cov = self._coverage
+            if pass_id <= cov.sealed_through:
+                return True, []
+            out = [
+                (task, lo, hi)
+                for task in sorted(cov.tasks(pass_id))
+                for lo, hi in cov.intervals(pass_id, task)
+            ]
+            return False, out
+
+    def seal(self, pass_id: int) -> None:
+        """Drop the keys of every pass up to ``pass_id``: all their pushes are duplicates now.
+
+        The master calls it once every shard holds every record of the pass.
+        Idempotent.
+        """
+        with self._cond:
+            self._coverage.seal(pass_id)
+            self._round_cov.seal(pass_id)
+
+    def set_generation(self, generation: int) -> None:
+        """Set the sync generation (the master's realignment); pushes of others are stale."""
+        with self._cond:
+            self._generation = generation
+
+    def set_serving(self, serving: bool) -> None:
+        """Hold (False) or release (True) every push and pull; see :meth:`wait_serving`."""
+        with self._cond:
+            self._serving = serving
+            if serving:
+                self._maybe_complete_round()
+            self._cond.notify_all()
+
+    def wait_serving(self, timeout_s: float | None = None) -> bool:
+        """Block while the shard is not serving; return whether it serves now.
+
+        Raises:
+            ShardClosedError: the shard closed while waiting.
+        """
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._serving or self._closed, timeout_s)
+            if self._closed:
+                raise ShardClosedError("parameter server is shutting down")
+            return ok
+
+    def discard_round(self) -> int:
+        """Drop the open sync round unapplied; its pushes are answered STALE.
+
+        Used when the master realigns the shards (rollback): a gradient that
+        joined the round was computed on a model that no longer exists.
+
+        Returns:
+            How many pushes were waiting in the round.
+        """
+        with self._cond:
+            waiting = len(self._contributors)
+            if waiting:
+                self._discarded.add(self._round)
+                self._reset_round()
+                self._round += 1
+                self._cond.notify_all()
+            return waiting
 
     # --- checkpoint state ----------------------------------------------------------
 
@@ -273,18 +469,24 @@ class ParameterShard:
             ``(tensors, meta)``. ``tensors`` maps :data:`VALUES_KEY` to the
             values and ``optim.<key>`` to each element-wise optimizer-state
             tensor (Adam ``exp_avg``/``exp_avg_sq``, momentum
-            ``momentum_buffer``, AdaGrad ``sum``), all float32 ``[numel]``.
+            ``momentum_buffer``, AdaGrad ``sum``), all float32 ``[numel]``,
+            and :data:`COVERAGE_KEY` to the applied push keys, int64
+            ``[n, 4]`` (see :meth:`Coverage.to_tensor`).
             ``meta`` is JSON-ready: ``layout``, ``fingerprint``, ``version``,
-            ``mode``, ``optimizer`` (the config) and ``optimizer_scalars``
+            ``mode``, ``optimizer`` (the config), ``optimizer_scalars``
             (``{key: {"value": number, "dtype": "float32" | None}}``, e.g.
-            Adam's ``step``; dtype None for a plain Python number).
+            Adam's ``step``; dtype None for a plain Python number) and
+            ``sealed_through`` (the last sealed pass, -1 if none).
 
         Raises:
             ValueError: the optimizer holds state of another shape (not one
                 of the optimizers this module builds).
         """
         with self._cond:
-            tensors: dict[str, torch.Tensor] = {VALUES_KEY: self._values.clone()}
+            tensors: dict[str, torch.Tensor] = {
+                VALUES_KEY: self._values.clone(),
+                COVERAGE_KEY: self._coverage.to_tensor(),
+            }
             scalars: dict[str, object] = {}
             for key, value in self._rule.state().items():
                 if isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -302,20 +504,25 @@ class ParameterShard:
                 "mode": self.mode.value,
                 "optimizer": asdict(self.optimizer_config),
                 "optimizer_scalars": scalars,
+                "sealed_through": self._coverage.sealed_through,
             }
         return tensors, meta
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> bool:
         """Restore values, optimizer state and version from :meth:`state`'s output.
 
-        Only the values, the optimizer state and the version are read; the
-        layout is this shard's own. The optimizer's hyper-parameters (such as
-        ``lr``) stay those of this shard's config, so a restart may change them.
+        Only the values, the optimizer state, the coverage and the version
+        are read; the layout is this shard's own. The optimizer's
+        hyper-parameters (such as ``lr``) stay those of this shard's config,
+        so a restart may change them. The open sync round, if any, is dropped
+        (its pushes are answered STALE). A state without coverage (an older
+        checkpoint, or a consistent checkpoint to resume from) restores an
+        empty coverage: no push key applied yet.
 
         Args:
             tensors: as returned by :meth:`state`; values float32 ``[numel]``.
             meta: needs ``version``; ``optimizer`` and ``optimizer_scalars``
-                for the optimizer state.
+                for the optimizer state; ``sealed_through`` with coverage.
 
         Returns:
             True if the optimizer state was restored too; False if it was
@@ -334,6 +541,15 @@ class ParameterShard:
         version = meta.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"saved version must be a non-negative integer, got {version!r}")
+        sealed = meta.get("sealed_through", -1)
+        if not isinstance(sealed, int) or isinstance(sealed, bool):
+            raise ValueError(f"saved sealed_through must be an integer, got {sealed!r}")
+        rows = tensors.get(COVERAGE_KEY)
+        coverage = (
+            Coverage.from_tensor(rows, sealed)
+            if rows is not None
+            else Coverage.from_tensor(torch.zeros((0, 4), dtype=torch.int64), sealed)
+        )
         saved_opt = meta.get("optimizer")
         same_optimizer = (
             isinstance(saved_opt, Mapping)
@@ -358,10 +574,16 @@ class ParameterShard:
                 raise ValueError("saved optimizer_scalars must be an object")
             for key, entry in scalars.items():
                 restored[str(key)] = _scalar_from_json(str(key), entry)
-        with self._cond:
+        with self._cond, self._values_lock.write():
             self._rule.load_state(restored)
             self._values.copy_(values.detach().reshape(-1))
             self._version = version
+            self._coverage = coverage
+            if self._contributors:
+                self._discarded.add(self._round)
+                self._round += 1
+            self._reset_round()
+            self._cond.notify_all()
         return same_optimizer
 
     @classmethod
@@ -493,7 +715,7 @@ class ParameterShard:
 
     def _wait_while_frozen(self) -> None:
         # Caller holds self._cond.
-        while self._frozen and not self._closed:
+        while (self._frozen or not self._serving) and not self._closed:
             self._cond.wait()
         if self._closed:
             raise ShardClosedError("parameter server is shutting down")
@@ -517,6 +739,8 @@ class ParameterShard:
         num_samples: int,
         *,
         max_staleness: int | None = None,
+        key: PushKey | None = None,
+        generation: int | None = None,
     ) -> PushResult:
         """Apply, or join the sync step with, one gradient.
 
@@ -529,27 +753,37 @@ class ParameterShard:
             num_samples: samples behind the gradient; weights it in sync mode.
             max_staleness: async only: drop gradients more than this many
                 versions behind; ``None`` uses the shard's ``max_staleness``.
+            key: the records the gradient sums; a key the shard holds
+                already makes the push a duplicate (acknowledged, not
+                applied). None: applied every time.
+            generation: sync only: the generation the gradient was computed
+                in; another than the shard's makes the push stale. None: not
+                checked.
 
         Returns:
-            Whether the gradient was used, and the version after it.
+            What became of the push, and the version after it.
 
         Raises:
             ShardClosedError: the shard is closed, or closed while the push waited.
             FrozenParameterError: the gradient is non-zero for a frozen
                 parameter; nothing was applied.
             LayoutMismatchError: the gradient has the wrong size.
+            MisalignedPushError: the key overlaps held records partly;
+                nothing was applied.
         """
         if grad is not None and grad.numel() != self.numel:
             raise LayoutMismatchError(
                 f"gradient has {grad.numel()} elements, shard has {self.numel}"
             )
+        if grad is None:
+            key = None  # an empty push covers no records
         if grad is not None and self._frozen_pieces:
             self._check_frozen(grad)
         if max_staleness is None:
             max_staleness = self.max_staleness
         if self.mode is UpdateMode.ASYNC:
-            return self._push_async(grad, model_version, max_staleness)
-        return self._push_sync(trainer_id, grad, model_version, num_samples)
+            return self._push_async(grad, model_version, max_staleness, key)
+        return self._push_sync(trainer_id, grad, model_version, num_samples, key, generation)
 
     def _check_frozen(self, grad: torch.Tensor) -> None:
         touched = sorted({name for name, lo, hi in self._frozen_pieces if grad[lo:hi].any()})
@@ -563,6 +797,20 @@ class ParameterShard:
                 "gradients on the trainer (pass the same frozen patterns to it)."
             )
 
+    def _key_status(self, key: PushKey) -> KeyStatus:
+        """New, held (applied, or joined to the open round) or partly held. Caller holds _cond."""
+        status = self._coverage.status(key)
+        if status is KeyStatus.NEW:
+            status = self._round_cov.status(key)
+        if status is KeyStatus.PARTIAL:
+            raise MisalignedPushError(
+                f"push for records [{key.lo}, {key.hi}) of task {key.task_id} (pass "
+                f"{key.pass_id}) overlaps records this shard holds, without matching "
+                "their pushes; trainers of one job must use the same --batch-size and "
+                "--push-every. Nothing was applied."
+            )
+        return status
+
     def _step(self, grad: torch.Tensor) -> None:
         """One optimizer step with ``grad``, at the scheduled lr; frozen values kept.
 
@@ -571,14 +819,21 @@ class ParameterShard:
         lr = self.optimizer_config.lr * self._schedule.factor(self._version)
         values = self._values
         kept = [values[lo:hi].clone() for _, lo, hi in self._frozen_pieces]
-        try:
-            self._rule.step(grad, lr)
-        finally:
-            for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
-                values[lo:hi].copy_(old)
+        with self._values_lock.write():
+            try:
+                self._rule.step(grad, lr)
+            finally:
+                for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
+                    values[lo:hi].copy_(old)
+            self._version += 1
+            self._steps += 1
 
     def _push_async(
-        self, grad: torch.Tensor | None, model_version: int, max_staleness: int | None
+        self,
+        grad: torch.Tensor | None,
+        model_version: int,
+        max_staleness: int | None,
+        key: PushKey | None,
     ) -> PushResult:
         with self._cond:
             self._wait_while_frozen()
@@ -587,24 +842,45 @@ class ParameterShard:
                 return PushResult(False, self._version)
             if max_staleness is not None and self._version - model_version > max_staleness:
                 self._stale += 1
-                return PushResult(False, self._version)
-            self._step(grad)
-            self._version += 1
-            self._steps += 1
+                return PushResult(False, self._version, PushStatus.STALE)
+            if key is not None:
+                if self._key_status(key) is KeyStatus.HELD:
+                    self._duplicates += 1
+                    return PushResult(False, self._version, PushStatus.DUPLICATE)
+                self._step(grad)
+                self._coverage.add(key)
+            else:
+                self._step(grad)
             self._after_step()
             return PushResult(True, self._version)
 
-    def _push_sync(
-        self, trainer_id: int, grad: torch.Tensor | None, model_version: int, num_samples: int
+    def _push_sync(  # noqa: PLR0917 (private; called from push only)
+        self,
+        trainer_id: int,
+        grad: torch.Tensor | None,
+        model_version: int,
+        num_samples: int,
+        key: PushKey | None,
+        generation: int | None,
     ) -> PushResult:
         with self._cond:
             self._wait_while_frozen()
             self._pushes += 1
-            if model_version != self._version or trainer_id in self._contributors:
-                # Computed on an older version (the step went on without this
-                # trainer), or a second push in one step: drop, as ElasticDL does.
+            if (
+                model_version != self._version
+                or trainer_id in self._contributors
+                or (generation is not None and generation != self._generation)
+            ):
+                # Computed on another version (the step went on without this
+                # trainer, or the shards were realigned), or a second push in
+                # one step: not applied; the trainer computes it again.
                 self._stale += 1
-                return PushResult(False, self._version)
+                return PushResult(False, self._version, PushStatus.STALE)
+            status = PushStatus.APPLIED
+            if key is not None and self._key_status(key) is KeyStatus.HELD:
+                # Held already: joins the step like an empty push.
+                self._duplicates += 1
+                status = PushStatus.DUPLICATE
             # A trainer that pushes is alive, even if etcd's watch has not told
             # us yet: it is waited for from the next round on. The next etcd
             # membership update replaces the live set, so it is forgotten then
@@ -614,9 +890,16 @@ class ParameterShard:
                 # The round opens: it waits for the trainers alive now; those
                 # that join later are waited for from the next round on.
                 self._expected = set(self._live)
-            if grad is not None and num_samples > 0:
+            if grad is not None:
+                self._round_has_gradient = True
+            applies = status is PushStatus.APPLIED and grad is not None and num_samples > 0
+            if applies:
+                assert grad is not None
                 self._acc.add_(grad, alpha=float(num_samples))
                 self._acc_samples += num_samples
+                if key is not None:
+                    self._round_keys.append(key)
+                    self._round_cov.add(key)
             self._contributors.add(trainer_id)
             my_round = self._round
             self._maybe_complete_round()
@@ -624,23 +907,45 @@ class ParameterShard:
                 if self._closed:
                     raise ShardClosedError("parameter server is shutting down")
                 self._cond.wait()
-            return PushResult(grad is not None and num_samples > 0, self._version)
+            if my_round in self._discarded:
+                self._stale += 1
+                return PushResult(False, self._version, PushStatus.STALE)
+            return PushResult(applies, self._version, status)
 
     def _maybe_complete_round(self) -> None:
         # Caller holds self._cond.
-        if self._frozen or not self._contributors or not self._expected <= self._contributors:
+        if (
+            self._frozen
+            or not self._serving
+            or not self._contributors
+            or not self._expected <= self._contributors
+        ):
             return
         if self._acc_samples > 0:
             self._acc.div_(float(self._acc_samples))
             self._step(self._acc)
-            self._version += 1
-            self._steps += 1
+        elif self._round_has_gradient:
+            # Every gradient of the round was a duplicate here (another shard
+            # applies it): the version moves as on the shards that apply, so
+            # that the shards of a sync job stay at the same versions.
+            with self._values_lock.write():
+                self._version += 1
+        for key in self._round_keys:
+            self._coverage.add(key)
+        self._reset_round()
+        self._round += 1
+        self._after_step()
+
+    def _reset_round(self) -> None:
+        # Caller holds self._cond.
         self._acc.zero_()
         self._acc_samples = 0
         self._contributors.clear()
         self._expected = set()
-        self._round += 1
-        self._after_step()
+        self._round_keys = []
+        self._round_cov = Coverage()
+        self._round_cov.seal(self._coverage.sealed_through)
+        self._round_has_gradient = False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -27,6 +27,21 @@ Three options change that path, all chosen at construction:
 - ``grad_compression``: ``"fp16"`` or ``"bf16"`` converts the float32
   gradient into a reused 16-bit buffer and sends that (half the bytes); the
   server widens it back to float32. Parameters always travel as float32.
+
+Exactly-once. A push may carry a :class:`~elasticps.pserver.coverage.PushKey`
+(the records whose gradients it sums). Servers apply a key at most once, so
+the client re-sends a push freely after reconnecting, and every reply says
+whether the push was applied, a duplicate (held already) or stale (computed on
+a model the server no longer has: the trainer computes it again on fresh
+parameters). :attr:`PushHandle.statuses` holds the servers' answers.
+
+Fencing. Servers are reached through the slot they claimed in etcd and the
+slot's epoch (:class:`~elasticps.coord.store.PSSlot`); every request carries
+the epoch, and a server refuses another. When the slot is claimed anew (a
+restarted server), :meth:`ParameterClient.slots_changed` drops the old
+connection at once, even in the middle of a blocked request, and the request
+is repeated on the new server. The first connection to a server waits for
+its slot like a reconnection does.
 """
 
 from __future__ import annotations
@@ -36,12 +51,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
+from elasticps.coord.store import PSSlot
 from elasticps.errors import (
     ConfigError,
     ElasticPSError,
@@ -50,6 +66,7 @@ from elasticps.errors import (
     ServiceUnavailableError,
 )
 from elasticps.placement import Placement, ShardLayout
+from elasticps.pserver.coverage import PushKey
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -57,6 +74,7 @@ from elasticps.wire.frame import (
     Flags,
     FrameHeader,
     MsgType,
+    PushStatus,
     dtype_from_torch,
     local_host_id,
     recv_body_into,
@@ -81,6 +99,13 @@ GRAD_COMPRESSIONS: dict[str, torch.dtype] = {
 
 log = logging.getLogger(__name__)
 
+# Error codes after which the request is repeated on the slot's current server.
+_RESOLVE_AGAIN = frozenset({"wrong_epoch"})
+
+
+class _ReconnectError(Exception):
+    """A connection must be replaced (lost, or its server refused our epoch)."""
+
 
 def _backoff(first_s: float = 0.02, max_s: float = 0.5) -> Iterator[float]:
     """Exponential delays between reconnection attempts, seconds."""
@@ -104,22 +129,24 @@ class _ShardConnection:
 
     A push sends either ``grads`` (the trainer's float32 gradient buffer) or
     ``staging`` (the client's copy of it, float32, float16 or bfloat16).
+    ``sock`` is None until the first connection succeeds.
     """
 
     def __init__(
         self,
         layout: ShardLayout,
-        address: str,
         params: torch.Tensor,
         grads: torch.Tensor,
-        timeout_s: float,
         *,
         staging: torch.Tensor | None = None,
         transport: str = "auto",
     ) -> None:
         self.layout = layout
-        self.address = address
+        self.address = ""
+        self.epoch = 0
         self.version = 0
+        self.generation = 0
+        self.status = PushStatus.APPLIED
         self.scratch = bytearray(HEADER_SIZE)
         self.param_views = [tensor_view(params[lo:hi]) for lo, hi in layout.ranges]
         self.grad_views = [tensor_view(grads[lo:hi]) for lo, hi in layout.ranges]
@@ -131,7 +158,17 @@ class _ShardConnection:
             self.staged_dtype = dtype_from_torch(staging.dtype)
         self.wanted_transport = transport
         self.transport = "tcp"
-        self.sock = self._connect(address, timeout_s)
+        self.sock: socket.socket | None = None
+        # Set by slots_changed (another thread) when the slot was claimed anew.
+        self.superseded = False
+
+    def connect(self, slot: PSSlot, timeout_s: float) -> None:
+        """Open a connection to the server holding ``slot`` (closing any old one)."""
+        self.close()
+        self.sock = self._connect(slot.address, timeout_s)
+        self.address = slot.address
+        self.epoch = slot.epoch
+        self.superseded = False
 
     def _connect(self, address: str, timeout_s: float) -> socket.socket:
         try:
@@ -144,7 +181,7 @@ class _ShardConnection:
         self.transport = "tcp"
         if self.wanted_transport != "tcp":
             try:
-                unix = self._unix_peer(sock, timeout_s)
+                unix = self._unix_peer(sock, address, timeout_s)
             except BaseException:
                 sock.close()
                 raise
@@ -156,7 +193,9 @@ class _ShardConnection:
         sock.settimeout(None)
         return sock
 
-    def _unix_peer(self, tcp: socket.socket, timeout_s: float) -> socket.socket | None:
+    def _unix_peer(
+        self, tcp: socket.socket, address: str, timeout_s: float
+    ) -> socket.socket | None:
         """Open the server's AF_UNIX socket if it is on this host; else None (or raise).
 
         Asks over ``tcp`` (before HELLO) with CONTROL ``endpoints``.
@@ -173,7 +212,7 @@ class _ShardConnection:
             answer = recv_json(tcp, header)
         except (ElasticPSError, OSError) as exc:
             raise ServiceUnavailableError(
-                f"parameter server {self.layout.index} at {self.address}: {exc}"
+                f"parameter server {self.layout.index} at {address}: {exc}"
             ) from exc
         path = answer.get("unix") if header.msg_type is MsgType.CONTROL_OK else None
         if not isinstance(path, str) or not path:
@@ -193,26 +232,41 @@ class _ShardConnection:
         if forced:
             raise ServiceUnavailableError(
                 f"transport 'unix' was asked for, but parameter server {self.layout.index} "
-                f"at {self.address} cannot be reached over AF_UNIX: {reason}"
+                f"at {address} cannot be reached over AF_UNIX: {reason}"
             )
         log.debug("parameter server %d: using TCP (%s)", self.layout.index, reason)
         return None
 
-    def reconnect(self, address: str, timeout_s: float) -> None:
-        """Replace a broken connection with one to ``address``."""
-        self.close()
-        self.sock = self._connect(address, timeout_s)
-        self.address = address
-
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+    def interrupt(self) -> None:
+        """Make a request blocked on this connection fail at once (from another thread)."""
+        self.superseded = True
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _sock(self) -> socket.socket:
+        if self.sock is None or self.superseded:
+            raise _ReconnectError(f"parameter server {self.layout.index}: not connected")
+        return self.sock
 
     def _reply(self) -> FrameHeader:
-        header = recv_header(self.sock, self.scratch, max_body_bytes=self.body_nbytes)
+        header = recv_header(self._sock(), self.scratch, max_body_bytes=self.body_nbytes)
         if header.msg_type is MsgType.ERROR:
-            body = recv_json(self.sock, header)
-            raise RemoteError(str(body.get("code", "error")), str(body.get("message", "")))
+            body = recv_json(self._sock(), header)
+            code = str(body.get("code", "error"))
+            if code in _RESOLVE_AGAIN:
+                raise _ReconnectError(str(body.get("message", "")))
+            raise RemoteError(code, str(body.get("message", "")))
+        if header.epoch != self.epoch:
+            raise _ReconnectError(
+                f"parameter server {self.layout.index} answered for epoch {header.epoch}, "
+                f"expected {self.epoch}"
+            )
         return header
 
     def _expect(self, header: FrameHeader, kind: MsgType) -> None:
@@ -222,32 +276,47 @@ class _ShardConnection:
                 f"expected {kind.name}"
             )
 
-    def hello(self, trainer_id: int, initial_values: bool) -> None:
+    def hello(self, trainer_id: int, initial_values: Callable[[], torch.Tensor] | None) -> None:
+        """Say hello; if the server asks for values, send those of ``initial_values()``.
+
+        ``initial_values`` returns the job's initial parameters, a flat
+        float32 tensor laid out as the parameter buffer (None: refuse to
+        initialize the shard).
+        """
         send_json(
-            self.sock,
+            self._sock(),
             MsgType.HELLO,
             {
                 "trainer_id": trainer_id,
                 "layout": self.layout.describe(),
                 "fingerprint": self.layout.fingerprint,
             },
+            epoch=self.epoch,
         )
         header = self._reply()
         self._expect(header, MsgType.HELLO_OK)
-        answer = recv_json(self.sock, header)
+        answer = recv_json(self._sock(), header)
         if answer.get("need_values"):
-            if not initial_values:
+            if initial_values is None:
                 raise ProtocolError(f"parameter server {self.layout.index} holds no parameters yet")
+            flat = initial_values()
             send_frame(
-                self.sock,
-                FrameHeader(MsgType.INIT_VALUES, dtype=DType.FLOAT32, body_nbytes=self.body_nbytes),
-                self.param_views,
+                self._sock(),
+                FrameHeader(
+                    MsgType.INIT_VALUES,
+                    dtype=DType.FLOAT32,
+                    body_nbytes=self.body_nbytes,
+                    epoch=self.epoch,
+                ),
+                [tensor_view(flat[lo:hi].contiguous()) for lo, hi in self.layout.ranges],
             )
             header = self._reply()
             self._expect(header, MsgType.HELLO_OK)
-            answer = recv_json(self.sock, header)
+            answer = recv_json(self._sock(), header)
         version = answer.get("version")
+        generation = answer.get("generation")
         self.version = version if isinstance(version, int) else 0
+        self.generation = generation if isinstance(generation, int) else 0
 
     def push(
         self,
@@ -258,6 +327,8 @@ class _ShardConnection:
         empty: bool,
         want_params: bool,
         staged: bool = False,
+        key: PushKey | None = None,
+        model_version: int | None = None,
     ) -> None:
         flags = (Flags.EMPTY if empty else Flags.NONE) | (
             Flags.WANT_PARAMS if want_params else Flags.NONE
@@ -265,21 +336,29 @@ class _ShardConnection:
         dtype, views = (
             (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
         )
+        k = None if empty else key
         send_frame(
-            self.sock,
+            self._sock(),
             FrameHeader(
                 MsgType.PUSH,
                 dtype=dtype,
                 flags=flags,
                 sender=trainer_id,
                 num_samples=num_samples,
-                model_version=self.version,
+                model_version=self.version if model_version is None else model_version,
                 step=step,
                 body_nbytes=0 if empty else self.layout.numel * dtype.itemsize,
+                epoch=self.epoch,
+                task_id=0 if k is None else k.task_id,
+                pass_id=0 if k is None else k.pass_id,
+                key_lo=0 if k is None else k.lo,
+                key_hi=0 if k is None else k.hi,
+                generation=self.generation,
             ),
             () if empty else views,
         )
         header = self._reply()
+        self.status = header.status
         if want_params:
             self._receive_params(header)
         else:
@@ -288,36 +367,40 @@ class _ShardConnection:
             # tells us how far it has moved, which we keep only for staleness.
 
     def pull(self) -> None:
-        send_frame(self.sock, FrameHeader(MsgType.PULL))
+        send_frame(self._sock(), FrameHeader(MsgType.PULL, epoch=self.epoch))
         self._receive_params(self._reply())
 
     def _receive_params(self, header: FrameHeader) -> None:
         self._expect(header, MsgType.PARAMS)
-        recv_body_into(self.sock, header, self.param_views)
+        recv_body_into(self._sock(), header, self.param_views)
         self.version = header.model_version
+        self.generation = header.generation
 
     def control(self, op: str) -> dict[str, object]:
-        send_json(self.sock, MsgType.CONTROL, {"op": op})
+        send_json(self._sock(), MsgType.CONTROL, {"op": op}, epoch=self.epoch)
         header = self._reply()
         self._expect(header, MsgType.CONTROL_OK)
-        return recv_json(self.sock, header)
+        return recv_json(self._sock(), header)
 
 
 class PushHandle:
     """One push, as returned by :meth:`ParameterClient.push`.
 
     A push is *acknowledged* once every parameter server has answered it
-    (PUSH_OK or PARAMS). A push sent in the background is acknowledged later;
-    one sent in the foreground is acknowledged when ``push`` returns. Only
-    acknowledged pushes may be reported to the master as trained records: an
-    unacknowledged one can still be lost with the trainer.
+    (PUSH_OK or PARAMS) with APPLIED or DUPLICATE: then every server holds
+    its records. A push sent in the background is acknowledged later; one
+    sent in the foreground when ``push`` returns. A push that some server
+    answered STALE is not acknowledged: the caller computes it again. Only
+    acknowledged pushes may be reported to the master as trained records.
 
     Attributes:
         index: 1-based number of the push on its client.
+        statuses: each server's answer, once done (in connection order).
     """
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.statuses: list[PushStatus] = []
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -325,11 +408,21 @@ class PushHandle:
 
     @property
     def acknowledged(self) -> bool:
-        """Whether every server acknowledged the push (False while in flight or failed)."""
-        return self._done.is_set() and self._error is None
+        """Whether every server holds the push's records (not while in flight, failed, stale)."""
+        return self._done.is_set() and self._error is None and not self.stale
+
+    @property
+    def done(self) -> bool:
+        """Whether every server has answered (or the push failed)."""
+        return self._done.is_set()
+
+    @property
+    def stale(self) -> bool:
+        """Whether a server answered STALE: the gradient must be computed again."""
+        return PushStatus.STALE in self.statuses
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the push is acknowledged.
+        """Block until the push is answered by every server.
 
         Args:
             timeout_s: longest wait, seconds; None waits as long as it takes.
@@ -345,46 +438,59 @@ class PushHandle:
             raise self._error
 
     def add_callback(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once the push is acknowledged (now, if it is); never if it fails."""
+        """Call ``fn`` once the push is acknowledged (now, if it is); never if it
+        fails or is stale."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
-            ok = self._error is None
+            ok = self._error is None and not self.stale
         if ok:
             fn()
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: BaseException | None, statuses: list[PushStatus]) -> None:
         with self._lock:
             self._error = error
+            self.statuses = statuses
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
-        if error is None:
+        if error is None and not self.stale:
             for fn in callbacks:
                 fn()
+
+
+def _as_slot(index: int, where: PSSlot | str) -> PSSlot:
+    return where if isinstance(where, PSSlot) else PSSlot(index, where, 0)
 
 
 class ParameterClient:
     """Pushes gradients to and pulls parameters from every parameter server.
 
-    When a parameter server goes away (its connection breaks), the client
-    asks ``resolve`` for the address of the server that took over its index,
-    reconnects, says hello again (initializing the shard from our parameters
-    if it came back empty), pulls, and repeats the interrupted request: a
-    pending push is re-sent, computed-on version set to the restored one, so
-    it is neither dropped nor lost. This waits at most ``reconnect_timeout_s``
-    seconds, then raises :class:`~elasticps.errors.ServiceUnavailableError`.
+    When a parameter server goes away (its connection breaks, it refuses our
+    epoch, or the slot is claimed anew), the client asks ``resolve`` for the
+    server that holds its slot now, reconnects, says hello again
+    (initializing the shard if it came back empty), pulls, and repeats the
+    interrupted request. A push is re-sent with its key, so a server that
+    applied it already answers DUPLICATE; in sync mode it keeps the version
+    it was computed on, so a server that lost that version answers STALE and
+    the trainer computes it again. This waits at most
+    ``reconnect_timeout_s`` seconds, then raises
+    :class:`~elasticps.errors.ServiceUnavailableError`. The first connection
+    to each server goes through the same path: a server that is restarting
+    when the client starts is waited for.
 
     Args:
         placement: where each parameter lives.
-        addresses: ``host:port`` of parameter server ``i`` at index ``i``.
+        addresses: the server of slot ``i`` at index ``i``: a
+            :class:`~elasticps.coord.store.PSSlot` (address and epoch), or a
+            ``host:port`` string (epoch 0: a server run without etcd).
         params: the flat parameter buffer, float32 ``[placement.total_numel]``.
         grads: the flat gradient buffer, float32 ``[placement.total_numel]``.
         trainer_id: this trainer's id, sent with every push.
         timeout_s: connect timeout, seconds.
-        resolve: given a shard index, the current ``host:port`` of its
-            server (trainers read ``/ps/<index>`` in etcd); ``None`` disables
-            reconnection. It may raise ElasticPSError while there is none.
+        resolve: given a slot index, its current server (a PSSlot, or an
+            address string); ``None`` disables reconnection. It may raise
+            ElasticPSError while there is none.
         reconnect_timeout_s: how long to wait for a lost server, seconds.
         stop: when set, reconnection gives up at once.
         transport: ``"auto"`` (AF_UNIX to servers on this host, TCP to the
@@ -402,27 +508,34 @@ class ParameterClient:
             (benchmarks/push_options.py).
         grad_compression: ``"none"`` (float32), ``"fp16"`` or ``"bf16"``: the
             dtype gradients travel in (converted into a reused staging buffer).
+        initial_values: returns the job's initial parameters (float32
+            ``[placement.total_numel]``), sent to a server whose shard is
+            empty; None sends ``params`` as they are.
+        sync: sync-SGD: a re-sent push keeps the version it was computed on.
 
     Raises:
         ConfigError: an unknown ``transport`` or ``grad_compression``.
-        ServiceUnavailableError: a parameter server cannot be reached.
+        ServiceUnavailableError: a parameter server cannot be reached (at
+            once if ``resolve`` is None, else after ``reconnect_timeout_s``).
     """
 
     def __init__(
         self,
         placement: Placement,
-        addresses: Sequence[str],
+        addresses: Sequence[PSSlot | str],
         params: torch.Tensor,
         grads: torch.Tensor,
         trainer_id: int,
         *,
         timeout_s: float = 30.0,
-        resolve: Callable[[int], str] | None = None,
+        resolve: Callable[[int], PSSlot | str] | None = None,
         reconnect_timeout_s: float = 60.0,
         stop: threading.Event | None = None,
         transport: str = "auto",
         overlap_push: bool = False,
         grad_compression: str = "none",
+        initial_values: Callable[[], torch.Tensor] | None = None,
+        sync: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -446,8 +559,11 @@ class ParameterClient:
         self._resolve = resolve
         self._reconnect_timeout_s = reconnect_timeout_s
         self._stop = stop if stop is not None else threading.Event()
+        self._sync = sync
         self.reconnects = 0
+        self._params = params
         self._grads = grads
+        self._initial_values = initial_values if initial_values is not None else lambda: params
         wire_dtype = GRAD_COMPRESSIONS[grad_compression]
         # What pushes send: the gradient itself, or a staging copy (allocated
         # once) for compressed or background pushes.
@@ -460,21 +576,19 @@ class ParameterClient:
         self._inflight: tuple[Future[None], PushHandle] | None = None
         self._conns: list[_ShardConnection] = []
         self._background: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
         try:
+            first: list[tuple[_ShardConnection, PSSlot]] = []
             for layout in placement.shards:
                 if layout.numel == 0:
                     continue  # a shard that holds nothing (hash placement left it empty)
-                self._conns.append(
-                    _ShardConnection(
-                        layout,
-                        addresses[layout.index],
-                        params,
-                        grads,
-                        timeout_s,
-                        staging=self._staging,
-                        transport=transport,
-                    )
+                conn = _ShardConnection(
+                    layout, params, grads, staging=self._staging, transport=transport
                 )
+                self._conns.append(conn)
+                first.append((conn, _as_slot(layout.index, addresses[layout.index])))
+            for conn, slot in first:
+                self._connect_first(conn, slot)
         except BaseException:
             self.close()
             raise
@@ -484,10 +598,35 @@ class ParameterClient:
         if overlap_push:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
 
+    def _connect_first(self, conn: _ShardConnection, slot: PSSlot) -> None:
+        """Connect to ``slot``; if that fails, wait for the slot as a reconnection does."""
+        try:
+            conn.connect(slot, self._timeout_s)
+        except ServiceUnavailableError as exc:
+            if self._resolve is None:
+                raise
+            log.info("parameter server %d is not reachable yet (%s); waiting", slot.index, exc)
+            self._reconnect(conn, time.monotonic() + self._reconnect_timeout_s, hello=False)
+
     @property
     def versions(self) -> list[int]:
         """Model version of each connected shard, as last pulled."""
         return [c.version for c in self._conns]
+
+    @property
+    def generations(self) -> list[int]:
+        """Sync generation of each connected shard, as last pulled."""
+        return [c.generation for c in self._conns]
+
+    @property
+    def epochs(self) -> list[int]:
+        """The slot epoch of each connected shard."""
+        return [c.epoch for c in self._conns]
+
+    @property
+    def consistent(self) -> bool:
+        """Whether the parameters pulled form one model (one version and generation)."""
+        return len({(c.version, c.generation) for c in self._conns}) <= 1
 
     @property
     def transports(self) -> list[str]:
@@ -498,6 +637,22 @@ class ParameterClient:
     def acknowledged_pushes(self) -> int:
         """Pushes every server has acknowledged so far (excludes one in flight)."""
         return self._acknowledged
+
+    def slots_changed(self, slots: Mapping[int, PSSlot]) -> None:
+        """Tell the client the current slot claims (from a watch on etcd; any thread).
+
+        A connection to a slot claimed anew (another epoch) is dropped at
+        once, even under a blocked request, which is then repeated on the
+        slot's new server.
+        """
+        for conn in self._conns:
+            slot = slots.get(conn.layout.index)
+            if slot is not None and conn.epoch and slot.epoch != conn.epoch:
+                log.info(
+                    "parameter server %d was replaced (epoch %d -> %d); reconnecting",
+                    conn.layout.index, conn.epoch, slot.epoch,
+                )  # fmt: skip
+                conn.interrupt()
 
     def when_acknowledged(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once every push made so far is acknowledged.
@@ -513,7 +668,7 @@ class ParameterClient:
             last.add_callback(fn)
 
     def flush(self) -> None:
-        """Wait until the push in flight, if any, is acknowledged.
+        """Wait until the push in flight, if any, is answered.
 
         Raises:
             ServiceUnavailableError / RemoteError / ProtocolError: it failed.
@@ -527,6 +682,7 @@ class ParameterClient:
         # hand-off fewer per exchange than waiting for the pool to do it all.
         if not self._conns:
             return []
+        assert self._pool is not None
         *others, last = self._conns
         futures = [self._pool.submit(self._robust, fn, c) for c in others]
         try:
@@ -540,7 +696,7 @@ class ParameterClient:
         while True:
             try:
                 return fn(conn)
-            except (ConnectionClosedError, OSError) as exc:
+            except (ConnectionClosedError, OSError, _ReconnectError) as exc:
                 if self._resolve is None:
                     raise ServiceUnavailableError(
                         f"lost parameter server {conn.layout.index} at {conn.address}: {exc}"
@@ -553,23 +709,24 @@ class ParameterClient:
                     )  # fmt: skip
                 self._reconnect(conn, deadline)
 
-    def _reconnect(self, conn: _ShardConnection, deadline: float) -> None:
-        """Reconnect ``conn`` to whichever server now holds its index, or raise."""
+    def _reconnect(self, conn: _ShardConnection, deadline: float, *, hello: bool = True) -> None:
+        """Reconnect ``conn`` to whichever server now holds its slot, or raise."""
         assert self._resolve is not None
         delays = _backoff()
         while True:
             try:
-                address = self._resolve(conn.layout.index)
-                conn.reconnect(address, self._timeout_s)
-                conn.hello(self.trainer_id, initial_values=True)
-                conn.pull()
-                self.reconnects += 1
+                slot = _as_slot(conn.layout.index, self._resolve(conn.layout.index))
+                conn.connect(slot, self._timeout_s)
+                if hello:
+                    conn.hello(self.trainer_id, self._initial_values)
+                    conn.pull()
+                    self.reconnects += 1
                 log.info(
-                    "reconnected to parameter server %d at %s (version %d)",
-                    conn.layout.index, address, conn.version,
+                    "connected to parameter server %d at %s (epoch %d, version %d)",
+                    conn.layout.index, slot.address, slot.epoch, conn.version,
                 )  # fmt: skip
                 return
-            except (ElasticPSError, OSError) as exc:
+            except (ElasticPSError, OSError, _ReconnectError) as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
                     raise ServiceUnavailableError(
@@ -579,7 +736,7 @@ class ParameterClient:
                 self._stop.wait(min(next(delays), remaining))
 
     def hello(self, *, initialize: bool = True) -> None:
-        """Introduce ourselves to every PS, initializing empty shards from ``params``.
+        """Introduce ourselves to every PS, initializing empty shards with initial values.
 
         Then pulls, so that ``params`` holds the servers' current values.
 
@@ -587,7 +744,8 @@ class ParameterClient:
             RemoteError: a server refused (for example a layout mismatch).
         """
         self.flush()
-        self._fan_out(lambda c: c.hello(self.trainer_id, initialize))
+        initial = self._initial_values if initialize else None
+        self._fan_out(lambda c: c.hello(self.trainer_id, initial))
         self.pull()
 
     def push(
@@ -596,6 +754,7 @@ class ParameterClient:
         *,
         want_params: bool,
         on_acknowledged: Callable[[], None] | None = None,
+        key: PushKey | None = None,
     ) -> PushHandle:
         """Push the gradient buffer (the mean gradient over ``num_samples`` samples).
 
@@ -604,9 +763,10 @@ class ParameterClient:
         ``on_acknowledged`` callback: the gradient is copied into the staging
         buffer, this returns at once (``grads`` may be overwritten) and the
         callback runs on the sender thread once every server acknowledged.
-        Otherwise the push is sent here, and returns once acknowledged (after
-        running the callback, if any). So a caller that reports progress right
-        after ``push`` returns, without a callback, is always right.
+        Otherwise the push is sent here, and returns once answered (after
+        running the callback, if acknowledged). So a caller that reports
+        progress right after ``push`` returns, when the handle is
+        acknowledged, is always right.
 
         Args:
             num_samples: samples behind the gradient, weighting it in sync mode.
@@ -614,10 +774,12 @@ class ParameterClient:
                 mode, after the step is applied).
             on_acknowledged: what to do once the push is acknowledged (e.g.
                 report the trained records to the master); never called if
-                the push fails.
+                the push fails or is stale.
+            key: the records the gradient sums; servers apply it at most once.
 
         Returns:
-            The push's handle; see :class:`PushHandle` for what acknowledged means.
+            The push's handle; see :class:`PushHandle` for what acknowledged
+            and stale mean.
 
         Raises:
             ServiceUnavailableError / RemoteError / ProtocolError: this push
@@ -637,8 +799,11 @@ class ParameterClient:
         if on_acknowledged is not None:
             handle.add_callback(on_acknowledged)
         self._last_push = handle
+        # Sync: a re-sent push keeps the version it was computed on, so that a
+        # server that no longer has that version answers STALE.
+        computed_on = {id(c): c.version for c in self._conns} if self._sync else None
 
-        def send(c: _ShardConnection) -> None:
+        def send(c: _ShardConnection) -> PushStatus:
             c.push(
                 self.trainer_id,
                 num_samples,
@@ -646,7 +811,10 @@ class ParameterClient:
                 empty=False,
                 want_params=want_params,
                 staged=staged,
+                key=key,
+                model_version=None if computed_on is None else computed_on[id(c)],
             )
+            return c.status
 
         if background:
             assert self._background is not None
@@ -657,15 +825,16 @@ class ParameterClient:
         return handle
 
     def _push_and_acknowledge(
-        self, send: Callable[[_ShardConnection], None], handle: PushHandle
+        self, send: Callable[[_ShardConnection], PushStatus], handle: PushHandle
     ) -> None:
         try:
-            self._fan_out(send)
+            statuses = self._fan_out(send)
         except BaseException as exc:
-            handle._finish(exc)
+            handle._finish(exc, [])
             raise
-        self._acknowledged += 1
-        handle._finish(None)
+        if PushStatus.STALE not in statuses:
+            self._acknowledged += 1
+        handle._finish(None, statuses)
 
     def push_empty(self) -> None:
         """Take part in the current sync step without a gradient, then pull."""
@@ -682,6 +851,35 @@ class ParameterClient:
         self.flush()
         self._fan_out(lambda c: c.pull())
 
+    def pull_consistent(self, timeout_s: float | None = None) -> None:
+        """Pull until every shard is at one version and generation (sync mode).
+
+        Shards are realigned by the master after a server restart; until
+        then a pull may see a mixture, which must not be trained on.
+
+        Args:
+            timeout_s: longest wait, seconds; default ``reconnect_timeout_s``.
+
+        Raises:
+            ServiceUnavailableError: still inconsistent after ``timeout_s``.
+        """
+        if self.consistent:
+            return
+        deadline = time.monotonic() + (
+            self._reconnect_timeout_s if timeout_s is None else timeout_s
+        )
+        delays = _backoff(0.005, 0.1)
+        while True:
+            self.pull()
+            if self.consistent:
+                return
+            if time.monotonic() >= deadline or self._stop.is_set():
+                raise ServiceUnavailableError(
+                    "the parameter servers did not agree on a model version within "
+                    f"{deadline:.0f} s: versions {self.versions}, generations {self.generations}"
+                )
+            self._stop.wait(next(delays))
+
     def stats(self) -> list[dict[str, object]]:
         """Each server's ``stats`` control answer."""
         self.flush()
@@ -695,7 +893,7 @@ class ParameterClient:
                 inflight[0].result()
             except Exception as exc:
                 log.warning("the last push was not acknowledged: %s", exc)
-        for c in self._conns:
+        for c in getattr(self, "_conns", []):
             c.close()
         for pool in (getattr(self, "_pool", None), getattr(self, "_background", None)):
             if pool is not None:

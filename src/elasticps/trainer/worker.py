@@ -24,23 +24,25 @@ import itertools
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 from torch import Tensor
 
 from elasticps.config import TrainerConfig, UpdateMode
-from elasticps.coord.store import JobStore, KeptLease
+from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
     CoordinationError,
     DataError,
     ElasticPSError,
     ModelContractError,
+    ServiceUnavailableError,
     StaleTaskError,
 )
 from elasticps.events import BeginIteration, EndIteration, TrainingEvent
@@ -48,7 +50,8 @@ from elasticps.master.client import MasterClient
 from elasticps.master.main import VIRTUAL_SOURCE
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.proto import master_pb2
-from elasticps.trainer.client import ParameterClient
+from elasticps.pserver.coverage import PushKey
+from elasticps.trainer.client import ParameterClient, PushHandle
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
 
 log = logging.getLogger(__name__)
@@ -62,10 +65,28 @@ Reader = Callable[[], Iterable[Batch]]
 
 @dataclass
 class _Accumulator:
-    """Gradients accumulated since the last push."""
+    """Gradients accumulated since the last push, and what it takes to compute them again.
+
+    ``first`` and ``end`` are the records of the task the gradients cover
+    (counted from the task's first record), the push key's range; ``window``
+    keeps the mini-batches, so that a push a server answers STALE can be
+    computed again on fresh parameters.
+    """
 
     batches: int = 0
     samples: int = 0
+    first: int = 0
+    end: int = 0
+    window: list[Batch] = field(default_factory=list)
+
+
+KILL_AFTER_ACK_ENV = "ELASTICPS_TEST_KILL_AFTER_ACK"
+"""Test hook: a trainer SIGKILLs itself right after its N-th push is acknowledged by
+every PS, before the progress report for it is sent (the window where a trainer's
+records are applied but not in the ledger). Unset in normal runs."""
+
+MAX_STALE_RETRIES = 50
+"""How many times a mini-batch is computed again after STALE answers before giving up."""
 
 
 class ProgressReporter:
@@ -200,7 +221,13 @@ class Trainer:
         # PS slot -> address, kept current by a watch on ps/; a lost PS's
         # successor is found here.
         self._ps_cond = threading.Condition()
-        self._ps_slots: dict[int, str] = {}
+        self._ps_slots: dict[int, PSSlot] = {}
+        self._client: ParameterClient | None = None
+        self._task: master_pb2.Task | None = None
+        self._inflight: tuple[PushHandle, _Accumulator, Callable[[], None] | None] | None = None
+        self._acknowledged_pushes = 0
+        kill_after = os.environ.get(KILL_AFTER_ACK_ENV)
+        self._kill_after_ack = int(kill_after) if kill_after else None
 
     def run(self) -> None:
         """Train until the master says the job is finished or ``stop`` is set.
@@ -210,22 +237,26 @@ class Trainer:
             DataError / ModelContractError: the data does not fit the model file.
         """
         cfg = self.config
-        addresses = self.store.ps_addresses(timeout_s=cfg.connect_timeout_s)
-        ps_watch = self.store.watch_ps(self._on_ps_slots)
+        slots = self.store.wait_ps_slots(cfg.connect_timeout_s, cancel=self.stop)
+        self._on_ps_slots({slot.index: slot for slot in slots})
+        ps_watch = self.store.watch_ps_slots(self._on_ps_slots)
         client = ParameterClient(
             self.flat.placement,
-            addresses,
+            slots,
             self.flat.params,
             self.flat.grads,
             cfg.trainer_id,
             timeout_s=cfg.connect_timeout_s,
-            resolve=self._ps_address,
+            resolve=self._ps_slot,
             reconnect_timeout_s=cfg.connect_timeout_s,
             stop=self.stop,
             transport=cfg.ps_transport,
             grad_compression=cfg.grad_compression,
             overlap_push=cfg.overlap_push and cfg.mode is UpdateMode.ASYNC,
+            initial_values=self._initial_values,
+            sync=cfg.mode is UpdateMode.SYNC,
         )
+        self._client = client
         master = MasterClient(
             lambda: self.store.master_address(timeout_s=1.0), retry_s=cfg.connect_timeout_s
         )
@@ -253,20 +284,33 @@ class Trainer:
         )
         self.store.register_trainer(self.name, {"pid": os.getpid()}, self._lease)
 
-    def _ps_address(self, index: int) -> str:
-        """The current address of PS ``index``, as the watch on ``ps/`` last saw it."""
+    def _ps_slot(self, index: int) -> PSSlot:
+        """The current claim of PS slot ``index``, as the watch on ``ps/`` last saw it."""
         with self._ps_cond:
             # Give the watch a moment to report a new claim before retrying.
             self._ps_cond.wait_for(lambda: index in self._ps_slots, timeout=0.5)
-            address = self._ps_slots.get(index)
-        if address is None:
+            slot = self._ps_slots.get(index)
+        if slot is None:
             raise CoordinationError(f"parameter server slot {index} is not claimed")
-        return address
+        return slot
 
-    def _on_ps_slots(self, slots: dict[int, str]) -> None:
+    def _on_ps_slots(self, slots: dict[int, PSSlot]) -> None:
         with self._ps_cond:
-            self._ps_slots = slots
+            self._ps_slots = dict(slots)
             self._ps_cond.notify_all()
+        if self._client is not None:
+            self._client.slots_changed(slots)
+
+    def _initial_values(self) -> Tensor:
+        """The job's initial parameters, flat as the parameter buffer (for an empty shard).
+
+        Every trainer builds the model under the same seed, so this is the
+        same on all of them, and a shard that lost its state restarts from
+        exactly the job's starting point (see the README's exactly-once section).
+        """
+        model = self.spec.instantiate(self.config.seed)
+        fresh = bind_flat_buffers(model, self.config.num_ps, self.config.big_array_bound)
+        return fresh.params
 
     def _loop(
         self, master: MasterClient, client: ParameterClient, progress: ProgressReporter
@@ -308,6 +352,8 @@ class Trainer:
         if task.pass_id != self._pass_id:
             self._pass_id = task.pass_id
             self._pass_batches = 0
+        self._task = task
+        self._acc = _Accumulator(first=task.offset, end=task.offset)
         try:
             for batch_id, (inputs, targets), num_records in self._task_batches(task):
                 if self.stop.is_set():
@@ -316,10 +362,12 @@ class Trainer:
                 # Progress is reported only once the push is acknowledged by
                 # every PS (it may be sent in the background, see overlap_push).
                 acknowledged = functools.partial(progress.update, task, task.offset + records)
-                loss = self._train_batch(inputs, targets, client, batch_id, acknowledged)
+                loss = self._train_batch(
+                    inputs, targets, client, batch_id, acknowledged, num_records=num_records
+                )
                 samples += len(targets)
                 loss_sum += loss * len(targets)
-            self._flush(client)
+            self._flush(client, functools.partial(progress.update, task, task.offset + records))
         except Exception as exc:
             progress.discard()
             report = master_pb2.ReportTaskRequest(
@@ -351,8 +399,9 @@ class Trainer:
             )
         except StaleTaskError as exc:
             # We were presumed dead (lease lost, or timed out) and the task went
-            # to another trainer: its gradients are in the model, but the
-            # ledger counts the other attempt. See the README's guarantee.
+            # to another trainer. Our pushes carried their keys, so the other
+            # attempt's pushes of the same records are duplicates: nothing was
+            # applied twice.
             log.warning("trainer %s: report of task %d rejected: %s", self.name, task.task_id, exc)
 
     def _task_batches(self, task: master_pb2.Task) -> Iterator[tuple[int, Batch, int]]:
@@ -382,6 +431,20 @@ class Trainer:
     def _model_version(self, client: ParameterClient) -> int:
         return max(client.versions, default=0)
 
+    def _forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """One mini-batch's forward and backward, accumulating into the gradient buffer."""
+        outputs = self.flat.model(inputs)
+        loss = self.spec.loss(outputs, targets)
+        if loss.dim() != 0:
+            raise ModelContractError(f"loss must return a scalar, got shape {tuple(loss.shape)}")
+        loss.backward()  # type: ignore[no-untyped-call]
+        if self._batches == 0 and not self.flat.grads_are_bound():
+            raise ModelContractError(
+                "a parameter's .grad was replaced during backward; elasticps needs "
+                "gradients to accumulate in place (do not call zero_grad(set_to_none=True))"
+            )
+        return loss
+
     def _train_batch(
         self,
         inputs: Tensor,
@@ -389,11 +452,14 @@ class Trainer:
         client: ParameterClient,
         batch_id: int,
         on_acknowledged: Callable[[], None] | None = None,
+        *,
+        num_records: int = 0,
     ) -> float:
         """Train one mini-batch; returns its loss.
 
         ``on_acknowledged`` runs once this batch's gradients, if pushed now,
-        are acknowledged by every PS.
+        are acknowledged by every PS. ``num_records`` is the records of the
+        task the batch covers (0 outside a task: no push key).
         """
         cfg = self.config
         on_event = self._on_event
@@ -407,20 +473,17 @@ class Trainer:
                 )
             )
         self._pass_batches += 1
-        outputs = self.flat.model(inputs)
-        loss = self.spec.loss(outputs, targets)
-        if loss.dim() != 0:
-            raise ModelContractError(f"loss must return a scalar, got shape {tuple(loss.shape)}")
-        loss.backward()  # type: ignore[no-untyped-call]
-        if self._batches == 0 and not self.flat.grads_are_bound():
-            raise ModelContractError(
-                "a parameter's .grad was replaced during backward; elasticps needs "
-                "gradients to accumulate in place (do not call zero_grad(set_to_none=True))"
-            )
+        if cfg.mode is UpdateMode.SYNC and not client.consistent:
+            # Never train on a mixture of versions (shards being realigned).
+            client.pull_consistent()
+        loss = self._forward_backward(inputs, targets)
         self._batches += 1
-        self._acc.batches += 1
-        self._acc.samples += len(targets)
-        if self._acc.batches % cfg.push_every == 0:
+        acc = self._acc
+        acc.batches += 1
+        acc.samples += len(targets)
+        acc.end += num_records
+        acc.window.append((inputs, targets))
+        if acc.batches % cfg.push_every == 0:
             self._push(
                 client,
                 want_params=self._batches % cfg.pull_every == 0,
@@ -442,6 +505,12 @@ class Trainer:
             )
         return cost
 
+    def _key(self, acc: _Accumulator) -> PushKey | None:
+        task = self._task
+        if task is None or acc.end <= acc.first:
+            return None
+        return PushKey(task.pass_id, task.task_id, acc.first, acc.end)
+
     def _push(
         self,
         client: ParameterClient,
@@ -449,24 +518,96 @@ class Trainer:
         want_params: bool,
         on_acknowledged: Callable[[], None] | None = None,
     ) -> None:
+        """Push the accumulated gradient with its key; compute it again while STALE."""
         acc = self._acc
-        grads = self.flat.grads
-        for lo, hi in self._frozen:
-            grads[lo:hi].zero_()  # pulled, never updated: the PS refuses non-zero gradients
-        if acc.batches > 1:
-            self.flat.grads.div_(acc.batches)  # mean of per-batch mean gradients
-        client.push(
-            acc.samples,
-            want_params=want_params or self.config.mode is UpdateMode.SYNC,
-            on_acknowledged=on_acknowledged,
-        )
-        self.flat.zero_grad()
-        self._acc = _Accumulator()
+        key = self._key(acc)
+        sync = self.config.mode is UpdateMode.SYNC
+        self._retrain_stale_inflight(client)
+        for attempt in range(MAX_STALE_RETRIES + 1):
+            grads = self.flat.grads
+            for lo, hi in self._frozen:
+                grads[lo:hi].zero_()  # pulled, never updated: the PS refuses non-zero gradients
+            if acc.batches > 1:
+                grads.div_(acc.batches)  # mean of per-batch mean gradients
+            handle = client.push(
+                acc.samples,
+                want_params=want_params or sync,
+                on_acknowledged=self._on_ack(on_acknowledged),
+                key=key,
+            )
+            self.flat.zero_grad()
+            if not handle.done:
+                # Sent in the background: a STALE answer is handled before the next push.
+                self._inflight = (handle, acc, on_acknowledged)
+                break
+            if not handle.stale:
+                break
+            if attempt == MAX_STALE_RETRIES:
+                raise ServiceUnavailableError(
+                    f"a push was answered STALE {MAX_STALE_RETRIES + 1} times in a row"
+                )
+            self._recompute(client, acc)
+        self._acc = _Accumulator(first=acc.end, end=acc.end)
 
-    def _flush(self, client: ParameterClient) -> None:
+    def _on_ack(self, then: Callable[[], None] | None) -> Callable[[], None] | None:
+        """Wrap an acknowledgement callback with the kill-after-ack test hook."""
+        if self._kill_after_ack is None:
+            return then
+
+        def acknowledged() -> None:
+            self._acknowledged_pushes += 1
+            if self._acknowledged_pushes == self._kill_after_ack:
+                log.warning("trainer %s: test hook: SIGKILL after push %d's acknowledgement",
+                            self.name, self._acknowledged_pushes)  # fmt: skip
+                os.kill(os.getpid(), signal.SIGKILL)
+            if then is not None:
+                then()
+
+        return acknowledged
+
+    def _recompute(self, client: ParameterClient, acc: _Accumulator) -> None:
+        """Compute ``acc``'s gradient again on fresh parameters (after a STALE answer)."""
+        client.pull()
+        if self.config.mode is UpdateMode.SYNC and not client.consistent:
+            client.pull_consistent()
+        self.flat.zero_grad()
+        for inputs, targets in acc.window:
+            self._forward_backward(inputs, targets)
+
+    def _retrain_stale_inflight(self, client: ParameterClient) -> None:
+        """If the push sent in the background was answered STALE, push it again now."""
+        inflight = getattr(self, "_inflight", None)
+        if inflight is None:
+            return
+        handle, acc, on_acknowledged = inflight
+        client.flush()
+        self._inflight = None
+        if not handle.stale:
+            return
+        log.info("trainer %s: a background push was stale; computing it again", self.name)
+        saved = self.flat.grads.clone()  # the accumulation in progress
+        for attempt in range(MAX_STALE_RETRIES + 1):
+            self._recompute(client, acc)
+            if acc.batches > 1:
+                self.flat.grads.div_(acc.batches)
+            retry = client.push(
+                acc.samples, want_params=True, on_acknowledged=None, key=self._key(acc)
+            )
+            if not retry.stale:
+                if on_acknowledged is not None:
+                    on_acknowledged()
+                break
+            if attempt == MAX_STALE_RETRIES:
+                raise ServiceUnavailableError(
+                    f"a push was answered STALE {MAX_STALE_RETRIES + 1} times in a row"
+                )
+        self.flat.grads.copy_(saved)
+
+    def _flush(self, client: ParameterClient, on_acknowledged: Callable[[], None]) -> None:
         """Push what is accumulated; return once every push of the task is acknowledged."""
         if self._acc.batches:
-            self._push(client, want_params=True)
+            self._push(client, want_params=True, on_acknowledged=on_acknowledged)
+        self._retrain_stale_inflight(client)
         client.flush()
 
 

@@ -1,4 +1,4 @@
-"""Tensor-plane frames: a fixed 40-byte header followed by a raw body.
+"""Tensor-plane frames: a fixed 76-byte header followed by a raw body.
 
 Why plain sockets
 =================
@@ -16,14 +16,14 @@ caller allocated once.
 Frame layout
 ============
 
-Every frame is a header of :data:`HEADER_SIZE` (40) bytes, packed
-little-endian as ``struct.Struct("<4sBBBBIIqqQ")``, then ``body_nbytes`` bytes
-of body::
+Every frame is a header of :data:`HEADER_SIZE` (76) bytes, packed
+little-endian as ``struct.Struct("<4sBBBBIIqqQQQIIIIBBH")``, then
+``body_nbytes`` bytes of body::
 
     offset  size  field          type  meaning
     ------  ----  -------------  ----  ------------------------------------------
          0     4  magic          4s    b"EPSF"
-         4     1  proto_version  u8    PROTO_VERSION (1)
+         4     1  proto_version  u8    PROTO_VERSION (2)
          5     1  msg_type       u8    MsgType
          6     1  dtype          u8    DType of the body elements (BYTES for JSON)
          7     1  flags          u8    Flags (only PUSH may set flags)
@@ -32,7 +32,43 @@ of body::
         16     8  model_version  i64   model version (>= 0)
         24     8  step           i64   training step (>= 0)
         32     8  body_nbytes    u64   body length in bytes
-        40     -  body                 body_nbytes bytes
+        40     8  epoch          u64   the PS slot epoch (see below)
+        48     8  task_id        u64   push key: the task
+        56     4  pass_id        u32   push key: the pass (epoch of training)
+        60     4  key_lo         u32   push key: first record, from the task's start
+        64     4  key_hi         u32   push key: end record (exclusive)
+        68     4  generation     u32   sync group generation (see below)
+        72     1  status         u8    PushStatus of a PUSH_OK or PARAMS reply
+        73     1  reserved       u8    0
+        74     2  reserved       u16   0
+        76     -  body                 body_nbytes bytes
+
+*Epoch.* Each claim of a parameter-server slot in etcd has an epoch that no
+other claim of that slot has (the etcd revision that created the slot key).
+A trainer sends the epoch it resolved with the server's address on every
+request, and a server refuses requests for another epoch, so a trainer never
+talks to a deposed server through a recycled address, and every reply names
+the epoch of the server that sent it. 0 means "no slot" (a server run
+without etcd, or a CONTROL request from a tool).
+
+*Push key.* A PUSH of a gradient computed for records ``[key_lo, key_hi)``
+of task ``task_id`` in pass ``pass_id`` carries them, so that a server
+applies every key at most once (:mod:`elasticps.pserver.coverage`). A PUSH
+without a key (``key_lo == key_hi == 0`` and ``task_id == pass_id == 0``,
+e.g. from the KVStore API) is applied every time. Only a non-empty PUSH may
+carry a key.
+
+*Generation.* In sync mode the servers of a job share a generation, which
+changes when the master realigns them after a server restart (every shard
+rolled back to one version). A PUSH of another generation is stale; a
+PARAMS reply names the generation, so a trainer can tell a consistent
+model (same generation and version on every shard) from a mixture.
+
+*Status.* A PUSH_OK or PARAMS reply to a PUSH says what became of it:
+:class:`PushStatus` APPLIED (0; also the value on every other frame),
+DUPLICATE (its key was held already: acknowledged, not applied again) or
+STALE (computed on another model version or generation: not applied; the
+trainer recomputes it on fresh parameters).
 
 Bodies come in three kinds:
 
@@ -77,6 +113,7 @@ one gather write, and Nagle's algorithm would only add latency to replies.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -105,6 +142,7 @@ __all__ = [
     "Flags",
     "FrameHeader",
     "MsgType",
+    "PushStatus",
     "decode_error",
     "decode_header",
     "discard_body",
@@ -122,10 +160,10 @@ __all__ = [
     "tensor_view",
 ]
 
-HEADER: Final = struct.Struct("<4sBBBBIIqqQ")
-HEADER_SIZE: Final[int] = 40
+HEADER: Final = struct.Struct("<4sBBBBIIqqQQQIIIIBBH")
+HEADER_SIZE: Final[int] = 76
 MAGIC: Final[bytes] = b"EPSF"
-PROTO_VERSION: Final[int] = 1
+PROTO_VERSION: Final[int] = 2
 MAX_JSON_BYTES: Final[int] = 1 << 20
 
 assert HEADER.size == HEADER_SIZE
@@ -211,6 +249,19 @@ class Flags(enum.IntFlag):
     """On PUSH: no gradient; the sender only joins the sync barrier. Body must be empty."""
 
 
+class PushStatus(enum.IntEnum):
+    """What a server did with a PUSH, carried in the ``status`` field of its reply."""
+
+    APPLIED = 0
+    """Applied (in sync mode: joined the step that was applied); also the value of
+    every frame that is not a reply to a PUSH."""
+    DUPLICATE = 1
+    """Its push key was held already: acknowledged, not applied again."""
+    STALE = 2
+    """Computed on another model version or generation: not applied. The
+    trainer pulls and computes the gradient again."""
+
+
 _ITEMSIZE: Final[dict[DType, int]] = {
     DType.BYTES: 1,
     DType.FLOAT32: 4,
@@ -236,6 +287,8 @@ TENSOR_TYPES: Final[frozenset[MsgType]] = frozenset(
     {MsgType.INIT_VALUES, MsgType.PUSH, MsgType.PARAMS}
 )
 """Message types whose body is a flat float tensor (PUSH may be empty with Flags.EMPTY)."""
+
+_STATUS_TYPES: Final[frozenset[MsgType]] = frozenset({MsgType.PUSH_OK, MsgType.PARAMS})
 
 REPLY_TYPES: Final[Mapping[MsgType, frozenset[MsgType]]] = {
     MsgType.HELLO: frozenset({MsgType.HELLO_OK, MsgType.ERROR}),
@@ -297,6 +350,14 @@ class FrameHeader:
         model_version: model version, 0..2**63-1.
         step: training step, 0..2**63-1.
         body_nbytes: body length in bytes, 0..2**64-1.
+        epoch: the parameter-server slot epoch, 0..2**64-1; 0: none.
+        task_id: push key task, 0..2**64-1.
+        pass_id: push key pass, 0..2**32-1.
+        key_lo: push key first record, 0..2**32-1.
+        key_hi: push key end record, 0..2**32-1; ``key_hi > key_lo`` on a
+            keyed PUSH, all four key fields 0 otherwise.
+        generation: sync group generation, 0..2**32-1.
+        status: :class:`PushStatus` of a reply to a PUSH; APPLIED otherwise.
     """
 
     msg_type: MsgType
@@ -307,6 +368,18 @@ class FrameHeader:
     model_version: int = 0
     step: int = 0
     body_nbytes: int = 0
+    epoch: int = 0
+    task_id: int = 0
+    pass_id: int = 0
+    key_lo: int = 0
+    key_hi: int = 0
+    generation: int = 0
+    status: PushStatus = PushStatus.APPLIED
+
+    @property
+    def keyed(self) -> bool:
+        """Whether this PUSH carries a push key."""
+        return self.key_hi > self.key_lo
 
 
 # --- header encoding and validation -----------------------------------------
@@ -322,6 +395,16 @@ def _check_consistency(h: FrameHeader) -> None:
     mt = h.msg_type
     if h.flags and mt is not MsgType.PUSH:
         raise FrameError(f"flags {int(h.flags):#04x} not allowed on {mt.name} (only on PUSH)")
+    if h.status is not PushStatus.APPLIED and mt not in _STATUS_TYPES:
+        raise FrameError(f"status {h.status.name} not allowed on {mt.name}")
+    if h.key_hi > h.key_lo:
+        if mt is not MsgType.PUSH or h.flags & Flags.EMPTY:
+            raise FrameError(f"a push key is allowed on a non-empty PUSH only, not {mt.name}")
+    elif h.key_lo or h.key_hi or h.task_id or h.pass_id:
+        raise FrameError(
+            f"malformed push key: task {h.task_id} pass {h.pass_id} "
+            f"records [{h.key_lo}, {h.key_hi})"
+        )
     if mt in JSON_TYPES:
         if h.dtype is not DType.BYTES:
             raise FrameError(f"{mt.name} frame must have dtype BYTES, got {h.dtype.name}")
@@ -345,7 +428,7 @@ def _check_consistency(h: FrameHeader) -> None:
             )
 
 
-def _validated_fields(h: FrameHeader) -> tuple[bytes, int, int, int, int, int, int, int, int, int]:
+def _validated_fields(h: FrameHeader) -> tuple[object, ...]:
     """Check ``h`` for encoding and return the values to pack into :data:`HEADER`."""
     try:
         mt = MsgType(h.msg_type)
@@ -355,6 +438,10 @@ def _validated_fields(h: FrameHeader) -> tuple[bytes, int, int, int, int, int, i
         dt = DType(h.dtype)
     except ValueError:
         raise FrameError(f"unknown dtype {h.dtype!r}") from None
+    try:
+        st = PushStatus(h.status)
+    except ValueError:
+        raise FrameError(f"unknown status {h.status!r}") from None
     if int(h.flags) & ~_KNOWN_FLAGS:
         raise FrameError(f"unknown flags bits in {int(h.flags):#x}")
     _check_range("sender", h.sender, 0, _U32_MAX)
@@ -362,11 +449,15 @@ def _validated_fields(h: FrameHeader) -> tuple[bytes, int, int, int, int, int, i
     _check_range("model_version", h.model_version, 0, _I64_MAX)
     _check_range("step", h.step, 0, _I64_MAX)
     _check_range("body_nbytes", h.body_nbytes, 0, _U64_MAX)
+    _check_range("epoch", h.epoch, 0, _U64_MAX)
+    _check_range("task_id", h.task_id, 0, _U64_MAX)
+    _check_range("pass_id", h.pass_id, 0, _U32_MAX)
+    _check_range("key_lo", h.key_lo, 0, _U32_MAX)
+    _check_range("key_hi", h.key_hi, 0, _U32_MAX)
+    _check_range("generation", h.generation, 0, _U32_MAX)
     fl = Flags(int(h.flags))
     # Callers may pass plain ints; the consistency rules compare enum members.
-    _check_consistency(
-        FrameHeader(mt, dt, fl, h.sender, h.num_samples, h.model_version, h.step, h.body_nbytes)
-    )
+    _check_consistency(dataclasses.replace(h, msg_type=mt, dtype=dt, flags=fl, status=st))
     return (
         MAGIC,
         PROTO_VERSION,
@@ -378,11 +469,20 @@ def _validated_fields(h: FrameHeader) -> tuple[bytes, int, int, int, int, int, i
         h.model_version,
         h.step,
         h.body_nbytes,
+        h.epoch,
+        h.task_id,
+        h.pass_id,
+        h.key_lo,
+        h.key_hi,
+        h.generation,
+        int(st),
+        0,
+        0,
     )
 
 
 def encode_header(h: FrameHeader) -> bytes:
-    """Validate a header and pack it into its 40-byte wire form.
+    """Validate a header and pack it into its 76-byte wire form.
 
     Checks every field range and the type rules of :func:`decode_header`
     except the receiver's size limits (``max_body_bytes``, ``max_json_bytes``).
@@ -391,7 +491,7 @@ def encode_header(h: FrameHeader) -> bytes:
         h: the header to encode.
 
     Returns:
-        :data:`HEADER_SIZE` (40) bytes.
+        :data:`HEADER_SIZE` (76) bytes.
 
     Raises:
         FrameError: if a field is unknown or out of range, or the fields
@@ -401,17 +501,17 @@ def encode_header(h: FrameHeader) -> bytes:
 
 
 def encode_header_into(h: FrameHeader, buf: bytearray | memoryview) -> None:
-    """Validate a header and pack it into the first 40 bytes of ``buf``.
+    """Validate a header and pack it into the first 76 bytes of ``buf``.
 
     The allocation-free variant of :func:`encode_header`.
 
     Args:
         h: the header to encode.
-        buf: a writable buffer of at least :data:`HEADER_SIZE` (40) bytes.
+        buf: a writable buffer of at least :data:`HEADER_SIZE` (76) bytes.
 
     Raises:
         FrameError: as :func:`encode_header`.
-        ValueError: if ``buf`` is shorter than 40 bytes or read-only.
+        ValueError: if ``buf`` is shorter than 76 bytes or read-only.
     """
     mv = memoryview(buf)
     if mv.readonly or mv.nbytes < HEADER_SIZE:
@@ -425,10 +525,10 @@ def decode_header(
     max_body_bytes: int,
     max_json_bytes: int = MAX_JSON_BYTES,
 ) -> FrameHeader:
-    """Decode and fully validate a 40-byte frame header.
+    """Decode and fully validate a 76-byte frame header.
 
     Args:
-        buf: exactly :data:`HEADER_SIZE` (40) bytes.
+        buf: exactly :data:`HEADER_SIZE` (76) bytes.
         max_body_bytes: largest tensor body the receiver accepts, in bytes
             (a server passes its shard size).
         max_json_bytes: largest JSON body the receiver accepts, in bytes.
@@ -454,9 +554,10 @@ def decode_header(
         raise FrameError(f"a frame header is {HEADER_SIZE} bytes, got {mv.nbytes}")
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
-    magic, version, mt_raw, dt_raw, fl_raw, sender, samples, mversion, step, nbytes = HEADER.unpack(
-        mv
-    )
+    (
+        magic, version, mt_raw, dt_raw, fl_raw, sender, samples, mversion, step, nbytes,
+        epoch, task_id, pass_id, key_lo, key_hi, generation, st_raw, pad8, pad16,
+    ) = HEADER.unpack(mv)  # fmt: skip
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != PROTO_VERSION:
@@ -471,12 +572,18 @@ def decode_header(
         dtype = DType(dt_raw)
     except ValueError:
         raise FrameError(f"unknown dtype {dt_raw}") from None
+    try:
+        status = PushStatus(st_raw)
+    except ValueError:
+        raise FrameError(f"unknown status {st_raw}") from None
     if fl_raw & ~_KNOWN_FLAGS:
         raise FrameError(f"unknown flags bits in {fl_raw:#04x}")
     if mversion < 0:
         raise FrameError(f"model_version {mversion} is negative")
     if step < 0:
         raise FrameError(f"step {step} is negative")
+    if pad8 or pad16:
+        raise FrameError("reserved header bytes must be 0")
     header = FrameHeader(
         msg_type=msg_type,
         dtype=dtype,
@@ -486,6 +593,13 @@ def decode_header(
         model_version=mversion,
         step=step,
         body_nbytes=nbytes,
+        epoch=epoch,
+        task_id=task_id,
+        pass_id=pass_id,
+        key_lo=key_lo,
+        key_hi=key_hi,
+        generation=generation,
+        status=status,
     )
     _check_consistency(header)
     if msg_type in JSON_TYPES:
@@ -645,7 +759,9 @@ def send_frame(sock: socket.socket, header: FrameHeader, body: Sequence[memoryvi
     _send_views(sock, [memoryview(raw), *views])
 
 
-_JSON_HEADER_FIELDS: Final = frozenset({"sender", "num_samples", "model_version", "step"})
+_JSON_HEADER_FIELDS: Final = frozenset(
+    {"sender", "num_samples", "model_version", "step", "epoch", "generation"}
+)
 
 
 def send_json(
@@ -658,7 +774,7 @@ def send_json(
         msg_type: one of :data:`JSON_TYPES`.
         obj: a JSON-serialisable mapping.
         **header_fields: optional ``sender``, ``num_samples``,
-            ``model_version`` and ``step`` header values.
+            ``model_version``, ``step``, ``epoch`` and ``generation`` header values.
 
     Raises:
         ValueError: if ``msg_type`` is not a JSON type, a header field name is
@@ -683,6 +799,8 @@ def send_json(
         model_version=header_fields.get("model_version", 0),
         step=header_fields.get("step", 0),
         body_nbytes=len(body),
+        epoch=header_fields.get("epoch", 0),
+        generation=header_fields.get("generation", 0),
     )
     send_frame(sock, header, (memoryview(body),))
 
@@ -729,8 +847,8 @@ def recv_header(
 
     Args:
         sock: a connected blocking stream socket.
-        scratch: a reusable buffer of at least :data:`HEADER_SIZE` (40) bytes;
-            its first 40 bytes are overwritten.
+        scratch: a reusable buffer of at least :data:`HEADER_SIZE` (76) bytes;
+            its first 76 bytes are overwritten.
         max_body_bytes: largest tensor body accepted, in bytes.
         max_json_bytes: largest JSON body accepted, in bytes.
 
@@ -741,7 +859,7 @@ def recv_header(
         ConnectionClosedError: if the peer closed before the first header byte
             (``clean`` is True) or in the middle of the header (``clean`` is False).
         FrameError: if the header is invalid (see :func:`decode_header`).
-        ValueError: if ``scratch`` is shorter than 40 bytes.
+        ValueError: if ``scratch`` is shorter than 76 bytes.
         OSError: on other socket errors, including ``TimeoutError``.
     """
     if len(scratch) < HEADER_SIZE:

@@ -1,0 +1,252 @@
+"""The master's side of the parameter servers: end-of-pass verification and sealing.
+
+The master talks to every parameter server over the tensor plane's CONTROL
+requests (:class:`~elasticps.snapshot.ControlClient`), addressed by slot and
+epoch: a request reaches only the server that holds the slot's current claim.
+:class:`PassVerifier` runs the end of every pass (see
+:mod:`elasticps.master.verify` for the rules): it asks each shard which
+records of the pass it holds, re-opens what some shard lacks, and seals the
+pass once every shard holds it all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+from elasticps.coord.store import JobStore, PSSlot
+from elasticps.errors import ElasticPSError, RemoteError
+from elasticps.master.verify import ShardCoverage, judge_pass, records_missing
+from elasticps.snapshot import ControlClient
+
+__all__ = ["PassVerifier", "ShardController"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 0.2
+
+
+class ShardsChangedError(ElasticPSError):
+    """A parameter server went away or was replaced during a round of requests."""
+
+
+class ShardController:
+    """CONTROL connections to every parameter server of a job, at their current epochs.
+
+    Args:
+        store: the job's store (to find the slots).
+        timeout_s: connect timeout and reply deadline, seconds.
+    """
+
+    def __init__(self, store: JobStore, *, timeout_s: float = 30.0) -> None:
+        self._store = store
+        self._timeout_s = timeout_s
+        self._clients: dict[int, tuple[PSSlot, ControlClient]] = {}
+
+    def slots(self, timeout_s: float) -> list[PSSlot]:
+        """Every slot's current claim (waits until all are claimed).
+
+        Raises:
+            CoordinationError: not all claimed in time, or etcd failed.
+        """
+        return self._store.wait_ps_slots(timeout_s)
+
+    def request_all(
+        self, body: Mapping[str, object], *, timeout_s: float | None = None
+    ) -> dict[int, dict[str, object]]:
+        """Send one CONTROL request to every server; their answers by slot.
+
+        Raises:
+            ShardsChangedError: a server could not be reached, or holds
+                another epoch than etcd says (it is being replaced).
+            RemoteError: a server refused the request.
+            CoordinationError: etcd failed.
+        """
+        slots = self.slots(self._timeout_s)
+        out: dict[int, dict[str, object]] = {}
+        for slot in slots:
+            client = self._client(slot)
+            try:
+                out[slot.index] = client.request(body, timeout_s=timeout_s)
+            except RemoteError as exc:
+                if exc.code == "not_initialized":
+                    # No trainer has said hello to it yet: it holds nothing.
+                    out[slot.index] = {"initialized": False, "sealed": False, "intervals": []}
+                    continue
+                if exc.code == "wrong_epoch":
+                    self._drop(slot.index)
+                    raise ShardsChangedError(str(exc)) from exc
+                raise
+            except ElasticPSError as exc:
+                self._drop(slot.index)
+                raise ShardsChangedError(
+                    f"parameter server {slot.index} at {slot.address}: {exc}"
+                ) from exc
+        return out
+
+    def _client(self, slot: PSSlot) -> ControlClient:
+        held = self._clients.get(slot.index)
+        if held is not None and held[0].epoch == slot.epoch:
+            return held[1]
+        self._drop(slot.index)
+        try:
+            client = ControlClient(slot.address, timeout_s=self._timeout_s, epoch=slot.epoch)
+        except ElasticPSError as exc:
+            raise ShardsChangedError(str(exc)) from exc
+        self._clients[slot.index] = (slot, client)
+        return client
+
+    def _drop(self, index: int) -> None:
+        held = self._clients.pop(index, None)
+        if held is not None:
+            held[1].close()
+
+    def close(self) -> None:
+        """Close every connection."""
+        for index in list(self._clients):
+            self._drop(index)
+
+
+class PassVerifier:
+    """Checks each finished pass on the parameter servers, then seals and completes it.
+
+    Runs on its own thread, one pass at a time, retrying through server
+    restarts until the pass is complete or the master stops.
+
+    Args:
+        store: the job's store.
+        task_records: task id -> records in the task.
+        done_tasks: returns the tasks done in the current pass.
+        reopen: re-opens tasks at records (task id -> record); the master's
+            queue mutation, made durable before it returns.
+        complete: completes a pass: ``complete(pass_id, records_lost,
+            passes_lost)``.
+        failed_tasks_of: the failed tasks of an earlier pass (from its summary).
+        stop: set when the master stops.
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        task_records: Mapping[int, int],
+        done_tasks: Callable[[], Sequence[int]],
+        reopen: Callable[[dict[int, int]], None],
+        complete: Callable[[int, int, Sequence[int]], None],
+        failed_tasks_of: Callable[[int], Sequence[int]],
+        stop: threading.Event,
+    ) -> None:
+        self._task_records = dict(task_records)
+        self._done_tasks = done_tasks
+        self._reopen = reopen
+        self._complete = complete
+        self._failed_tasks_of = failed_tasks_of
+        self._stop = stop
+        self._controller = ShardController(store)
+        self._lock = threading.Lock()
+        self._running: int | None = None
+
+    def start(self, pass_id: int) -> None:
+        """Verify ``pass_id`` in the background (once; a second call is ignored)."""
+        with self._lock:
+            if self._running == pass_id:
+                return
+            self._running = pass_id
+        threading.Thread(
+            target=self._run, args=(pass_id,), name=f"verify-pass-{pass_id}", daemon=True
+        ).start()
+
+    def close(self) -> None:
+        """Close the connections to the servers."""
+        self._controller.close()
+
+    def _run(self, pass_id: int) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._verify(pass_id)
+                    return
+                except ElasticPSError as exc:
+                    log.warning("pass %d: checking the parameter servers: %s; retrying",
+                                pass_id, exc)  # fmt: skip
+                    self._stop.wait(_RETRY_S)
+        finally:
+            with self._lock:
+                if self._running == pass_id:
+                    self._running = None
+
+    def _verify(self, pass_id: int) -> None:
+        answers = self._controller.request_all({"op": "coverage", "pass": pass_id})
+        reports = [_coverage(index, a) for index, a in sorted(answers.items())]
+        done = list(self._done_tasks())
+        verdict = judge_pass(self._task_records, done, reports)
+        if not verdict.complete:
+            log.warning(
+                "pass %d: parameter server(s) %s lack records of %d task(s) (%s records); "
+                "re-opening them (the servers that hold them drop them as duplicates)",
+                pass_id, sorted(verdict.missing), len(verdict.rewinds),
+                sum(verdict.missing.values()),
+            )  # fmt: skip
+            self._reopen(verdict.rewinds)
+            return
+        lost, passes_lost = self._lost_earlier_passes(pass_id, answers)
+        sealed = self._controller.request_all({"op": "seal", "pass": pass_id})
+        not_durable = sorted(i for i, a in sealed.items() if not a.get("durable"))
+        log.info(
+            "pass %d: every parameter server holds every record of it; sealed%s",
+            pass_id,
+            "" if not not_durable else f" (servers {not_durable} keep no checkpoints)",
+        )
+        self._complete(pass_id, lost, passes_lost)
+
+    def _lost_earlier_passes(
+        self, pass_id: int, answers: Mapping[int, Mapping[str, object]]
+    ) -> tuple[int, list[int]]:
+        """Records of sealed passes that a restored shard does not hold (lost for good)."""
+        lost = 0
+        passes: set[int] = set()
+        for index, answer in sorted(answers.items()):
+            sealed_through = answer.get("sealed_through", -1)
+            if not isinstance(sealed_through, int) or not answer.get("initialized", True):
+                sealed_through = -1
+            for earlier in range(sealed_through + 1, pass_id):
+                report = _coverage(
+                    index,
+                    self._controller.request_all({"op": "coverage", "pass": earlier})[index],
+                )
+                failed = set(self._failed_tasks_of(earlier))
+                done = [t for t in self._task_records if t not in failed]
+                missing = records_missing(self._task_records, done, report)
+                if missing:
+                    lost += missing
+                    passes.add(earlier)
+                    log.error(
+                        "parameter server %d lost %d records of pass %d for good: it was "
+                        "restored from a checkpoint older than that pass's seal (or from none)",
+                        index, missing, earlier,
+                    )  # fmt: skip
+        return lost, sorted(passes)
+
+
+def _coverage(index: int, answer: Mapping[str, object]) -> ShardCoverage:
+    raw = answer.get("intervals", [])
+    intervals: list[tuple[int, int, int]] = []
+    if isinstance(raw, list):
+        for item in raw:
+            if (
+                isinstance(item, list)
+                and len(item) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+            ):
+                intervals.append((item[0], item[1], item[2]))
+            else:
+                raise ElasticPSError(f"parameter server {index} sent a malformed interval")
+    return ShardCoverage(index, bool(answer.get("sealed")), intervals)
+
+
+def close_quietly(verifier: PassVerifier | None) -> None:
+    """Close a verifier's connections, ignoring errors."""
+    if verifier is not None:
+        with contextlib.suppress(ElasticPSError, OSError):
+            verifier.close()
