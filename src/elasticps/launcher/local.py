@@ -299,6 +299,8 @@ class LocalLauncher:
                     "--task-timeout-s", str(cfg.task_timeout_s),
                     "--max-task-timeouts", str(cfg.max_task_timeouts),
                     "--master-port", str(cfg.master_port if i == 0 else 0),
+                    "--mode", cfg.mode.value,
+                    "--checkpoint-every-s", str(cfg.checkpoint_every_s),
                 ],
             )  # fmt: skip
         checkpoints = (cfg.output / "ps-checkpoints").resolve()
@@ -320,6 +322,7 @@ class LocalLauncher:
                     "--checkpoint-dir", str(checkpoints),
                     "--checkpoint-every-s", str(cfg.checkpoint_every_s),
                     "--run-id", self.run_id,
+                    "--sync-reduction", cfg.sync_reduction,
                     "--claim-timeout-s", str(_FOREVER_S),
                     *resume,
                 ],

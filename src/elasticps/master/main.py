@@ -35,10 +35,11 @@ from typing import Any
 
 import grpc
 
-from elasticps.config import MasterConfig
+from elasticps.config import MasterConfig, UpdateMode
 from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
 from elasticps.errors import CoordinationError, PortInUseError
+from elasticps.master.align import SyncAligner
 from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.service import MasterService
 from elasticps.master.shards import PassVerifier, close_quietly
@@ -167,6 +168,7 @@ def serve_master(
     lease: KeptLease | None = None
     watch: Watch | None = None
     verifier: PassVerifier | None = None
+    aligner: SyncAligner | None = None
     health = _add_health(server)
     stop_active: Callable[[], None] | None = None
     try:
@@ -199,6 +201,8 @@ def serve_master(
         ready = service.awaiting_verification()
         if ready is not None:
             verifier.start(ready)
+        if config.mode is UpdateMode.SYNC:
+            aligner = SyncAligner(store, config.checkpoint_every_s, stop)
         if stop.is_set():  # the lease was lost while restoring
             return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
         master_pb2_grpc.add_MasterServicer_to_server(service, server)  # type: ignore[no-untyped-call]
@@ -219,6 +223,8 @@ def serve_master(
         if stop_active is not None:
             stop_active()
         close_quietly(verifier)
+        if aligner is not None:
+            aligner.close()
         health.enter_graceful_shutdown()  # readiness probes fail from now on
         if watch is not None:
             watch.cancel()

@@ -86,6 +86,32 @@ class ShardController:
                 ) from exc
         return out
 
+    def request_one(
+        self, index: int, body: Mapping[str, object], *, timeout_s: float | None = None
+    ) -> dict[str, object]:
+        """Send one CONTROL request to the server of slot ``index``.
+
+        Raises:
+            ShardsChangedError: the server could not be reached, holds another
+                epoch, or changed since the last look (ERROR ``changed``).
+            RemoteError: the server refused the request.
+            CoordinationError: etcd failed.
+        """
+        slot = self._store.ps_slots().get(index)
+        if slot is None:
+            raise ShardsChangedError(f"parameter server slot {index} is not claimed")
+        client = self._client(slot)
+        try:
+            return client.request(body, timeout_s=timeout_s)
+        except RemoteError as exc:
+            if exc.code in ("wrong_epoch", "changed"):
+                self._drop(index)
+                raise ShardsChangedError(str(exc)) from exc
+            raise
+        except ElasticPSError as exc:
+            self._drop(index)
+            raise ShardsChangedError(f"parameter server {index} at {slot.address}: {exc}") from exc
+
     def _client(self, slot: PSSlot) -> ControlClient:
         held = self._clients.get(slot.index)
         if held is not None and held[0].epoch == slot.epoch:
@@ -191,7 +217,12 @@ class PassVerifier:
             self._reopen(verdict.rewinds)
             return
         lost, passes_lost = self._lost_earlier_passes(pass_id, answers)
-        sealed = self._controller.request_all({"op": "seal", "pass": pass_id})
+        sealed: dict[int, dict[str, object]] = {}
+        for index, answer in sorted(answers.items()):
+            body: dict[str, object] = {"op": "seal", "pass": pass_id}
+            if isinstance(answer.get("version"), int):
+                body["if_version"] = answer["version"]
+            sealed[index] = self._controller.request_one(index, body)
         not_durable = sorted(i for i, a in sealed.items() if not a.get("durable"))
         log.info(
             "pass %d: every parameter server holds every record of it; sealed%s",

@@ -87,6 +87,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         max_staleness=config.max_staleness,
         unix_path=os.path.join(runtime_dir, "ps.sock"),
         gate=lambda: _wait_lease_valid(lease, stop),
+        reduction=config.sync_reduction,
     )
     watch = None
     checkpointer: ShardCheckpointer | None = None
@@ -245,6 +246,7 @@ def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None
                 mode=config.mode,
                 frozen=config.frozen,
                 max_staleness=config.max_staleness,
+                reduction=config.sync_reduction,
             )
             if config.mode is UpdateMode.SYNC:
                 # The other shards may be past this version: wait until the

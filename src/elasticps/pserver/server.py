@@ -51,9 +51,11 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
   - ``thaw``: release this connection's freeze; answers ``{"shard", "version"}``.
   - ``coverage`` (``pass``): the records the shard holds in that pass:
     ``{"shard", "epoch", "pass", "sealed", "intervals": [[task, lo, hi], ...]}``.
-  - ``seal`` (``pass``): drop the pass's push keys (every shard holds them
-    all; the master checked), save a checkpoint if the server keeps them,
-    and answer ``{"shard", "epoch", "version", "durable"}``.
+  - ``seal`` (``pass``, optional ``if_version``): drop the pass's push keys
+    (every shard holds them all; the master checked), save a checkpoint if
+    the server keeps them, and answer ``{"shard", "epoch", "version",
+    "durable"}``. With ``if_version``, only if the shard is still at that
+    version (else ERROR ``changed``: it was restored or rolled back since).
   - ``save``: (sync mode, while this connection holds a freeze) save a
     checkpoint at the frozen version; answers ``{"shard", "version", "durable"}``.
   - ``checkpoints``: the versions of the checkpoints on stable storage:
@@ -61,7 +63,10 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
   - ``rollback`` (``version``; while this connection holds a freeze): load
     this server's own checkpoint at that version; the open round is dropped
     (its pushes answered stale) and the server stops serving until ``serve``.
-  - ``serve`` (``generation``): set the sync generation and serve again.
+  - ``serve`` (``generation``, optional ``version``): set the sync
+    generation and serve again; with ``version``, relabel the shard's version
+    first (a shard that lost its state, so that every shard's version counts
+    the same steps).
 
   A consistent checkpoint of every server is taken by
   :func:`elasticps.snapshot.take_consistent_checkpoint`. The tensor plane is
@@ -163,6 +168,7 @@ class ParameterServer:
             the ``shutdown`` control command.
         frozen: glob patterns of frozen parameters (see ``ParameterShard``).
         max_staleness: async staleness bound (see ``ParameterShard``).
+        reduction: sync reduction, ``"mean"`` or ``"sum"`` (see ``ParameterShard``).
         unix_path: also listen on this AF_UNIX path (at most 107 bytes; a
             stale socket file there is replaced; removed by :meth:`stop`).
             None: TCP only.
@@ -197,8 +203,13 @@ class ParameterServer:
         frozen: tuple[str, ...] = (),
         max_staleness: int | None = None,
         gate: Callable[[], None] | None = None,
+        reduction: str = "mean",
     ) -> None:
-        self._shard_options: dict[str, Any] = {"frozen": frozen, "max_staleness": max_staleness}
+        self._shard_options: dict[str, Any] = {
+            "frozen": frozen,
+            "max_staleness": max_staleness,
+            "reduction": reduction,
+        }
         self.shard_index = shard_index
         self.epoch = 0
         self.files: ShardFiles | None = None
@@ -651,6 +662,11 @@ class ParameterServer:
     def _op_seal(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
         pass_id = _int_field(msg, "pass")
         shard = self._initialized()
+        if "if_version" in msg and _int_field(msg, "if_version") != shard.version:
+            # Restored or rolled back since the master checked its coverage.
+            raise _RequestError(
+                "changed", f"the shard is at version {shard.version}, not {msg['if_version']}"
+            )
         shard.seal(pass_id)
         durable = False
         if self.files is not None:
@@ -690,6 +706,7 @@ class ParameterServer:
             "version": None if shard is None else shard.version,
             "generation": None if shard is None else shard.generation,
             "serving": None if shard is None else shard.serving,
+            "mode": self.mode.value,
             "durable_versions": [] if self.files is None else self.files.durable_versions(),
         }
 
@@ -722,6 +739,8 @@ class ParameterServer:
     def _op_serve(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
         generation = _int_field(msg, "generation")
         shard = self._initialized()
+        if "version" in msg:
+            shard.relabel_version(_int_field(msg, "version"))
         shard.set_generation(generation)
         shard.set_serving(True)
         log.info(

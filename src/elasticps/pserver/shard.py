@@ -248,6 +248,8 @@ class ParameterShard:
             parameters never change (see the module docstring).
         max_staleness: async only: default bound for :meth:`push` (drop
             gradients more than this many versions behind); None accepts any.
+        reduction: sync only: ``"mean"`` applies the trainers' gradients
+            averaged by samples, ``"sum"`` their sum.
 
     Raises:
         LayoutMismatchError: the layout is malformed.
@@ -263,7 +265,11 @@ class ParameterShard:
         *,
         frozen: Sequence[str] = (),
         max_staleness: int | None = None,
+        reduction: str = "mean",
     ) -> None:
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be mean or sum, got {reduction!r}")
+        self.reduction = reduction
         numel = layout.get("numel")
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise LayoutMismatchError(f"layout has an invalid numel: {numel!r}")
@@ -413,6 +419,12 @@ class ParameterShard:
         with self._cond:
             self._coverage.seal(pass_id)
             self._round_cov.seal(pass_id)
+
+    def relabel_version(self, version: int) -> None:
+        """Set the version number without changing the parameters (a shard that lost
+        its state is brought to the count of the others; the loss is reported)."""
+        with self._cond, self._values_lock.write():
+            self._version = version
 
     def set_generation(self, generation: int) -> None:
         """Set the sync generation (the master's realignment); pushes of others are stale."""
@@ -596,6 +608,7 @@ class ParameterShard:
         mode: UpdateMode,
         frozen: Sequence[str] = (),
         max_staleness: int | None = None,
+        reduction: str = "mean",
     ) -> ParameterShard:
         """A shard rebuilt from :meth:`state`'s output, layout and fingerprint included.
 
@@ -607,6 +620,7 @@ class ParameterShard:
             mode: the update mode to run from now on.
             frozen: frozen-parameter patterns to run with from now on.
             max_staleness: async staleness bound from now on.
+            reduction: sync reduction from now on.
 
         Raises:
             LayoutMismatchError: the layout or a tensor size is invalid.
@@ -617,7 +631,13 @@ class ParameterShard:
         if not isinstance(layout, dict) or not isinstance(fingerprint, str):
             raise ValueError("saved shard state needs a 'layout' object and a 'fingerprint'")
         shard = cls(
-            layout, fingerprint, optimizer, mode, frozen=frozen, max_staleness=max_staleness
+            layout,
+            fingerprint,
+            optimizer,
+            mode,
+            frozen=frozen,
+            max_staleness=max_staleness,
+            reduction=reduction,
         )
         shard.load_state(tensors, meta)
         return shard
@@ -895,7 +915,8 @@ class ParameterShard:
             applies = status is PushStatus.APPLIED and grad is not None and num_samples > 0
             if applies:
                 assert grad is not None
-                self._acc.add_(grad, alpha=float(num_samples))
+                weight = float(num_samples) if self.reduction == "mean" else 1.0
+                self._acc.add_(grad, alpha=weight)
                 self._acc_samples += num_samples
                 if key is not None:
                     self._round_keys.append(key)
@@ -922,7 +943,8 @@ class ParameterShard:
         ):
             return
         if self._acc_samples > 0:
-            self._acc.div_(float(self._acc_samples))
+            if self.reduction == "mean":
+                self._acc.div_(float(self._acc_samples))
             self._step(self._acc)
         elif self._round_has_gradient:
             # Every gradient of the round was a duplicate here (another shard

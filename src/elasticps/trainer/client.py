@@ -328,7 +328,7 @@ class _ShardConnection:
         want_params: bool,
         staged: bool = False,
         key: PushKey | None = None,
-        model_version: int | None = None,
+        computed_on: tuple[int, int] | None = None,
     ) -> None:
         flags = (Flags.EMPTY if empty else Flags.NONE) | (
             Flags.WANT_PARAMS if want_params else Flags.NONE
@@ -345,7 +345,7 @@ class _ShardConnection:
                 flags=flags,
                 sender=trainer_id,
                 num_samples=num_samples,
-                model_version=self.version if model_version is None else model_version,
+                model_version=self.version if computed_on is None else computed_on[0],
                 step=step,
                 body_nbytes=0 if empty else self.layout.numel * dtype.itemsize,
                 epoch=self.epoch,
@@ -353,7 +353,7 @@ class _ShardConnection:
                 pass_id=0 if k is None else k.pass_id,
                 key_lo=0 if k is None else k.lo,
                 key_hi=0 if k is None else k.hi,
-                generation=self.generation,
+                generation=self.generation if computed_on is None else computed_on[1],
             ),
             () if empty else views,
         )
@@ -801,7 +801,9 @@ class ParameterClient:
         self._last_push = handle
         # Sync: a re-sent push keeps the version it was computed on, so that a
         # server that no longer has that version answers STALE.
-        computed_on = {id(c): c.version for c in self._conns} if self._sync else None
+        computed_on = (
+            {id(c): (c.version, c.generation) for c in self._conns} if self._sync else None
+        )
 
         def send(c: _ShardConnection) -> PushStatus:
             c.push(
@@ -812,7 +814,7 @@ class ParameterClient:
                 want_params=want_params,
                 staged=staged,
                 key=key,
-                model_version=None if computed_on is None else computed_on[id(c)],
+                computed_on=None if computed_on is None else computed_on[id(c)],
             )
             return c.status
 
