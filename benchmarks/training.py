@@ -78,6 +78,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticps.config import LEDGER_ONLY_ENV
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 DDP_WORKER = BENCH / "ddp_worker.py"
@@ -125,6 +127,8 @@ MODELS = {
 CASES = (
     "elasticps-sync-1ps",
     "elasticps-sync-2ps",
+    "elasticps-sync-2ps-ledger",
+    "elasticps-async4-2ps-ledger",
     "elasticps-async4-1ps",
     "elasticps-async4-2ps",
     "ddp",
@@ -226,14 +230,18 @@ class Runner:
             self._subsets[rows] = subset
         return self._subsets[rows]
 
-    def _run(self, cmd: list[str], log: Path) -> tuple[str, float]:
+    def _run(
+        self, cmd: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> tuple[str, float]:
         """Run ``cmd`` to the end; returns its stdout and wall time. Raises on failure."""
-        outs, wall = self._run_together([cmd], [log])
+        outs, wall = self._run_together([cmd], [log], env=env)
         return outs[0], wall
 
-    def _run_together(self, cmds: list[list[str]], logs: list[Path]) -> tuple[list[str], float]:
+    def _run_together(
+        self, cmds: list[list[str]], logs: list[Path], env: dict[str, str] | None = None
+    ) -> tuple[list[str], float]:
         """Run ``cmds`` side by side to the end; returns their stdouts and the wall time."""
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONUNBUFFERED"] = "1"
         self.last_started = time.time()
         t0 = time.monotonic()
@@ -295,6 +303,7 @@ class Runner:
         epochs: int,
         every: int = 1,
         extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], float]:
         """One ``elasticps train`` job; returns its JSON line, its run.json and its wall time."""
         out = self._out_dir(f"{model.name}-{mode}{every}-{num_ps}ps")
@@ -320,7 +329,7 @@ class Runner:
             *extra,
         ]  # fmt: skip
         try:
-            stdout, wall = self._run(cmd, out / "job.log")
+            stdout, wall = self._run(cmd, out / "job.log", env=env)
         finally:
             self._reap(out / "job" / "pids.json", job)
         line = json.loads(stdout.strip().splitlines()[-1])
@@ -409,11 +418,18 @@ def run_case(runner: Runner, model: ModelCase, case: str, rep: int, epochs: int)
     """Run one throughput case once."""
     load = round(os.getloadavg()[0], 2)
     if case.startswith("elasticps-"):
-        _, mode_every, ps = case.split("-")
+        _, mode_every, ps, *variant = case.split("-")
         mode = "sync" if mode_every == "sync" else "async"
         every = 1 if mode == "sync" else int(mode_every.removeprefix("async"))
+        # "-ledger": the exactly-once machinery off (the A side of its cost).
+        env = {LEDGER_ONLY_ENV: "1"} if variant == ["ledger"] else None
         line, record, wall = runner.elasticps(
-            model, mode=mode, num_ps=int(ps.removesuffix("ps")), epochs=epochs, every=every
+            model,
+            mode=mode,
+            num_ps=int(ps.removesuffix("ps")),
+            epochs=epochs,
+            every=every,
+            env=env,
         )
         points = [(t, s) for t, _, s in record["timeline"]]
         rate, window = steady_rate(points)

@@ -9,6 +9,7 @@ dataclasses, never an ``argparse.Namespace``. Units are in the names:
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,19 @@ class OptimizerConfig:
             if self.torch_class:
                 updater.check_torch_optimizer(self.torch_class)
             updater.schedule_from_json(self.schedule)
+
+
+LEDGER_ONLY_ENV = "ELASTICPS_LEDGER_ONLY"
+"""Benchmarks only: ``1`` turns off the exactly-once machinery (push keys, the
+end-of-pass check on the parameter servers, sync realignment and aligned
+checkpoints), leaving the ledger's bookkeeping alone, to measure what the
+machinery costs (``benchmarks/training.py``). Never set it for real jobs: a
+parameter server restart then loses the updates since its last checkpoint."""
+
+
+def ledger_only() -> bool:
+    """Whether :data:`LEDGER_ONLY_ENV` is set (benchmarks measuring the machinery's cost)."""
+    return os.environ.get(LEDGER_ONLY_ENV, "") == "1"
 
 
 def check_job_name(job: str) -> str:

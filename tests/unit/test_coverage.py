@@ -3,6 +3,8 @@ of exactly-once: which push keys a shard has applied."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -111,5 +113,5 @@ def test_status_and_add_agree_with_a_set_of_records(
         assert got == {h for h in held if h[0] == task}
         ivs = cov.intervals(0, task)
         # Disjoint, sorted and merged: no two intervals touch.
-        assert all(a[1] < b[0] for a, b in zip(ivs, ivs[1:], strict=False))
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(ivs))
     assert cov.records(0) == len(held)

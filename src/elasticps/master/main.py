@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from elasticps.config import MasterConfig, UpdateMode
+from elasticps.config import MasterConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
 from elasticps.errors import CoordinationError, PortInUseError
@@ -109,7 +109,7 @@ def queue_config(config: MasterConfig) -> QueueConfig:
         task_timeout_s=config.task_timeout_s,
         max_task_timeouts=config.max_task_timeouts,
         num_passes=config.num_passes,
-        verify_passes=True,
+        verify_passes=not ledger_only(),
     )
 
 
@@ -191,17 +191,17 @@ def serve_master(
         active = service
         verifier = PassVerifier(
             store,
-            queue.task_records(),
-            active.done_tasks,
-            active.reopen,
-            active.complete_pass,
-            lambda p: _failed_tasks_of(store, p),
-            stop,
+            task_records=queue.task_records(),
+            done_tasks=active.done_tasks,
+            reopen=active.reopen,
+            complete=active.complete_pass,
+            failed_tasks_of=lambda p: _failed_tasks_of(store, p),
+            stop=stop,
         )
         ready = service.awaiting_verification()
         if ready is not None:
             verifier.start(ready)
-        if config.mode is UpdateMode.SYNC:
+        if config.mode is UpdateMode.SYNC and not ledger_only():
             aligner = SyncAligner(store, config.checkpoint_every_s, stop)
         if stop.is_set():  # the lease was lost while restoring
             return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK

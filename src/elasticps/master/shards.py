@@ -156,6 +156,7 @@ class PassVerifier:
     def __init__(
         self,
         store: JobStore,
+        *,
         task_records: Mapping[int, int],
         done_tasks: Callable[[], Sequence[int]],
         reopen: Callable[[dict[int, int]], None],

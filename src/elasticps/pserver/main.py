@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from elasticps.config import PSConfig, UpdateMode
+from elasticps.config import PSConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease
 from elasticps.errors import CoordinationError, ElasticPSError
 from elasticps.pserver.checkpoint import CheckpointHealth, ShardCheckpointer, ShardFiles
@@ -136,7 +136,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
             except ElasticPSError as exc:
                 log.warning("could not publish the checkpoint health: %s", exc)
 
-        if files is not None and config.mode is UpdateMode.ASYNC:
+        if files is not None and (config.mode is UpdateMode.ASYNC or ledger_only()):
             checkpointer = ShardCheckpointer(
                 files,
                 lambda: server.shard,
@@ -248,7 +248,7 @@ def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None
                 max_staleness=config.max_staleness,
                 reduction=config.sync_reduction,
             )
-            if config.mode is UpdateMode.SYNC:
+            if config.mode is UpdateMode.SYNC and not ledger_only():
                 # The other shards may be past this version: wait until the
                 # master has brought every shard to one version.
                 shard.set_serving(False)

@@ -56,8 +56,11 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
     the server keeps them, and answer ``{"shard", "epoch", "version",
     "durable"}``. With ``if_version``, only if the shard is still at that
     version (else ERROR ``changed``: it was restored or rolled back since).
-  - ``save``: (sync mode, while this connection holds a freeze) save a
-    checkpoint at the frozen version; answers ``{"shard", "version", "durable"}``.
+  - ``save``: (while this connection holds a freeze) copy the shard's state
+    at the frozen version and write it as a checkpoint in the background;
+    answers ``{"shard", "version", "writing"}`` at once (``checkpoints``
+    lists the version once it is written). ERROR ``busy`` while the previous
+    one is still being written.
   - ``checkpoints``: the versions of the checkpoints on stable storage:
     ``{"shard", "epoch", "version", "durable_versions": [...], "serving"}``.
   - ``rollback`` (``version``; while this connection holds a freeze): load
@@ -240,6 +243,7 @@ class ParameterServer:
         self._updated_any = False
         self._freezers: set[socket.socket] = set()
         self._resume: ConsistentCheckpoint | None = None
+        self._save_thread: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -691,12 +695,29 @@ class ParameterServer:
             raise _RequestError("not_frozen", "send freeze on this connection before save")
         if self.files is None:
             return {"epoch": self.epoch, "version": shard.version, "durable": False}
+        # Copied now, while frozen (a memory copy); written by a background
+        # thread after the reply, so the freeze lasts no longer than the copy.
+        # The file counts once written (``checkpoints`` lists it then).
         tensors, meta = shard.state()
-        try:
-            saved = self.files.save(tensors, meta)
-        except OSError as exc:
-            raise _RequestError("checkpoint_failed", f"cannot save the shard: {exc}") from exc
-        return {"epoch": self.epoch, "version": shard.version, "durable": saved is not None}
+        files = self.files
+        version = shard.version
+
+        def write() -> None:
+            try:
+                files.save(tensors, meta)
+            except (OSError, TypeError, ValueError) as exc:
+                log.error(
+                    "CHECKPOINT FAILED: ps %d could not save version %d: %s",
+                    self.shard_index, version, exc,
+                )  # fmt: skip
+
+        with self._cond:
+            previous = self._save_thread
+            if previous is not None and previous.is_alive():
+                raise _RequestError("busy", "the previous checkpoint is still being written")
+            self._save_thread = threading.Thread(target=write, name="ps-save", daemon=True)
+            self._save_thread.start()
+        return {"epoch": self.epoch, "version": version, "durable": False, "writing": True}
 
     def _op_checkpoints(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
         shard = self.shard

@@ -34,7 +34,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from elasticps.config import TrainerConfig, UpdateMode
+from elasticps.config import TrainerConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
@@ -226,6 +226,7 @@ class Trainer:
         self._task: master_pb2.Task | None = None
         self._inflight: tuple[PushHandle, _Accumulator, Callable[[], None] | None] | None = None
         self._acknowledged_pushes = 0
+        self._ledger_only = ledger_only()
         kill_after = os.environ.get(KILL_AFTER_ACK_ENV)
         self._kill_after_ack = int(kill_after) if kill_after else None
 
@@ -507,7 +508,7 @@ class Trainer:
 
     def _key(self, acc: _Accumulator) -> PushKey | None:
         task = self._task
-        if task is None or acc.end <= acc.first:
+        if task is None or acc.end <= acc.first or self._ledger_only:
             return None
         return PushKey(task.pass_id, task.task_id, acc.first, acc.end)
 
