@@ -524,6 +524,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         "checkpoint": str(result.output),
         "wall_s": round(result.wall_s, 2),
         "samples_trained": result.samples,
+        "exactly_once": result.exactly_once,
     }
     if result.evaluation is not None:
         line["accuracy"] = result.evaluation["accuracy"]

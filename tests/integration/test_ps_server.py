@@ -23,6 +23,7 @@ from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ConfigError, RemoteError, ServiceUnavailableError
 from elasticps.netutil import LOOPBACK
 from elasticps.placement import Placement
+from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.server import ParameterServer
 from elasticps.snapshot import take_consistent_checkpoint
 from elasticps.testing import wait_for
@@ -39,6 +40,7 @@ from elasticps.wire.frame import (
     Flags,
     FrameHeader,
     MsgType,
+    PushStatus,
     local_host_id,
     recv_header,
     recv_json,
@@ -860,3 +862,86 @@ def test_background_push_interrupted_by_a_lost_server_is_resent_once_to_its_succ
     peer.client.pull()
     assert torch.equal(peer.params, values - grad)  # applied once, on the successor
     assert [s["pushes"] for s in shard_stats(peer)] == [1]
+
+
+# --- torn reads, epochs and push keys over the wire ---------------------------------
+
+
+class WideModel(nn.Module):
+    """One big parameter: a step over it takes long enough to overlap a pull."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(numel))
+
+
+def test_concurrent_pulls_never_see_half_a_step(cluster: Cluster) -> None:
+    """Every push of a gradient of ones moves every value by exactly -1 (SGD, lr 1),
+    so the values are equal everywhere between two steps. A pull that overlapped a
+    step without the shard's read lock would see two versions mixed."""
+    cluster.start(1, UpdateMode.ASYNC)
+    numel = 1 << 21  # 8 MiB of float32
+    pusher_flat = bind_flat_buffers(WideModel(numel), 1, numel + 1)
+    puller_flat = bind_flat_buffers(WideModel(numel), 1, numel + 1)
+    pusher = ParameterClient(
+        pusher_flat.placement, cluster.addresses, pusher_flat.params, pusher_flat.grads, 1
+    )
+    puller = ParameterClient(
+        puller_flat.placement, cluster.addresses, puller_flat.params, puller_flat.grads, 2
+    )
+    try:
+        pusher.hello(initialize=True)
+        puller.hello(initialize=False)
+        pusher_flat.grads.fill_(1.0)
+        stop = threading.Event()
+
+        def push_forever() -> None:
+            while not stop.is_set():
+                pusher.push(1, want_params=False)
+
+        thread = threading.Thread(target=push_forever, daemon=True)
+        thread.start()
+        try:
+            torn = 0
+            for _ in range(60):
+                puller.pull()
+                values = puller_flat.params
+                if not torch.equal(values, values[:1].expand_as(values)):
+                    torn += 1
+        finally:
+            stop.set()
+            thread.join(DEADLINE_S)
+        assert torn == 0, f"{torn} of 60 pulls saw a half-applied step"
+        assert puller.versions[0] > 0
+    finally:
+        pusher.close()
+        puller.close()
+
+
+def test_requests_for_another_epoch_are_refused(cluster: Cluster) -> None:
+    cluster.start(1, UpdateMode.ASYNC)
+    cluster.servers[0].epoch = 41
+    sock = cluster.raw()
+    send_frame(sock, FrameHeader(MsgType.PULL, epoch=40))
+    header = recv_header(sock, bytearray(HEADER_SIZE), max_body_bytes=0)
+    assert header.msg_type is MsgType.ERROR
+    assert recv_json(sock, header)["code"] == "wrong_epoch"
+    # The connection stays usable, and a control request may carry no epoch.
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header = recv_header(sock, bytearray(HEADER_SIZE), max_body_bytes=0)
+    assert header.msg_type is MsgType.CONTROL_OK
+
+
+def test_a_keyed_push_sent_twice_is_applied_once(cluster: Cluster) -> None:
+    values = initialized(cluster, 2, UpdateMode.ASYNC)
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=False)
+    peer.grads.fill_(1.0)
+    key = PushKey(0, 5, 0, 32)
+    first = peer.client.push(32, want_params=True, key=key)
+    again = peer.client.push(32, want_params=True, key=key)
+    assert first.statuses == [PushStatus.APPLIED] * 2
+    assert again.statuses == [PushStatus.DUPLICATE] * 2 and again.acknowledged
+    assert torch.equal(peer.params, values - 1.0)
+    coverage = [s.shard.coverage_of(0) for s in cluster.servers if s.shard is not None]
+    assert coverage == [(False, [(5, 0, 32)])] * 2

@@ -122,6 +122,8 @@ class JobResult:
             current master if an audit is missing.
         evaluation: ``accuracy`` / ``loss`` / ``samples`` on ``test.parquet``, if present.
         pids: pid of every child, by role.
+        exactly_once: whether every pass's records were shown applied once on
+            every shard, with nothing lost (see :func:`exactly_once_summary`).
     """
 
     output: Path
@@ -129,6 +131,7 @@ class JobResult:
     samples: int
     evaluation: dict[str, float] | None
     pids: dict[str, int] = field(default_factory=dict)
+    exactly_once: bool | None = None
 
 
 class LocalLauncher:
@@ -273,7 +276,14 @@ class LocalLauncher:
             }
             save_checkpoint(cfg.output, tensors, manifest)
             evaluation = evaluate(spec, tensors, test) if test is not None else None
-            result = JobResult(cfg.output, wall_s, samples, evaluation, dict(self._pid_log))
+            result = JobResult(
+                cfg.output,
+                wall_s,
+                samples,
+                evaluation,
+                dict(self._pid_log),
+                bool(exactly_once_summary(self._passes, cfg.epochs)["exactly_once"]),
+            )
             self._write_run_record(result)
             return result
         finally:
@@ -668,6 +678,7 @@ class LocalLauncher:
             if masters:
                 pid = masters[0].pid
         record: dict[str, object] = {
+            "action": event.action,
             "target": event.target,
             "pid": pid,
             "at_s": round(elapsed_s, 3),
@@ -678,6 +689,22 @@ class LocalLauncher:
         if pid is None:
             self._emit(f"[launcher] chaos: no running {event.target} to kill")
             return
+        if event.action == "pause":
+            self._emit(
+                f"[launcher] chaos: SIGSTOP {event.target} (pid {pid}) at {elapsed_s:.1f} s "
+                f"for {event.duration_s:g} s"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            resume = threading.Timer(event.duration_s, _continue, args=(pid,))
+            resume.daemon = True
+            resume.start()
+            return
+        if event.action == "lose":
+            index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
+            lost = self.config.output / "ps-checkpoints" / f"ps-{index}"
+            shutil.rmtree(lost, ignore_errors=True)
+            self._emit(f"[launcher] chaos: deleted {lost}")
         self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -775,6 +802,7 @@ class LocalLauncher:
             "chaos": self.chaos_log,
             "restarts": {c.role: c.restarts for c in self.children if c.restarts},
             "etcd_restarts": self._etcd_restarts,
+            **exactly_once_summary(self._passes, self.config.epochs),
             "passes": self._passes,
             "pass_evaluations": [e.as_dict() for e in self._pass_evaluations],
             "timeline": self.timeline,
@@ -785,6 +813,30 @@ class LocalLauncher:
         tmp = self.config.output / f"{name}.tmp"
         tmp.write_text(json.dumps(obj, indent=2) + "\n")
         tmp.replace(self.config.output / name)
+
+
+def exactly_once_summary(passes: list[dict[str, object]], epochs: int) -> dict[str, object]:
+    """The job-level verdict of the pass audits, for ``run.json`` (pure).
+
+    ``exactly_once`` is true only if every pass was audited and each was
+    checked on the parameter servers with nothing lost.
+    """
+    lost = sum(int(str(p.get("records_lost", 0))) for p in passes)
+    affected = sorted(
+        {int(q) for p in passes if isinstance(lst := p.get("passes_lost"), list) for q in lst}
+    )
+    return {
+        "exactly_once": len(passes) == epochs and all(p.get("exactly_once") for p in passes),
+        "records_lost": lost,
+        "passes_lost": affected,
+        "records_reopened": sum(int(str(p.get("records_reopened", 0))) for p in passes),
+    }
+
+
+def _continue(pid: int) -> None:
+    """SIGCONT a process paused by the chaos schedule (if it still exists)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def checkpoint_job(

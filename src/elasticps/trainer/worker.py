@@ -81,9 +81,10 @@ class _Accumulator:
 
 
 KILL_AFTER_ACK_ENV = "ELASTICPS_TEST_KILL_AFTER_ACK"
-"""Test hook: a trainer SIGKILLs itself right after its N-th push is acknowledged by
-every PS, before the progress report for it is sent (the window where a trainer's
-records are applied but not in the ledger). Unset in normal runs."""
+"""Test hook, ``"<trainer id>:<N>"``: that trainer SIGKILLs itself right after its
+N-th push is acknowledged by every PS, before the progress report for it is sent
+(the window where a trainer's records are applied but not yet in the ledger).
+Unset in normal runs."""
 
 MAX_STALE_RETRIES = 50
 """How many times a mini-batch is computed again after STALE answers before giving up."""
@@ -227,8 +228,10 @@ class Trainer:
         self._inflight: tuple[PushHandle, _Accumulator, Callable[[], None] | None] | None = None
         self._acknowledged_pushes = 0
         self._ledger_only = ledger_only()
-        kill_after = os.environ.get(KILL_AFTER_ACK_ENV)
-        self._kill_after_ack = int(kill_after) if kill_after else None
+        who, _, after = os.environ.get(KILL_AFTER_ACK_ENV, "").partition(":")
+        self._kill_after_ack = (
+            int(after) if after.isdigit() and who == str(config.trainer_id) else None
+        )
 
     def run(self) -> None:
         """Train until the master says the job is finished or ``stop`` is set.
