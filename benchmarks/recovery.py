@@ -16,9 +16,16 @@ dispatches, and prints one JSON line:
 - ``samples_per_s_before`` / ``samples_per_s_after``: training rate over
   the 5 s before the kill and the 5 s after recovery, from the launcher's
   timeline in ``run.json`` (samples of reported tasks).
-- ``target_s`` and ``within_target``: the targets of issue 3 (trainer: tasks
+- ``target_s`` and ``within_target``: the recovery targets (trainer: tasks
   re-queued within 2 s, and sync never stalls longer than 2 x lease TTL;
   PS: training resumes within 5 s; master failover to a standby: 3 s).
+- ``updates_lost`` and ``updates_duplicated``: from a second job with the same
+  fault, on the audit model (:mod:`elasticps.testing.audit`: one counter per
+  record, +1 per applied gradient): the counters short of, or above, the
+  number of passes, summed. Exactly-once is 0 and 0. ``reported_lost``,
+  ``reported_exactly_once``: what that job's ``run.json`` says; the
+  ``ps-lost`` scenario (a parameter server killed together with its
+  checkpoint files, which no recovery can undo) must report its loss.
 
 Usage::
 
@@ -49,6 +56,7 @@ from elasticps.coord.store import JobStore
 from elasticps.errors import ElasticPSError
 from elasticps.netutil import free_port
 from elasticps.snapshot import ControlClient
+from elasticps.testing.audit import check_run, write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples" / "mnist_mlp.py"
@@ -66,6 +74,7 @@ class Scenario:
     recovered_marker: str | None  # a log fragment; None: the end of the longest stall
     target_s: float
     extra: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 SCENARIOS = (
@@ -90,6 +99,24 @@ SCENARIOS = (
     ),
     Scenario("master-restart", "sync", "kill:master@40%", "first task dispatched", 10.0),
     Scenario("etcd-restart", "sync", "kill:etcd@40%", None, 2 * LEASE_TTL_S),
+    Scenario("ps-restart-async", "async", "kill:ps@40%", "first gradient accepted", 5.0),
+    Scenario(
+        "ps-partitioned",
+        "sync",
+        "pause:ps-0@40%:6s",
+        "first gradient accepted",
+        5.0,
+        ("--standby-ps", "1"),
+    ),
+    Scenario(
+        "trainer-after-ack",
+        "async",
+        "",
+        "left;",
+        2.0,
+        env=(("ELASTICPS_TEST_KILL_AFTER_ACK", "2:30"),),
+    ),
+    Scenario("ps-lost", "async", "lose:ps-0@60%", "first gradient accepted", 5.0),
 )
 
 
@@ -167,7 +194,61 @@ def _max_stall(samples: list[tuple[float, int, int]], start: float, end: float) 
     return max(b - a for a, b in itertools.pairwise(moves))
 
 
-def run_scenario(scenario: Scenario, data: Path, epochs: int) -> dict[str, object]:
+def _job(
+    scenario: Scenario, cmd: list[str], out: Path, poller: VersionPoller | None
+) -> tuple[int, str, str]:
+    env = {**os.environ, **dict(scenario.env)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if poller is not None:
+            poller.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            for pid in json.loads((out / "pids.json").read_text()).values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    return proc.returncode, stdout, stderr
+
+
+def _chaos(scenario: Scenario) -> list[str]:
+    return ["--chaos", scenario.chaos] if scenario.chaos else []
+
+
+def run_audit(scenario: Scenario, audit: Path, epochs: int) -> dict[str, object]:
+    """The same fault on the audit model: the updates lost and duplicated, measured."""
+    with tempfile.TemporaryDirectory(prefix="elasticps-recovery-audit-") as tmp:
+        out = Path(tmp) / "out"
+        cmd = [
+            sys.executable, "-m", "elasticps", "train",
+            "--model", str(audit / "audit_model.py"), "--data", str(audit),
+            "--output", str(out), "--optimizer", "sgd", "--lr", "1",
+            "--sync-reduction", "sum", "--push-every", "1", "--big-array-bound", "500",
+            "--trainers", "3", "--ps", "2", "--mode", scenario.mode,
+            "--epochs", str(epochs), "--records-per-task", "200",
+            "--lease-ttl-s", str(LEASE_TTL_S), "--checkpoint-every-s", "1", "--no-progress",
+            *_chaos(scenario), *scenario.extra,
+        ]  # fmt: skip
+        code, _, stderr = _job(scenario, cmd, out, None)
+        if code != 0:
+            return {"audit_error": stderr[-2000:]}
+        record = json.loads((out / "run.json").read_text())
+        result = check_run(out)
+    return {
+        "updates_lost": result.updates_lost,
+        "updates_duplicated": result.updates_duplicated,
+        "updates_expected": result.records * result.passes,
+        "reported_exactly_once": record.get("exactly_once"),
+        "reported_lost": record.get("records_lost"),
+        "reported_passes_lost": record.get("passes_lost"),
+        "records_reopened": record.get("records_reopened"),
+    }
+
+
+def run_scenario(scenario: Scenario, data: Path, audit: Path, epochs: int) -> dict[str, object]:
     port = free_port()
     job = "recovery"
     with tempfile.TemporaryDirectory(prefix="elasticps-recovery-") as tmp:
@@ -179,26 +260,23 @@ def run_scenario(scenario: Scenario, data: Path, epochs: int) -> dict[str, objec
             "--epochs", str(epochs), "--records-per-task", "200",
             "--lease-ttl-s", str(LEASE_TTL_S), "--checkpoint-every-s", "1",
             "--etcd-port", str(port), "--job", job, "--no-progress",
-            "--chaos", scenario.chaos, *scenario.extra,
+            *_chaos(scenario), *scenario.extra,
         ]  # fmt: skip
         poller = VersionPoller(f"127.0.0.1:{port}", job)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        finally:
-            poller.stop()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                for pid in json.loads((out / "pids.json").read_text()).values():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-        if proc.returncode != 0:
+        code, stdout, stderr = _job(scenario, cmd, out, poller)
+        if code != 0:
             return {"scenario": scenario.name, "error": stderr[-2000:]}
         record = json.loads((out / "run.json").read_text())
-    kill = record["chaos"][0]
-    kill_t = float(kill["wall_clock_s"])
+    if record["chaos"]:
+        kill_t = float(record["chaos"][0]["wall_clock_s"])
+        killed = record["chaos"][0]["target"]
+    else:  # a trainer killed by the test hook: the launcher's notice of it
+        notices = [
+            t for line in stderr.splitlines()
+            if "test hook: SIGKILL" in line and (t := _log_time(line)) is not None
+        ]  # fmt: skip
+        kill_t = min(notices) if notices else float("nan")
+        killed = "trainer (after an acknowledged push)"
     timeline = record["timeline"]
     end_t = float(timeline[-1][0]) if timeline else kill_t + 30
     stall = _max_stall(poller.samples, kill_t - 1.0, end_t)
@@ -217,7 +295,7 @@ def run_scenario(scenario: Scenario, data: Path, epochs: int) -> dict[str, objec
     result: dict[str, object] = {
         "scenario": scenario.name,
         "mode": scenario.mode,
-        "killed": kill["target"],
+        "killed": killed,
         "recovery_s": round(recovery_s, 3),
         "max_stall_s": round(stall, 3),
         "samples_per_s_before": _round(_rate(timeline, kill_t - 5, kill_t)),
@@ -225,11 +303,12 @@ def run_scenario(scenario: Scenario, data: Path, epochs: int) -> dict[str, objec
         "target_s": scenario.target_s,
         "within_target": recovery_s <= scenario.target_s,
         "accuracy": json.loads(stdout.strip().splitlines()[-1]).get("accuracy"),
-        "exactly_once": all(p.get("exactly_once") for p in record["passes"]),
+        "exactly_once": record.get("exactly_once"),
     }
     if scenario.name == "trainer-sync":
         result["sync_stall_target_s"] = 2 * LEASE_TTL_S
         result["sync_stall_within_target"] = stall <= 2 * LEASE_TTL_S
+    result.update(run_audit(scenario, audit, epochs))
     return result
 
 
@@ -248,17 +327,21 @@ def main() -> None:
     if args.only:
         scenarios = tuple(s for s in SCENARIOS if s.name in args.only.split(","))
     epochs = 2 if args.quick else args.epochs
-    with tempfile.TemporaryDirectory(prefix="elasticps-mnist-") as data:
+    with (
+        tempfile.TemporaryDirectory(prefix="elasticps-mnist-") as data,
+        tempfile.TemporaryDirectory(prefix="elasticps-audit-") as audit,
+    ):
         subprocess.run(
             [sys.executable, "-m", "elasticps", "data", "mnist", "--out", data],
             check=True,
             capture_output=True,
         )
+        write_dataset(Path(audit), 4000)
         summary = []
         for scenario in scenarios:
             runs = []
             for _ in range(args.repeat):
-                result = run_scenario(scenario, Path(data), epochs)
+                result = run_scenario(scenario, Path(data), Path(audit), epochs)
                 print(json.dumps(result), flush=True)
                 runs.append(result)
             good = [r for r in runs if "error" not in r]
@@ -271,6 +354,8 @@ def main() -> None:
                         ),
                         "target_s": scenario.target_s,
                         "runs": len(good),
+                        "updates_lost": [r.get("updates_lost") for r in good],
+                        "updates_duplicated": [r.get("updates_duplicated") for r in good],
                     }
                 )
     print(json.dumps({"summary": summary}), flush=True)

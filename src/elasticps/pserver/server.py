@@ -614,31 +614,44 @@ class ParameterServer:
                 "initialized": shard is not None,
                 "stats": None if stats is None else stats.__dict__,
             }
-            send_json(state.conn, MsgType.CONTROL_OK, body)
+            send_json(state.conn, MsgType.CONTROL_OK, body, epoch=self.epoch)
         elif op == "endpoints":
             send_json(
                 state.conn,
                 MsgType.CONTROL_OK,
                 {"shard": self.shard_index, "unix": self._unix_path, "host_id": self._host_id},
+                epoch=self.epoch,
             )
         elif op == "shutdown":
-            send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index})
+            send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index}, epoch=self.epoch)
             if self._on_shutdown is not None:
                 self._on_shutdown()
         elif op == "freeze":
-            send_json(state.conn, MsgType.CONTROL_OK, self._freeze(state.conn, msg))
+            send_json(
+                state.conn, MsgType.CONTROL_OK, self._freeze(state.conn, msg), epoch=self.epoch
+            )
         elif op == "snapshot":
-            send_json(state.conn, MsgType.CONTROL_OK, self._snapshot(state.conn, msg))
+            send_json(
+                state.conn, MsgType.CONTROL_OK, self._snapshot(state.conn, msg), epoch=self.epoch
+            )
         elif op == "thaw":
             self._release_freeze(state.conn)
             shard = self.shard
             version = None if shard is None else shard.version
             send_json(
-                state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index, "version": version}
+                state.conn,
+                MsgType.CONTROL_OK,
+                {"shard": self.shard_index, "version": version},
+                epoch=self.epoch,
             )
         elif op in _RECOVERY_OPS:
             reply = getattr(self, f"_op_{op}")(state.conn, msg)
-            send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index, **reply})
+            send_json(
+                state.conn,
+                MsgType.CONTROL_OK,
+                {"shard": self.shard_index, **reply},
+                epoch=self.epoch,
+            )
         else:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
 
