@@ -297,6 +297,11 @@ def test_a_new_master_restores_the_same_queue_from_etcd(
             "records_trained": 50,
             "duplicated_records": 0,
             "missing_records": 0,
+            "shards_checked": None,
+            "records_reopened": 0,
+            "records_lost": 0,
+            "passes_lost": [],
+            "failed_tasks": [],
             "exactly_once": True,
         }
     }

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from elasticps.coord.etcd_server import EtcdServer
-from elasticps.coord.store import JobStore
+from elasticps.coord.store import JobStore, PSSlot
 from elasticps.errors import RemoteError
 from elasticps.netutil import free_port
-from elasticps.pserver.checkpoint import load_shard, shard_checkpoint_path
+from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.snapshot import ControlClient, load_consistent_checkpoint, take_consistent_checkpoint
 from elasticps.testing import wait_for
 from elasticps.trainer.client import ParameterClient
@@ -120,7 +120,7 @@ class Clients:
         self._clients: list[ParameterClient] = []
 
     def connect(
-        self, addresses: Sequence[str], trainer_id: int, values: float | None = None
+        self, addresses: Sequence[PSSlot], trainer_id: int, values: float | None = None
     ) -> tuple[FlatModel, ParameterClient]:
         torch.manual_seed(0)
         flat = bind_flat_buffers(TinyModel(), len(addresses), BIG_ARRAY_BOUND)
@@ -201,29 +201,28 @@ def test_restarted_ps_reclaims_its_index_and_serves_its_checkpointed_values_and_
     args = ["--mode", "async", *ADAM, "--checkpoint-dir", ckpt, "--checkpoint-every-s", "60"]
     args += ["--checkpoint-every-versions", "1", "--claim-timeout-s", str(DEADLINE_S)]
     first = processes.start_ps(store.keys.job, *args, "--ps-port", free_port())
-    (address,) = store.ps_addresses(timeout_s=DEADLINE_S)
-    flat, client = clients.connect([address], trainer_id=1)
+    (slot,) = store.wait_ps_slots(DEADLINE_S)
+    flat, client = clients.connect([slot], trainer_id=1)
     client.hello(initialize=True)
     for seed in range(3):
         flat.grads.copy_(gradient(flat, seed))
         client.push(1, want_params=True)
     expected = flat.params.clone()
     assert client.versions == [3]
-    path = shard_checkpoint_path(ckpt, 0)
-    wait_for(
-        lambda: path.exists() and load_shard(path)[1]["version"] == 3,
-        "the checkpoint of version 3",
-        DEADLINE_S,
-    )
+    files = ShardFiles(ckpt, 0, slot.epoch)
+    wait_for(lambda: 3 in files.durable_versions(), "the checkpoint of version 3", DEADLINE_S)
 
     first.proc.send_signal(signal.SIGKILL)  # a crash: its lease is not revoked
     assert first.wait_exit() == -signal.SIGKILL
     # The only slot stays taken until the dead server's lease expires: the new
     # server must wait for it rather than fail.
     second = processes.start_ps(store.keys.job, *args, "--ps-port", free_port())
-    new_address = store.wait_ps_address(0, not_equal=address, timeout_s=DEADLINE_S)
+    wait_for(
+        lambda: store.slot_epoch(0) not in (None, slot.epoch), "a new claim of slot 0", DEADLINE_S
+    )
+    (new_slot,) = store.wait_ps_slots(DEADLINE_S)
 
-    fresh, fresh_client = clients.connect([new_address], trainer_id=2, values=7.0)
+    fresh, fresh_client = clients.connect([new_slot], trainer_id=2, values=7.0)
     fresh_client.hello(initialize=True)  # a server that asked for values would get 7s
 
     assert torch.equal(fresh.params, expected)
@@ -258,8 +257,9 @@ def test_consistent_checkpoint_during_async_pushes_holds_what_a_client_pulls_whi
     store.set_ps_desired(2)
     for _ in range(2):
         processes.start_ps(store.keys.job, "--mode", "async", *ADAM)
-    addresses = store.ps_addresses(timeout_s=DEADLINE_S)
-    flat, pusher = clients.connect(addresses, trainer_id=1)
+    slots = store.wait_ps_slots(DEADLINE_S)
+    addresses = [s.address for s in slots]
+    flat, pusher = clients.connect(slots, trainer_id=1)
     pusher.hello(initialize=True)
     stop = threading.Event()
     pushed = [0]
@@ -280,7 +280,7 @@ def test_consistent_checkpoint_during_async_pushes_holds_what_a_client_pulls_whi
         # Hold every server still, look at it as a client, then checkpoint it. The
         # checkpoint's own freeze and thaw leave our freeze in place.
         frozen_at = [hold.request({"op": "freeze"})["version"] for hold in holds]
-        observer, observer_client = clients.connect(addresses, trainer_id=9, values=7.0)
+        observer, observer_client = clients.connect(slots, trainer_id=9, values=7.0)
         observer_client.hello(initialize=False)
         manifest = take_consistent_checkpoint(
             addresses, tmp_path / "snap", ledger_revision=11, extra={"job": store.keys.job}
@@ -338,8 +338,9 @@ def two_ps_checkpoint(
             store.set_ps_desired(2)
             for _ in range(2):
                 procs.start_ps("resume-source", "--mode", "sync", *ADAM)
-            addresses = store.ps_addresses(timeout_s=DEADLINE_S)
-        flat, client = c.connect(addresses, trainer_id=1)
+            slots = store.wait_ps_slots(DEADLINE_S)
+            addresses = [s.address for s in slots]
+        flat, client = c.connect(slots, trainer_id=1)
         client.hello(initialize=True)
         for seed in range(3):
             flat.grads.copy_(gradient(flat, seed))
@@ -371,8 +372,9 @@ def test_resume_from_a_two_server_checkpoint_serves_the_same_parameters_on_any_s
     store.set_ps_desired(num_servers)
     for _ in range(num_servers):
         processes.start_ps(store.keys.job, "--mode", "sync", *ADAM, "--resume", source.path)
-    addresses = store.ps_addresses(timeout_s=DEADLINE_S)
-    flat, client = clients.connect(addresses, trainer_id=1, values=7.0)
+    slots = store.wait_ps_slots(DEADLINE_S)
+    [s.address for s in slots]
+    flat, client = clients.connect(slots, trainer_id=1, values=7.0)
 
     client.hello(initialize=True)  # a server that asked for values would get 7s
 
@@ -394,8 +396,9 @@ def test_control_ops_are_validated_and_a_closed_connection_releases_its_freeze(
 ) -> None:
     store.set_ps_desired(1)
     processes.start_ps(store.keys.job, "--mode", "async")
-    (address,) = store.ps_addresses(timeout_s=DEADLINE_S)
-    _, client = clients.connect([address], trainer_id=1)
+    (slot,) = store.wait_ps_slots(DEADLINE_S)
+    address = slot.address
+    _, client = clients.connect([slot], trainer_id=1)
     client.hello(initialize=True)
     control = ControlClient(address, timeout_s=DEADLINE_S)
     try:
@@ -425,10 +428,11 @@ def test_freeze_at_a_later_version_lets_pushes_through_until_it(
 ) -> None:
     store.set_ps_desired(1)
     processes.start_ps(store.keys.job, "--mode", "async")
-    (address,) = store.ps_addresses(timeout_s=DEADLINE_S)
-    flat, pusher = clients.connect([address], trainer_id=1)
+    (slot,) = store.wait_ps_slots(DEADLINE_S)
+    address = slot.address
+    flat, pusher = clients.connect([slot], trainer_id=1)
     pusher.hello(initialize=True)
-    _, observer = clients.connect([address], trainer_id=9)
+    _, observer = clients.connect([slot], trainer_id=9)
     observer.hello(initialize=False)
     hold = ControlClient(address, timeout_s=DEADLINE_S)
     other = ControlClient(address, timeout_s=DEADLINE_S)
