@@ -200,15 +200,17 @@ def _random_schedule(seed: int, kills: int) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", MODES)
 def test_random_kill_soak(audit_dir: Path, tmp_path: Path, mode: str) -> None:
-    """52 SIGKILLs of random roles (trainer, PS, active master, etcd) at random
-    moments of one job, with a standby master: every counter exact."""
-    epochs = 40 if mode == "async" else 30
+    """Over 50 SIGKILLs of random roles (trainer, PS, active master, etcd) at random
+    moments of one job, with a standby master: every counter exact. (60 are
+    scheduled: two that fall due at the same moment may find the second target
+    already dead, as a master killed twice in a row.)"""
+    epochs = 30
     record, audit = run_audit(
         audit_dir,
         tmp_path / "run",
         mode,
         epochs=epochs,
-        chaos=_random_schedule(11 if mode == "sync" else 12, 52),
+        chaos=_random_schedule(11 if mode == "sync" else 12, 60),
         extra=("--standby-masters", "1", "--max-restarts", "100"),
     )
     assert_exact(record, audit, epochs)

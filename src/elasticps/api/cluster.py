@@ -51,6 +51,12 @@ class Local:
         checkpoint_dir: if set, a consistent checkpoint of every PS is written
             there at the end (``manifest.json`` + safetensors; a
             :class:`~elasticps.events.Checkpointed` event follows).
+        checkpoint_every_s: seconds between the parameter servers' own
+            checkpoints (kept in the job's work directory), from which a
+            restarted server recovers without losing updates, > 0.
+        sync_reduction: sync mode: ``"mean"`` (the trainers' gradients
+            averaged by samples) or ``"sum"`` (summed; for losses summed over
+            the batch, and the audit model).
 
     Raises:
         ConfigError: a value is out of range.
@@ -67,8 +73,14 @@ class Local:
     task_timeout_s: float = 60.0
     startup_timeout_s: float = 60.0
     checkpoint_dir: Path | None = None
+    checkpoint_every_s: float = 10.0
+    sync_reduction: str = "mean"
 
     def __post_init__(self) -> None:
+        if self.sync_reduction not in ("mean", "sum"):
+            raise ConfigError(f"sync_reduction must be mean or sum, got {self.sync_reduction!r}")
+        if not self.checkpoint_every_s > 0:
+            raise ConfigError(f"checkpoint_every_s must be > 0, got {self.checkpoint_every_s}")
         try:
             object.__setattr__(self, "mode", UpdateMode(self.mode))
         except ValueError:

@@ -86,7 +86,8 @@ class ServersConfig:
         task_timeout_s: seconds before the master re-dispatches a pending task.
         lease_ttl_s: lease TTL of the master and the PS, seconds, >= 1.
         checkpoint_dir: directory for the PS's own shard checkpoints
-            (``--checkpoint-dir``), or None for none.
+            (``--checkpoint-dir``); None: ``ps-checkpoints/`` in the servers'
+            work directory (removed at the end).
         checkpoint_every_s: seconds between shard checkpoints, > 0.
         startup_timeout_s: seconds to wait for every PS slot to be claimed
             (and for the master to hold its lock), > 0.
@@ -352,11 +353,17 @@ class LocalServers:
             *ps_flags(cfg.optimizer),
             "--claim-timeout-s", repr(cfg.startup_timeout_s),
         ]  # fmt: skip
-        if cfg.checkpoint_dir is not None:
-            args += [
-                "--checkpoint-dir", str(Path(cfg.checkpoint_dir).resolve()),
-                "--checkpoint-every-s", repr(cfg.checkpoint_every_s),
-            ]  # fmt: skip
+        # Always: a restarted PS recovers from its own checkpoints.
+        checkpoints = (
+            Path(cfg.checkpoint_dir).resolve()
+            if cfg.checkpoint_dir is not None
+            else self.workdir / "ps-checkpoints"
+        )
+        args += [
+            "--checkpoint-dir", str(checkpoints),
+            "--checkpoint-every-s", repr(cfg.checkpoint_every_s),
+            "--run-id", cfg.job,
+        ]  # fmt: skip
         if cfg.frozen:
             args += ["--frozen", *cfg.frozen]
         return args + list(cfg.ps_args)

@@ -480,6 +480,8 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
         data_files=data_files,
         virtual_records=virtual_records,
         records_per_task=records_per_task,
+        checkpoint_every_s=cluster.checkpoint_every_s,
+        ps_args=("--sync-reduction", cluster.sync_reduction),
     )
     with (
         LocalServers(servers_config) as servers,
