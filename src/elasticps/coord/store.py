@@ -1193,27 +1193,6 @@ class JobStore:
             raise CoordinationError(f"cannot claim a PS slot: all {n} slots are taken")
         return index
 
-    def _ps_snapshot(self) -> tuple[int | None, dict[int, str]]:
-        """ps_desired and the claimed slots, from one consistent read.
-
-        ``ps_desired`` and ``ps/<i>`` share the prefix ``<root>ps``, so one range
-        read returns both at the same revision.
-        """
-        root_ps = self.keys.root + "ps"
-        with self._etcd("listing PS slots"):
-            response = self._client.get_prefix_response(root_ps)
-        desired: int | None = None
-        slots: dict[int, str] = {}
-        for kv in response.kvs:
-            key = kv.key.decode("utf-8")
-            if key == self.keys.ps_desired:
-                desired = self._decode_ps_desired(kv.value)
-            elif key.startswith(self.keys.ps_prefix):
-                suffix = key[len(self.keys.ps_prefix) :]
-                if suffix.isdigit():
-                    slots[int(suffix)] = _address_of(kv.value, key)
-        return desired, slots
-
     def ps_slots(self) -> dict[int, PSSlot]:
         """The claimed parameter-server slots with their epochs, from one read.
 
@@ -1318,24 +1297,7 @@ class JobStore:
             CoordinationError: the slots were not all claimed in time (the message
                 names the missing indices), or etcd failed.
         """
-        deadline = time.monotonic() + timeout_s
-        delays = _poll_delays()
-        while True:
-            desired, slots = self._ps_snapshot()
-            if desired is not None:
-                missing = [i for i in range(desired) if i not in slots]
-                if not missing:
-                    return [slots[i] for i in range(desired)]
-            if time.monotonic() >= deadline:
-                if desired is None:
-                    raise CoordinationError(
-                        f"{self.keys.ps_desired} was not set within {timeout_s:g} s"
-                    )
-                raise CoordinationError(
-                    f"parameter servers missing after {timeout_s:g} s: "
-                    f"slots {missing} of {desired} are not claimed"
-                )
-            _sleep_until_next_poll(delays, deadline)
+        return [slot.address for slot in self.wait_ps_slots(timeout_s)]
 
     def claim_ps_slot_within(
         self,

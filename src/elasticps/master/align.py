@@ -179,11 +179,14 @@ class SyncAligner:
                 generation,
             )
         finally:
-            for index in frozen:
-                try:
-                    self._controller.request_one(index, {"op": "thaw"})
-                except ElasticPSError as exc:
-                    log.info("thawing parameter server %d: %s", index, exc)
+            self._thaw(frozen)
+
+    def _thaw(self, frozen: list[int]) -> None:
+        for index in frozen:
+            try:
+                self._controller.request_one(index, {"op": "thaw"})
+            except ElasticPSError as exc:
+                log.info("thawing parameter server %d: %s", index, exc)
 
     def _save_aligned(self) -> None:
         states = self._controller.request_all({"op": "checkpoints"})
@@ -212,8 +215,4 @@ class SyncAligner:
                 self._controller.request_one(index, {"op": "save"}, timeout_s=120.0)
             log.debug("aligned checkpoint of %d shards at version %s", len(live), versions)
         finally:
-            for index in frozen:
-                try:
-                    self._controller.request_one(index, {"op": "thaw"})
-                except ElasticPSError as exc:
-                    log.info("thawing parameter server %d: %s", index, exc)
+            self._thaw(frozen)
