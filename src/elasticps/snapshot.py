@@ -44,6 +44,7 @@ from elasticps.pserver.checkpoint import decode_shard, write_atomic
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
 from elasticps.wire.frame import (
     HEADER_SIZE,
+    ConnectionClosedError,
     MsgType,
     decode_error,
     recv_header,
@@ -114,7 +115,7 @@ class ControlClient:
             send_json(self._sock, MsgType.CONTROL, body, epoch=self.epoch)
             header = recv_header(self._sock, self._scratch, max_body_bytes=0)
             answer = recv_json(self._sock, header)
-        except OSError as exc:  # ConnectionClosedError and TimeoutError included
+        except (OSError, ConnectionClosedError) as exc:  # TimeoutError included
             raise ServiceUnavailableError(
                 f"parameter server at {self.address} did not answer {body.get('op')!r}: {exc}"
             ) from exc

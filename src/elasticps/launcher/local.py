@@ -51,7 +51,14 @@ from elasticps.config import JobConfig, ManagerConfig
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore
 from elasticps.data.parquet import check_columns, count_rows, resolve_dataset
-from elasticps.errors import CoordinationError, DataError, ElasticPSError, JobFailedError
+from elasticps.errors import (
+    CoordinationError,
+    DataError,
+    ElasticPSError,
+    JobFailedError,
+    RemoteError,
+    ServiceUnavailableError,
+)
 from elasticps.evaluate import evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent
@@ -62,15 +69,11 @@ from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
-from elasticps.snapshot import take_consistent_checkpoint
-from elasticps.trainer.client import ParameterClient
-from elasticps.trainer.flat import bind_flat_buffers
+from elasticps.snapshot import load_consistent_checkpoint, take_consistent_checkpoint
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
 
-# Trainer id used by the launcher to pull the final parameters; never a real trainer's.
-LAUNCHER_CLIENT_ID = 2**31 - 1
 _POLL_S = 0.25
 # "Wait as long as it takes", in seconds, for flags that need a number.
 _FOREVER_S = 10.0 * 365 * 24 * 3600
@@ -247,7 +250,7 @@ class LocalLauncher:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
                 snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
-                tensors, versions = self._pull_final(spec, store)
+                tensors, versions = final_parameters(spec, cfg.output / "snapshot")
                 self._passes = self._pass_audits(store)
                 if len(self._passes) == cfg.epochs:
                     # A record is a sample (a Parquet row). The ledger's audits
@@ -763,28 +766,6 @@ class LocalLauncher:
 
     # --- the end -----------------------------------------------------------------
 
-    def _pull_final(
-        self, spec: ModelSpec, store: JobStore
-    ) -> tuple[dict[str, torch.Tensor], list[int]]:
-        cfg = self.config
-        flat = bind_flat_buffers(spec.instantiate(cfg.seed), cfg.ps, cfg.big_array_bound)
-        client = ParameterClient(
-            flat.placement,
-            store.wait_ps_slots(30),
-            flat.params,
-            flat.grads,
-            LAUNCHER_CLIENT_ID,
-        )
-        try:
-            client.hello(initialize=False)
-            versions = client.versions
-        finally:
-            client.close()
-        tensors = {
-            name: p.detach().clone().contiguous() for name, p in flat.model.named_parameters()
-        }
-        return tensors, versions
-
     def _write_run_record(self, result: JobResult) -> None:
         low, high = self.config.trainer_range
         record = {
@@ -839,8 +820,46 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+def final_parameters(
+    spec: ModelSpec, snapshot_dir: Path
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The model's parameters from a consistent checkpoint, shaped as the model's.
+
+    Returns:
+        ``(tensors, versions)``: parameter name -> tensor of its shape, and
+        each shard's model version.
+
+    Raises:
+        DataError: the checkpoint is unreadable, or does not hold the model's
+            parameters.
+    """
+    checkpoint = load_consistent_checkpoint(snapshot_dir)
+    model = spec.instantiate(0)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        flat = checkpoint.values.get(name)
+        if flat is None or flat.numel() != param.numel():
+            raise DataError(f"the final checkpoint in {snapshot_dir} lacks parameter {name!r}")
+        tensors[name] = flat.reshape(param.shape).contiguous()
+    shards = checkpoint.meta.get("shards")
+    versions = [
+        int(entry["version"])
+        for entry in (shards if isinstance(shards, list) else [])
+        if isinstance(entry, dict) and isinstance(entry.get("version"), int)
+    ]
+    return tensors, versions
+
+
+_CHECKPOINT_RETRY_CODES = frozenset({"freeze_timeout", "busy", "wrong_epoch", "not_frozen"})
+
+
 def checkpoint_job(
-    store: JobStore, out_dir: Path, extra: dict[str, object], *, timeout_s: float = 30.0
+    store: JobStore,
+    out_dir: Path,
+    extra: dict[str, object],
+    *,
+    timeout_s: float = 30.0,
+    retry_s: float = 120.0,
 ) -> dict[str, object]:
     """Take a consistent checkpoint of a running job and publish it in etcd.
 
@@ -849,24 +868,39 @@ def checkpoint_job(
     The manifest records the etcd revision of the task ledger at that moment,
     and is also written to ``/elasticps/<job>/checkpoints/<version>``.
 
+    A parameter server restarting meanwhile (killed, or replaced) is waited
+    for and the checkpoint taken again, for up to ``retry_s`` seconds.
+
     Args:
         store: the job's etcd view.
         out_dir: checkpoint directory (on a file system the PS can write).
         extra: more fields for the manifest.
         timeout_s: how long to wait for every PS to be present, seconds.
+        retry_s: how long to go on trying through server restarts, seconds.
 
     Returns:
         The manifest.
 
     Raises:
         CoordinationError: a PS slot is not claimed in time.
-        ServiceUnavailableError: a PS did not answer.
+        ServiceUnavailableError: a PS did not answer, again and again.
+        RemoteError: a PS refused the checkpoint.
     """
-    addresses = store.ps_addresses(timeout_s=timeout_s)
-    _, revision = store.get_prefix_json(store.keys.tasks_prefix)
-    manifest = take_consistent_checkpoint(
-        addresses, out_dir.resolve(), ledger_revision=revision, extra=extra
-    )
+    deadline = time.monotonic() + retry_s
+    while True:
+        addresses = store.ps_addresses(timeout_s=timeout_s)
+        _, revision = store.get_prefix_json(store.keys.tasks_prefix)
+        try:
+            manifest = take_consistent_checkpoint(
+                addresses, out_dir.resolve(), ledger_revision=revision, extra=extra
+            )
+            break
+        except (ServiceUnavailableError, RemoteError) as exc:
+            retryable = not isinstance(exc, RemoteError) or exc.code in _CHECKPOINT_RETRY_CODES
+            if not retryable or time.monotonic() >= deadline:
+                raise
+            log.warning("consistent checkpoint interrupted (%s); taking it again", exc)
+            time.sleep(0.2)
     version = manifest["version"]
     if isinstance(version, int):
         store.put_json(

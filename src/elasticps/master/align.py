@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 
 from elasticps.coord.store import JobStore, PSSlot
-from elasticps.errors import ElasticPSError
+from elasticps.errors import ElasticPSError, RemoteError
 from elasticps.master.shards import ShardController
 from elasticps.snapshot import shards_mid_step
 
@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 _CHECK_S = 0.5
 """How often the aligner looks for a shard that waits to be realigned, seconds."""
+
+_FINISH_ROUND_S = 2.0
+"""How long an aligned checkpoint waits for a shard to finish its open round, seconds."""
 
 
 def common_version(states: Mapping[int, Mapping[str, object]]) -> int | None:
@@ -202,11 +205,19 @@ class SyncAligner:
             mid = shards_mid_step([freezes[i] for i in live])
             for position in mid:
                 index = live[position]
-                freezes[index] = self._controller.request_one(
-                    index,
-                    {"op": "freeze", "finish_round": True, "timeout_s": 30.0},
-                    timeout_s=40.0,
-                )
+                try:
+                    freezes[index] = self._controller.request_one(
+                        index,
+                        {"op": "freeze", "finish_round": True, "timeout_s": _FINISH_ROUND_S},
+                        timeout_s=_FINISH_ROUND_S + 10.0,
+                    )
+                except RemoteError as exc:
+                    if exc.code != "freeze_timeout":
+                        raise
+                    # A round that does not close soon (a trainer being
+                    # replaced): skip this checkpoint rather than hold the job.
+                    log.info("aligned checkpoint skipped: %s", exc)
+                    return
             versions = {f.get("version") for f in freezes.values()}
             if len(versions) != 1:
                 log.info("aligned checkpoint skipped: shards at versions %s", versions)

@@ -316,6 +316,9 @@ def _watch_trainers(store: JobStore, service: MasterService) -> Watch:
         nonlocal known
         with known_lock:
             previous, known = known, set(current)
-        service.trainers_changed(set(current), previous)
+        # Also every trainer holding a task: one that registered and died while
+        # the watch was down (etcd restarting) was never seen, but its dispatch
+        # is in the ledger; without this its task would wait for its timeout.
+        service.trainers_changed(set(current), previous | service.pending_trainers())
 
     return store.watch_trainers(on_trainers, revision + 1)

@@ -334,6 +334,11 @@ class Trainer:
                     # Take part in the running step without a gradient, so that
                     # the trainers still working are not held up by us. If some
                     # trainer trained in that step, ask for work again at once.
+                    # From a consistent view only: an empty push that one shard
+                    # takes and another refuses as stale would leave the second
+                    # waiting for us in a step the first has closed.
+                    if not client.consistent:
+                        client.pull_consistent()
                     before = client.versions
                     client.push_empty()
                     if client.versions != before:
