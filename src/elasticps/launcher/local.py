@@ -249,7 +249,9 @@ class LocalLauncher:
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
-                snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                # A server may still die here: go on restarting it meanwhile.
+                with self._supervising():
+                    snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                 tensors, versions = final_parameters(spec, cfg.output / "snapshot")
                 self._passes = self._pass_audits(store)
                 if len(self._passes) == cfg.epochs:
@@ -642,6 +644,34 @@ class LocalLauncher:
             self._bar.close()
             self._bar = None
         return int(last.samples_done)
+
+    @contextlib.contextmanager
+    def _supervising(self) -> Iterator[None]:
+        """Run :meth:`_supervise` from a thread while the body runs (the end of a job).
+
+        Raises:
+            JobFailedError: supervision found a failure the job cannot survive.
+        """
+        done = threading.Event()
+        failures: list[JobFailedError] = []
+
+        def loop() -> None:
+            while not done.wait(_POLL_S):
+                try:
+                    self._supervise()
+                except JobFailedError as exc:
+                    failures.append(exc)
+                    return
+
+        thread = threading.Thread(target=loop, name="supervise-end", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+        if failures:
+            raise failures[0]
 
     def _await_trainers(self) -> None:
         """Give the trainers left time to exit on their own, as get_task tells them.
