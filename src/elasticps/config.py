@@ -13,10 +13,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elasticps.errors import ConfigError
 from elasticps.launcher.chaos import ChaosEvent
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
+from elasticps.schedules import schedule_from_json
+
+if TYPE_CHECKING:
+    import torch
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -54,7 +59,7 @@ class OptimizerConfig:
         options: JSON object of extra constructor keyword arguments
             (``{"betas": [0.9, 0.99]}``); empty for none.
         schedule: JSON learning-rate schedule by model version
-            (:func:`elasticps.updater.schedule_from_json`); empty for a constant lr.
+            (:func:`elasticps.schedules.schedule_from_json`); empty for a constant lr.
     """
 
     name: str = "adam"
@@ -92,13 +97,37 @@ class OptimizerConfig:
                 raise ConfigError("--optimizer-options must be a JSON object")
             if {"lr", "params"} & options.keys():
                 raise ConfigError("--optimizer-options cannot set 'lr' or 'params'")
-        if self.torch_class or self.schedule:
-            # Imported only then: elasticps.updater imports this module and torch.
-            from elasticps import updater
+        if self.torch_class:
+            check_torch_optimizer(self.torch_class)
+        schedule_from_json(self.schedule)
 
-            if self.torch_class:
-                updater.check_torch_optimizer(self.torch_class)
-            updater.schedule_from_json(self.schedule)
+
+# Optimizers whose step() needs a closure, or that need sparse gradients:
+# the PS calls step() without a closure on a dense flat tensor.
+_UNSUPPORTED_TORCH = {"LBFGS", "SparseAdam"}
+
+
+def check_torch_optimizer(class_name: str) -> type[torch.optim.Optimizer]:
+    """Return ``torch.optim.<class_name>``, checking that the PS can run it.
+
+    Imports torch (only when called, so that the CLI starts light). Also
+    available as :func:`elasticps.updater.check_torch_optimizer`.
+
+    Raises:
+        ConfigError: no such class, not a ``torch.optim.Optimizer`` subclass,
+            or one the PS cannot run (``LBFGS`` needs a closure,
+            ``SparseAdam`` sparse gradients).
+    """
+    import inspect
+
+    import torch
+
+    cls = getattr(torch.optim, class_name, None) if class_name.isidentifier() else None
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"torch.optim.{class_name} is not a torch.optim.Optimizer class")
+    if class_name in _UNSUPPORTED_TORCH or cls is torch.optim.Optimizer:
+        raise ConfigError(f"torch.optim.{class_name} cannot run on a parameter server")
+    return cls
 
 
 LEDGER_ONLY_ENV = "ELASTICPS_LEDGER_ONLY"

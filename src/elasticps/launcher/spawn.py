@@ -67,7 +67,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import IO, NoReturn, Protocol
 
@@ -86,6 +86,9 @@ SPAWN_TIMEOUT_S = 120.0
 """How long a spawn waits for the server (which may still be importing), seconds."""
 
 _PR_SET_PDEATHSIG = 1
+
+#: The module the fork server runs as (it calls :func:`serve`).
+_SERVER_MODULE = "elasticps.launcher.fork_server_main"
 
 
 def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -262,7 +265,7 @@ class ForkServer:
         try:
             self._proc = subprocess.Popen(
                 [
-                    *die_with_parent_prefix(), sys.executable, "-m", "elasticps.launcher.spawn",
+                    *die_with_parent_prefix(), sys.executable, "-m", _SERVER_MODULE,
                     str(theirs.fileno()), ",".join(preload),
                 ],
                 pass_fds=(theirs.fileno(),),
@@ -447,7 +450,12 @@ def exit_now(code: int) -> NoReturn:
 # --- the server process ----------------------------------------------------------------
 
 
-def _serve(sock: socket.socket, preload: Sequence[str]) -> None:
+#: What a forked child runs: the ``elasticps`` command's ``main`` (its argument list
+#: -> exit status), imported by the child after the fork.
+Entry = Callable[[list[str]], int]
+
+
+def _serve(sock: socket.socket, preload: Sequence[str], entry: Entry) -> None:
     """The server's loop: fork on request, report exits; return when the launcher hangs up."""
     for name in preload:
         importlib.import_module(name)
@@ -469,12 +477,14 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> None:
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
             if not data:
                 return
-            _spawn(sock, data, fds, server_fds)
+            _spawn(sock, data, fds, server_fds, entry)
         # A SIGCHLD may have raced with the select; reaping is cheap.
         _report_exits(sock)
 
 
-def _spawn(sock: socket.socket, data: bytes, fds: list[int], server_fds: tuple[int, ...]) -> None:
+def _spawn(
+    sock: socket.socket, data: bytes, fds: list[int], server_fds: tuple[int, ...], entry: Entry
+) -> None:
     request_id: object = None
     try:
         message = json.loads(data)
@@ -489,7 +499,7 @@ def _spawn(sock: socket.socket, data: bytes, fds: list[int], server_fds: tuple[i
         if pid == 0:
             os.close(ready_r)
             environment = {str(k): str(v) for k, v in env.items()}
-            _child([str(a) for a in args], environment, fds[0], server_fds, ready_w)
+            _child([str(a) for a in args], environment, fds[0], server_fds, ready_w, entry=entry)
         # As Popen does, answer once the child has its session, parent-death
         # signal and file descriptors: it closes ready_w then (or dies).
         os.close(ready_w)
@@ -504,9 +514,16 @@ def _spawn(sock: socket.socket, data: bytes, fds: list[int], server_fds: tuple[i
 
 
 def _child(
-    args: list[str], env: dict[str, str], out_fd: int, server_fds: tuple[int, ...], ready_fd: int
+    args: list[str],
+    env: dict[str, str],
+    out_fd: int,
+    server_fds: tuple[int, ...],
+    ready_fd: int,
+    *,
+    entry: Entry,
 ) -> None:
-    """Become ``elasticps <args>``, closing ``ready_fd`` once set up; never returns."""
+    """Become ``elasticps <args>`` (``entry(args)``), closing ``ready_fd`` once set up;
+    never returns."""
     code = 1
     try:
         server_pid = os.getppid()
@@ -530,9 +547,7 @@ def _child(
         os.environ.update(env)
         # The process whose death orphans us is the server, not the launcher.
         os.environ["ELASTICPS_PARENT_PID"] = str(server_pid)
-        from elasticps.cli import main
-
-        code = main(args)
+        code = entry(args)
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except BaseException:
@@ -577,7 +592,22 @@ def _set_parent_death_signal(signum: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def _main(argv: Sequence[str]) -> int:
+def serve(argv: Sequence[str], entry: Entry) -> int:
+    """Run the fork server until the launcher hangs up; the body of its process.
+
+    :mod:`elasticps.launcher.fork_server_main` calls this with the ``elasticps``
+    command's ``main`` as ``entry``. The entry is passed in, not imported here,
+    because the launchers import this module and the command imports the
+    launchers.
+
+    Args:
+        argv: ``[fd, preload]``: the inherited socket's file descriptor, and the
+            modules to import before the first fork, comma-separated.
+        entry: what each forked child runs with its ``elasticps`` arguments.
+
+    Returns:
+        The server's exit status, 0.
+    """
     fd, preload = int(argv[0]), [m for m in argv[1].split(",") if m]
     # Ctrl-C and the launcher's SIGTERM handling are the launcher's business;
     # we stop when its socket closes (or by SIGTERM from setpriv if it dies).
@@ -585,14 +615,8 @@ def _main(argv: Sequence[str]) -> int:
     started = time.monotonic()
     sock = socket.socket(fileno=fd)
     try:
-        _serve(sock, preload)
+        _serve(sock, preload, entry)
     finally:
         sock.close()
     log.debug("fork server ran for %.1f s", time.monotonic() - started)
     return 0
-
-
-if __name__ == "__main__":
-    # Nothing to clean up after _main; the launcher waits for this exit at
-    # the end of every job.
-    exit_now(_main(sys.argv[1:]))

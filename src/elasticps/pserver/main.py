@@ -28,7 +28,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -95,16 +94,14 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
     try:
         log.info("parameter server listening on %s; claiming a slot", server.address)
         try:
-            index = store.claim_ps_slot_within(
+            claim = store.claim_ps_slot_with_epoch(
                 server.address, lease, config.claim_timeout_s, cancel=stop, unix=server.unix_path
             )
         except CoordinationError:
             if stop.is_set() and not lease.lost.is_set():
                 return  # asked to stop while waiting for a slot: a clean exit
             raise
-        epoch = store.slot_epoch(index)
-        if epoch is None:
-            raise CoordinationError(f"parameter server slot {index} vanished after the claim")
+        index, epoch = claim.index, claim.epoch
         server.shard_index, server.epoch = index, epoch
         log.info("parameter server %d (epoch %d) serving on %s", index, epoch, server.address)
         if config.checkpoint_dir is not None:
@@ -190,10 +187,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
 
 def _lease_valid(lease: KeptLease) -> bool:
     """Whether the lease is known to be held now (see ``KeptLease.is_valid``)."""
-    is_valid = getattr(lease, "is_valid", None)
-    if callable(is_valid):
-        return bool(is_valid())
-    return not lease.lost.is_set()
+    return lease.is_valid()
 
 
 def _wait_lease_valid(lease: KeptLease, stop: threading.Event) -> None:
@@ -202,16 +196,10 @@ def _wait_lease_valid(lease: KeptLease, stop: threading.Event) -> None:
     Raises:
         ShardClosedError: the lease is lost or the server is stopping.
     """
-    while not _lease_valid(lease):
+    while not lease.is_valid():
         if lease.lost.is_set() or stop.is_set():
             raise ShardClosedError("parameter server lost its lease")
-        wait_valid = getattr(lease, "wait_valid", None)
-        if callable(wait_valid):
-            wait_valid(0.1)
-        else:
-            time.sleep(0.01)  # pragma: no cover - a lease without validity tracking
-    if lease.lost.is_set():
-        raise ShardClosedError("parameter server lost its lease")
+        lease.wait_valid(0.1)
 
 
 def _prewarm_optimizer(config: PSConfig) -> None:
