@@ -933,9 +933,13 @@ class EvictionPolicy:
         expire_versions: remove rows whose last update is at least this many
             versions old; 0 disables.
         min_count: remove rows updated fewer than this many times ...
-        count_window_versions: ... once they are at least this many versions
-            old (so a new row has a window to prove itself); >= 1 when
-            ``min_count`` > 0.
+        count_window_versions: ... once their first update is at least this
+            many versions old (so a new row has a window to prove itself);
+            >= 1 when ``min_count`` > 0.
+
+    Versions are the table's (:attr:`SparseTable.version`, one per apply);
+    a row's ``created_version`` and ``last_version`` are the versions its
+    first and last updates produced.
 
     Raises:
         ConfigError: a negative value, or ``min_count`` without a window.
