@@ -74,6 +74,7 @@ __all__ = [
     "SparseModule",
     "SparseOptimizer",
     "batch_ids",
+    "merge_gradients",
     "sparse_modules",
     "table_specs",
 ]
@@ -159,6 +160,20 @@ class LocalTable:
 
     def clear(self) -> None:
         """Forget the recorded leaves (``zero_grad``)."""
+        self._recorder.clear()
+
+    def set_table(self, table: SparseTable) -> None:
+        """Use ``table`` from now on (e.g. trained rows loaded for evaluation).
+
+        Raises:
+            SparseTableError: ``table`` has another spec than this module's.
+        """
+        if table.spec != self.table.spec:
+            raise SparseTableError(
+                f"sparse table {self.table.spec.name}: cannot use a table with spec "
+                f"{table.spec.describe()}, the module has {self.table.spec.describe()}"
+            )
+        self.table = table
         self._recorder.clear()
 
 
@@ -553,6 +568,34 @@ def batch_ids(model: nn.Module, inputs: object) -> dict[str, Tensor]:
         value = inputs[module.feature]
         ids = value[0] if isinstance(value, (tuple, list)) else value
         out[name] = torch.unique(torch.as_tensor(ids).reshape(-1).to(torch.int64))
+    return out
+
+
+def merge_gradients(
+    gradients: list[dict[str, SparseGrad]], scale: float = 1.0
+) -> dict[str, SparseGrad]:
+    """Sum the gradients of several mini-batches per table, times ``scale``.
+
+    For a trainer that pushes every n mini-batches: merge the n
+    :meth:`SparseBatch.gradients` with ``scale=1/n`` (the dense gradient
+    pushed is the mean of the n per-batch gradients too).
+
+    Args:
+        gradients: per mini-batch, table name -> :class:`SparseGrad`.
+        scale: factor applied to the sums.
+
+    Returns:
+        Table name -> :class:`SparseGrad` with unique ascending ids.
+    """
+    out: dict[str, SparseGrad] = {}
+    names = {name for grads in gradients for name in grads}
+    for name in sorted(names):
+        parts = [g[name] for g in gradients if name in g]
+        ids = torch.cat([p.ids for p in parts])
+        rows = torch.cat([p.grads for p in parts])
+        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        summed = torch.zeros(len(unique), rows.shape[1]).index_add_(0, inverse, rows)
+        out[name] = SparseGrad(unique, summed * scale if scale != 1.0 else summed)
     return out
 
 

@@ -250,3 +250,28 @@ def test_pushing_batch_gradients_to_tables_equals_local_training() -> None:
         assert torch.equal(
             servers[name].lookup(np.arange(N)), module.local.table.lookup(np.arange(N))
         )
+
+
+def test_merged_gradients_of_two_batches_equal_one_batch_of_both() -> None:
+    emb = enn.Embedding(N, DIM, name="e")
+    server = SparseTable(emb.spec)
+    pull = lambda s, i: server.lookup(i)  # noqa: E731
+    parts = []
+    for ids in (torch.tensor([1, 2]), torch.tensor([2, 3])):
+        batch = enn.SparseBatch(enn.table_specs(emb), pull=pull)
+        with batch.bind(emb):
+            emb(ids).sum().backward()
+        parts.append(batch.gradients())
+    merged = enn.merge_gradients(parts, scale=0.5)["e"]
+    assert merged.ids.tolist() == [1, 2, 3]
+    assert merged.grads[:, 0].tolist() == [0.5, 1.0, 0.5]
+
+
+def test_a_local_table_can_be_replaced_by_trained_rows() -> None:
+    emb = enn.Embedding(N, DIM, name="e")
+    trained = SparseTable(emb.spec)
+    trained.apply(torch.tensor([4]), torch.ones(1, DIM), 1.0)
+    emb.local.set_table(trained)
+    assert torch.equal(emb(torch.tensor([4]))[0], trained.lookup(torch.tensor([4]))[0])
+    with pytest.raises(SparseTableError, match="cannot use"):
+        emb.local.set_table(SparseTable(TableSpec("other", DIM)))

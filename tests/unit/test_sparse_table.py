@@ -22,6 +22,7 @@ from elasticps.pserver.sparse import (
     SparseSGD,
     SparseTable,
     TableSpec,
+    combine_gradients,
     concat_chunks,
     initial_rows,
     repartition,
@@ -499,3 +500,18 @@ def test_a_corrupt_part_is_reported(tmp_path: Path) -> None:
         list(chunks)
     with pytest.raises(DataError, match="cannot read"):
         load_table(tmp_path, "missing")
+
+
+def test_combined_sync_gradients_equal_the_dense_weighted_mean() -> None:
+    n = 6
+    a_ids, a_grads = torch.tensor([0, 2]), torch.randn(2, DIM)
+    b_ids, b_grads = torch.tensor([2, 5]), torch.randn(2, DIM)
+    ids, grads = combine_gradients([(a_ids, a_grads, 3.0), (b_ids, b_grads, 1.0)], DIM)
+    dense_a, dense_b = torch.zeros(n, DIM), torch.zeros(n, DIM)
+    dense_a[a_ids], dense_b[b_ids] = a_grads, b_grads
+    dense = (3.0 * dense_a + 1.0 * dense_b) / 4.0
+    assert ids.tolist() == [0, 2, 5]
+    torch.testing.assert_close(grads, dense[ids])
+    assert combine_gradients([], DIM)[0].numel() == 0
+    with pytest.raises(SparseTableError):
+        combine_gradients([(a_ids, a_grads, 0.0)], DIM)

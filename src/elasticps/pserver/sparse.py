@@ -537,6 +537,45 @@ def _apply_rule(
     rows.sub_(m / denom * step_size)
 
 
+def combine_gradients(
+    pushes: Sequence[tuple[Tensor, Tensor, float]], dim: int
+) -> tuple[Tensor, Tensor]:
+    """The weighted mean of several trainers' row gradients, for one sync step.
+
+    As the dense shard averages gradients weighted by samples: a row pushed
+    by some trainers only gets ``sum_t w_t g_t / sum_t w_t`` over *all*
+    pushes, as if the others had pushed a zero row for it (which is what
+    their dense gradient would hold).
+
+    Args:
+        pushes: ``(ids int64 [k_t] unique, grads float32 [k_t, dim], weight)``
+            per trainer; weights (samples) >= 0, not all 0 unless empty.
+        dim: row width.
+
+    Returns:
+        ``(ids, grads)``: int64 ``[k]`` unique ascending, float32 ``[k, dim]``.
+
+    Raises:
+        SparseTableError: shapes that do not match, or no positive weight.
+    """
+    if not pushes:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dim)
+    total = float(sum(w for _, _, w in pushes))
+    if not total > 0 or any(w < 0 for _, _, w in pushes):
+        raise SparseTableError("sparse pushes need weights >= 0 with a positive sum")
+    for ids, grads, _ in pushes:
+        if ids.dim() != 1 or tuple(grads.shape) != (len(ids), dim):
+            raise SparseTableError(
+                f"a sparse push has ids {list(ids.shape)} and grads {list(grads.shape)}, "
+                f"expected [k] and [k, {dim}]"
+            )
+    all_ids = torch.cat([ids.to(torch.int64) for ids, _, _ in pushes])
+    weighted = torch.cat([grads * (w / total) for _, grads, w in pushes])
+    unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+    out = torch.zeros(len(unique), dim, dtype=torch.float32).index_add_(0, inverse, weighted)
+    return unique, out
+
+
 # --- chunked storage -------------------------------------------------------------------------
 
 
