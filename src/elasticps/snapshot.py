@@ -127,6 +127,11 @@ class ControlClient:
             )
         return answer
 
+    def interrupt(self) -> None:
+        """Make a request blocked on this connection fail at once (from another thread)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Close the connection (a server thaws a freeze this connection held)."""
         with contextlib.suppress(OSError):
