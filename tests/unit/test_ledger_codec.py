@@ -235,6 +235,7 @@ def test_the_end_of_a_pass_writes_the_record_the_summary_and_the_meta_last() -> 
         "records_trained": 10,
         "duplicated_records": 0,
         "missing_records": 0,
+        "records_skipped": 0,
         "exactly_once": True,
     }
     assert json.loads(writes[2][1]) == queue.meta()

@@ -75,6 +75,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._on_stepped_down = on_stepped_down
         self._lock = threading.Condition()
         self._samples_done = 0
+        self._records_skipped = 0
         self._last_loss = math.nan
         self._stepped_down: str | None = None  # the reason, once stepped down
         self._stop = threading.Event()
@@ -104,6 +105,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     end=result.data.end,
                     timeout_s=self._timeout_s,
                     offset=result.offset,
+                    skip_budget=self._skip_budget(result.task_id),
                 )
             )
         if isinstance(result, Wait):
@@ -128,7 +130,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 success=request.success,
                 now=now,
                 error=request.error,
+                skipped=request.skipped,
+                skipped_batches=request.skipped_batches,
             )
+            self._records_skipped += request.skipped
             if request.success:
                 self._samples_done += request.samples
                 if request.samples:
@@ -153,7 +158,12 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 lambda now: (
                     None,
                     self._queue.report_progress(
-                        request.task_id, request.pass_id, request.attempt, request.offset, now
+                        request.task_id,
+                        request.pass_id,
+                        request.attempt,
+                        request.offset,
+                        now,
+                        skipped=request.skipped,
                     ),
                 )
             )
@@ -179,6 +189,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 samples_done=self._samples_done,
                 last_loss=self._last_loss,
                 tasks_done_all_passes=s.done_all_passes,
+                records_skipped=self._records_skipped,
             )
 
     # --- membership and lifecycle ------------------------------------------------
@@ -229,6 +240,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._timer.join(timeout=5)
 
     # --- internals ---------------------------------------------------------------
+
+    def _skip_budget(self, task_id: int) -> int:
+        """The task's skip budget, read right after its dispatch (the lock is free again)."""
+        with self._lock:
+            return self._queue.skip_budget(task_id)
 
     def _mutate(self, mutate: Callable[[float], tuple[_R, list[TaskEvent]]]) -> _R:
         """Apply one queue mutation and persist its events, in one critical section.
@@ -326,12 +342,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 log.log(
                     logging.INFO if s.exactly_once else logging.ERROR,
                     "pass %d completed: %d/%d tasks done, %d failed, %d records trained, "
-                    "exactly once: %s (duplicated %d, missing %d)",
+                    "%d skipped, exactly once: %s (duplicated %d, missing %d)",
                     s.pass_id,
                     s.done,
                     s.tasks,
                     s.failed,
                     s.records_trained,
+                    s.records_skipped,
                     s.exactly_once,
                     s.duplicated_records,
                     s.missing_records,
