@@ -964,9 +964,10 @@ def _internal_failure(exc: Exception) -> int:
     else:
         file_only(logging.ERROR, f"internal error: {what}", exc_info=exc)
         where = f"the log {log_file}"
+    end = " " if what.endswith((".", "?", "!")) else ". "
     print(
-        f"elasticps: internal error: {what}. This is a bug (or an infrastructure failure "
-        f"the log explains): please report it with {where}",
+        f"elasticps: internal error: {what}{end}Unless this is an infrastructure failure "
+        f"(a killed process, etcd gone), it is a bug: please report it with {where}",
         file=sys.stderr,
     )
     return EXIT_FAILURE

@@ -387,6 +387,39 @@ def test_a_second_job_on_an_output_in_use_refuses_and_a_killed_jobs_output_can_b
     assert set(job_pids(output).values()).isdisjoint(first_pids.values())
 
 
+def test_two_jobs_started_at_once_on_one_output_train_once(
+    mnist_dir: Path, tmp_path: Path, background: list[Background]
+) -> None:
+    output = tmp_path / "shared"
+    command = [
+        sys.executable, "-m", "elasticps", "train", "--model", str(MLP), "--data", str(mnist_dir),
+        "--output", str(output), "--no-progress", "--trainers", "1", "--ps", "1", "--epochs", "2",
+    ]  # fmt: skip
+    jobs = []
+    for name in ("a", "b"):
+        stderr_path = tmp_path / f"{name}.stderr"
+        with stderr_path.open("wb") as err:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+        jobs.append(Background(proc, output, stderr_path))
+        background.append(jobs[-1])
+
+    for job in jobs:
+        job.proc.wait(timeout=JOB_TIMEOUT_S)
+    winner, loser = sorted(jobs, key=lambda job: job.proc.returncode)
+
+    assert (winner.proc.returncode, loser.proc.returncode) == (0, 2), [
+        job.stderr()[-2000:] for job in jobs
+    ]
+    (line,) = loser.stderr().splitlines()
+    assert line.startswith("elasticps: error:"), line
+    assert "Traceback" not in loser.stderr()
+    assert f"in use by another job (host {socket.gethostname()}, pid {winner.proc.pid}," in (
+        loser.stderr()
+    )
+    record = json.loads((output / "run.json").read_text())
+    assert len(record["passes"]) == 2 and all(p["exactly_once"] for p in record["passes"])
+
+
 # --- internal failures ----------------------------------------------------------------------
 
 

@@ -120,7 +120,7 @@ def test_an_internal_failure_without_a_log_shows_the_traceback_and_status_1(
     err = capsys.readouterr().err
     assert "Traceback" in err
     last = err.splitlines()[-1]
-    assert last.startswith("elasticps: internal error: KeyError: 'oops'. This is a bug")
+    assert last.startswith("elasticps: internal error: KeyError: 'oops'. Unless this is an")
     assert last.endswith("please report it with the traceback above")
 
 
@@ -143,7 +143,8 @@ def test_an_internal_failure_with_a_log_file_is_one_line_naming_it(
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.splitlines() == [
-        "elasticps: internal error: ps-0 (pid 7) exited with status -9. This is a bug (or an "
-        f"infrastructure failure the log explains): please report it with the log {path}"
+        "elasticps: internal error: ps-0 (pid 7) exited with status -9. Unless this is an "
+        "infrastructure failure (a killed process, etcd gone), it is a bug: please report it "
+        f"with the log {path}"
     ]
     assert "Traceback" in path.read_text()

@@ -91,7 +91,7 @@ from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
 from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
-from elasticps.model_file import ModelSpec, describe_model_error, load_model_file
+from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
 from elasticps.snapshot import take_consistent_checkpoint, verify_snapshot_files
 from elasticps.trainer.client import ParameterClient
@@ -205,6 +205,7 @@ class LocalLauncher:
         self._user_errors: dict[str, str] = {}
         self._lock: OutputLock | None = None
         self._records_skipped = 0
+        self._num_parameters: int | None = None
 
     # --- public ---------------------------------------------------------------
 
@@ -229,6 +230,9 @@ class LocalLauncher:
         """
         cfg = self.config
         spec = load_model_file(cfg.model_path, cfg.model_class)
+        # Built once here, as every trainer will: its constructor and parameters
+        # are checked before launch, and its size sizes the checkpoints.
+        self._num_parameters = sum(p.numel() for p in spec.instantiate(cfg.seed).parameters())
         train = resolve_dataset(cfg.data, "train")
         check_columns(train, spec.columns)
         if count_rows(train) == 0:
@@ -267,7 +271,8 @@ class LocalLauncher:
         the launcher's log, ``OUTPUT/logs/launcher.log``, starts.
 
         Args:
-            spec: the model (its parameters size the checkpoints).
+            spec: the model (its parameters size the checkpoints; counted by
+                :meth:`validate`, or here if it did not run).
 
         Returns:
             The held lock; the caller releases it.
@@ -288,10 +293,11 @@ class LocalLauncher:
                     "checkpoint, or choose another --output"
                 )
             removed = remove_previous_run(cfg.output, keep=cfg.resume)
-            model = spec.instantiate(cfg.seed)
-            num_parameters = sum(p.numel() for p in model.parameters())
+            if self._num_parameters is None:
+                model = spec.instantiate(cfg.seed)
+                self._num_parameters = sum(p.numel() for p in model.parameters())
             needed = checkpoint_bytes_estimate(
-                num_parameters, optimizer_state_tensors(cfg.optimizer)
+                self._num_parameters, optimizer_state_tensors(cfg.optimizer)
             )
             check_free_space(cfg.output, needed)
             log_to_file(self._log_path("launcher"))
@@ -311,13 +317,9 @@ class LocalLauncher:
         """The final evaluation; what the model file raises on the test data is a user error."""
         try:
             return evaluate(spec, tensors, test)
-        except ElasticPSError:
-            raise
-        except Exception as exc:
-            cause = describe_model_error(exc, spec.path, str(self.config.model_path), "evaluation")
+        except BadRecordError as exc:
             raise BadRecordError(
-                f"evaluating the trained model on {test}: {cause} (the model is saved in "
-                f"{self.config.output})"
+                f"evaluating the trained model: {exc} (the model is saved in {self.config.output})"
             ) from exc
 
     def _log_path(self, role: str) -> Path:

@@ -11,7 +11,9 @@ A task names rows of a Parquet file, or records of the master's virtual
 source (:data:`~elasticps.master.main.VIRTUAL_SOURCE`): the Python API's
 trainers read those as ``itertools.islice(reader(), start, end)``, one
 record being one mini-batch. Gradients of frozen parameters are zeroed before
-every push.
+every push. With an ``on_event`` callback the trainer reports
+:class:`~elasticps.events.BeginIteration` / :class:`~elasticps.events.EndIteration`;
+without one, the training path does no event work at all.
 
 Bad records: when the model file's ``batch_to_tensors``, ``forward`` or
 ``loss`` raises on a mini-batch, the trainer logs one line naming the model
@@ -20,9 +22,7 @@ log file only). With ``--bad-records fail`` it then stops with a
 :class:`~elasticps.errors.BadRecordError` (exit status 2); with ``skip`` it
 drops the mini-batch and reports its records as skipped, until the task's
 skip budget (``Task.skip_budget``) is spent: then the task is reported
-failed, and the master sets it aside. With an ``on_event`` callback the trainer reports
-:class:`~elasticps.events.BeginIteration` / :class:`~elasticps.events.EndIteration`;
-without one, the training path does no event work at all.
+failed, and the master sets it aside.
 """
 
 from __future__ import annotations
