@@ -297,6 +297,7 @@ def test_a_new_master_restores_the_same_queue_from_etcd(
             "records_trained": 50,
             "duplicated_records": 0,
             "missing_records": 0,
+            "records_skipped": 0,
             "exactly_once": True,
         }
     }

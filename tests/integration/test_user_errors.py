@@ -189,6 +189,18 @@ def test_a_resume_checkpoint_with_a_truncated_shard_is_refused_before_launch(
     assert_refused_before_launch(outcome, output, str(shard), "truncated", str(size))
 
 
+def test_resuming_from_a_jobs_output_directory_names_its_snapshot(
+    mnist_dir: Path, finished_run: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "out"
+
+    outcome = train(
+        "--resume", finished_run, data=mnist_dir, output=output, timeout_s=REFUSAL_TIMEOUT_S
+    )
+
+    assert_refused_before_launch(outcome, output, str(finished_run / "snapshot"))
+
+
 def test_rerunning_a_finished_job_without_overwrite_is_refused_and_changes_nothing(
     mnist_dir: Path, finished_run: Path
 ) -> None:

@@ -252,6 +252,11 @@ class LocalLauncher:
         if cfg.resume is not None:
             if not cfg.resume.is_dir():
                 raise DataError(f"--resume {cfg.resume}: no such directory")
+            if (cfg.resume / "run.json").exists() and (cfg.resume / "snapshot").is_dir():
+                raise DataError(
+                    f"--resume {cfg.resume} is a job's output directory; its consistent "
+                    f"checkpoint is {cfg.resume / 'snapshot'}"
+                )
             verify_snapshot_files(cfg.resume)
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
