@@ -9,7 +9,9 @@ line wins.
 
 This is the one place where flags become configs (:mod:`elasticps.config`).
 User mistakes (:class:`~elasticps.errors.UserError`) are printed as one line
-without a traceback, and exit with status 2; other failures exit with 1.
+without a traceback, and exit with status 2; other failures exit with 1. A
+role command that cannot reach etcd, the master or a parameter server exits
+with 75 (``EX_TEMPFAIL``, see :func:`_run_role`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,15 @@ from elasticps.config import (
     TrainerConfig,
     UpdateMode,
 )
-from elasticps.errors import ConfigError, ElasticPSError, UserError
-from elasticps.launcher.chaos import parse_chaos
+from elasticps.errors import (
+    ConfigError,
+    CoordinationError,
+    ElasticPSError,
+    ServiceUnavailableError,
+    UserError,
+)
+from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
+from elasticps.launcher.supervisor import exit_status_for
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
 EXIT_USER_ERROR = 2
@@ -259,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--chaos",
         default="",
-        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s"',
+        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s", or '
+        'random kills "random:every=0.75-2.25s,roles=trainer+ps+master+standby+etcd,seed=1"',
     )
     train.add_argument(
         "--checkpoint-every-s",
@@ -430,6 +440,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         standby_ps=args.standby_ps,
         max_restarts=args.max_restarts,
         chaos=parse_chaos(args.chaos),
+        random_chaos=parse_random_chaos(args.chaos),
         checkpoint_every_s=args.checkpoint_every_s,
         resume=args.resume,
         max_staleness=args.max_staleness,
@@ -648,6 +659,17 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _run_role(run: Callable[[threading.Event], None]) -> int:
+    """Run a role command until it stops; its exit status tells its supervisor why.
+
+    0: stopped or done. 75 (``EX_TEMPFAIL``, "try again"): etcd, the master
+    or a parameter server could not be reached
+    (:class:`~elasticps.errors.CoordinationError`,
+    :class:`~elasticps.errors.ServiceUnavailableError`), printed as one line
+    ``elasticps: unavailable: ...``. A user error propagates to :func:`main`
+    (one line, status 2), anything else too (a traceback, status 1). The
+    mapping is :func:`elasticps.launcher.supervisor.exit_status_for`; what a
+    launcher does with each status is :mod:`elasticps.launcher.supervisor`.
+    """
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -658,7 +680,12 @@ def _run_role(run: Callable[[threading.Event], None]) -> int:
     parent = os.environ.get("ELASTICPS_PARENT_PID")
     if parent and parent.isdigit():
         threading.Thread(target=_stop_when_orphaned, args=(int(parent), stop), daemon=True).start()
-    run(stop)
+    try:
+        run(stop)
+    except (CoordinationError, ServiceUnavailableError) as exc:
+        logging.getLogger(__name__).debug("unavailable", exc_info=exc)
+        print(f"elasticps: unavailable: {' '.join(str(exc).split())}", file=sys.stderr)
+        return exit_status_for(exc)
     return 0
 
 

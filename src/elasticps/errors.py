@@ -40,6 +40,13 @@ class PortInUseError(UserError):
     """A port the user asked for is already bound by another process."""
 
 
+class JobUserError(UserError):
+    """A process of the job stopped on a user error (exit status 2).
+
+    The message is that process's own one-line error, prefixed with its role.
+    """
+
+
 # --- protocol and coordination -------------------------------------------
 
 

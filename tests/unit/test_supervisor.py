@@ -203,11 +203,13 @@ def test_deleted_roles_are_ignored() -> None:
     assert sup.failed is None
 
 
-def test_deaths_after_the_job_finished_are_ignored() -> None:
-    sup = make(max_restarts=0)
+def test_after_training_finished_trainer_deaths_are_ignored_and_servers_restarted() -> None:
+    sup = make(max_restarts=1)
     sup.handle(JobFinished())
-    assert isinstance(sup.handle(killed("ps-0", Kind.PS)), Ignore)
     assert isinstance(sup.handle(Exited("trainer-0", Kind.TRAINER, status=2)), Ignore)
+    assert isinstance(sup.handle(Exited("trainer-1", Kind.TRAINER, status=1)), Ignore)
+    # The final checkpoint still needs the servers.
+    assert isinstance(sup.handle(killed("ps-0", Kind.PS)), Restart)
     assert sup.failed is None
 
 
@@ -277,7 +279,7 @@ class SupervisorMachine(RuleBasedStateMachine):
     def server_exits(self, name: str, how: tuple[str, object]) -> None:
         event = build_exit(name, how)
         action = self.apply(event)
-        if self.failed is not None or self.finished:
+        if self.failed is not None:
             assert isinstance(action, Ignore)
             return
         if event.status == EXIT_USER_ERROR:
@@ -330,7 +332,7 @@ class SupervisorMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(SERVERS))
     def restart_failed(self, name: str) -> None:
         action = self.apply(RestartFailed(name, kind_of(name), "did not come up"))
-        if self.failed is not None or self.finished:
+        if self.failed is not None:
             assert isinstance(action, Ignore)
         elif self.restarts.get(name, 0) >= self.limit:
             assert isinstance(action, FailJob)

@@ -44,8 +44,10 @@ The policy:
   is no minimum below which it fails.
 - A role **deleted on purpose** (scaled down, stuck, the job ending) is
   not a failure: ignored.
-- After the **job finished**, deaths are ignored (the launcher is stopping
-  everything); after the job **failed**, every event is ignored.
+- Once **training finished** (the master says every pass is done), trainer
+  deaths are ignored: their work is done. Servers are still restarted: the
+  launcher needs them for the final checkpoint, until it stops them on
+  purpose. After the job **failed**, every event is ignored.
 
 Exit statuses of role processes (:func:`exit_status_for`): 0 done, 1 an
 internal error (a bug), 2 a user error (:class:`~elasticps.errors.UserError`),
@@ -92,6 +94,7 @@ __all__ = [
     "RestartFailed",
     "Supervisor",
     "SupervisorConfig",
+    "error_line",
     "exit_status_for",
     "exited_from_reason",
 ]
@@ -222,7 +225,7 @@ class Progressed:
 
 @dataclass(frozen=True)
 class JobFinished:
-    """The master says every pass is done: deaths no longer matter."""
+    """The master says every pass is done: trainer deaths no longer matter."""
 
 
 @dataclass(frozen=True)
@@ -367,7 +370,7 @@ class Supervisor:
 
     @property
     def finished(self) -> bool:
-        """Whether the job finished (told by :class:`JobFinished`)."""
+        """Whether training finished (told by :class:`JobFinished`)."""
         return self._finished
 
     @property
@@ -397,8 +400,8 @@ class Supervisor:
             return Ignore("the job is finished")
         if isinstance(event, Deleted):
             return Ignore(f"{event.name} was stopped on purpose")
-        if self._finished:
-            return Ignore(f"{event.name} ended after the job finished")
+        if self._finished and event.kind is Kind.TRAINER:
+            return Ignore(f"{event.name} ended after training finished")
         if isinstance(event, RestartFailed):
             return self._server_died(event.name, event.kind, f"could not restart: {event.reason}")
         if event.kind is Kind.TRAINER:
@@ -454,6 +457,24 @@ def _user_error_message(event: Exited) -> str:
     if event.message:
         return f"{event.name}: {event.message}"
     return f"{event.name} stopped on a user error (exit status 2); its log says which"
+
+
+_CLOSING = re.compile(r"^elasticps: (?:error: |unavailable: )?(?P<message>\S.*)$")
+
+
+def error_line(line: str) -> str | None:
+    """The message of a role's closing error line, or None for any other line.
+
+    A role process ends on an error with one line ``elasticps: error: ...``
+    (a user error), ``elasticps: unavailable: ...`` (status 75) or
+    ``elasticps: <Type>: ...`` (an internal error); the launchers keep the
+    last such line of each process for the :class:`Exited` event. Pure.
+
+    Args:
+        line: one line of the process's output, without the newline.
+    """
+    match = _CLOSING.match(line)
+    return match["message"] if match is not None else None
 
 
 _REASON = re.compile(r"^(exit|signal) (\d+)$")
