@@ -8,10 +8,16 @@ launcher (local processes or Kubernetes pods): ``master``, ``ps``,
 line wins.
 
 This is the one place where flags become configs (:mod:`elasticps.config`).
-User mistakes (:class:`~elasticps.errors.UserError`) are printed as one line
-without a traceback, and exit with status 2; other failures exit with 1. A
-role command that cannot reach etcd, the master or a parameter server exits
-with 75 (``EX_TEMPFAIL``, see :func:`_run_role`).
+
+Exit statuses (see ``docs/errors.md``): 0 success; 2 a user mistake
+(:class:`~elasticps.errors.UserError`: data, model file, paths, flags),
+printed as one line ``elasticps: error: ...`` without a traceback; 1 an
+internal failure, printed as one line ``elasticps: internal error: ...``
+naming the log that holds the traceback (the traceback goes to the terminal
+only when there is no log file). A role command that cannot reach etcd, the
+master or a parameter server exits with 75 (``EX_TEMPFAIL``, see
+:func:`_run_role`). A role process started by the local launcher
+(``ELASTICPS_LOG_FILE``) writes its full log to that file.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from elasticps.config import (
+    BAD_RECORDS,
     GRAD_COMPRESSIONS,
     OPTIMIZERS,
     PS_TRANSPORTS,
@@ -53,10 +60,14 @@ from elasticps.errors import (
 )
 from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
 from elasticps.launcher.supervisor import exit_status_for
+from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
+
+# Commands run as a job's role processes; they log to ELASTICPS_LOG_FILE when it is set.
+_ROLE_COMMANDS = frozenset({"master", "ps", "trainer"})
 
 
 def _env(flag: str, default: object) -> object:
@@ -170,6 +181,14 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         choices=PS_TRANSPORTS,
         default=_env("ps-transport", "auto"),
         help="auto: AF_UNIX to parameter servers on this host, TCP to others",
+    )
+    p.add_argument(
+        "--bad-records",
+        choices=BAD_RECORDS,
+        default=_env("bad-records", "fail"),
+        help="when the model file raises on a mini-batch: fail the job (one error line), or "
+        "skip the mini-batch and count its records as skipped (at most --max-task-timeouts "
+        "per task and pass; nulls in the data are then no error before launch)",
     )
 
 
@@ -286,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("run", type=Path, help="the run's --output directory")
     check.add_argument("--passes", type=int, default=None, help="default: the run's epochs")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="if --output holds a previous run (run.json, ps-checkpoints/, snapshot/, "
+        "model.safetensors), remove it first instead of refusing to start",
+    )
 
     scale = sub.add_parser("scale", help="change the wanted number of trainers of a running job")
     scale.add_argument("job", help="the job name (train --job)")
@@ -447,6 +472,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         sync_reduction=args.sync_reduction,
         spawn=args.spawn,
         eval_each_pass=args.eval_each_pass,
+        bad_records=args.bad_records,
+        overwrite=args.overwrite,
     )
 
 
@@ -602,6 +629,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         "samples_trained": result.samples,
         "exactly_once": result.exactly_once,
     }
+    if config.bad_records == "skip":
+        line["records_skipped"] = result.records_skipped
     if result.evaluation is not None:
         line["accuracy"] = result.evaluation["accuracy"]
         line["loss"] = result.evaluation["loss"]
@@ -683,8 +712,9 @@ def _run_role(run: Callable[[threading.Event], None]) -> int:
     try:
         run(stop)
     except (CoordinationError, ServiceUnavailableError) as exc:
-        logging.getLogger(__name__).debug("unavailable", exc_info=exc)
-        print(f"elasticps: unavailable: {' '.join(str(exc).split())}", file=sys.stderr)
+        line = f"elasticps: unavailable: {' '.join(str(exc).split())}"
+        file_only(logging.ERROR, line, exc_info=exc)
+        print(line, file=sys.stderr)
         return exit_status_for(exc)
     return 0
 
@@ -758,6 +788,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout_s,
         grad_compression=args.grad_compression,
         ps_transport=args.ps_transport,
+        bad_records=args.bad_records,
     )
     return _run_role(lambda stop: run_trainer(config, stop))
 
@@ -915,6 +946,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         "ELASTICPS_SEED": str(args.seed),
         "ELASTICPS_THREADS": str(args.threads),
         "ELASTICPS_LEASE_TTL_S": str(args.lease_ttl_s),
+        "ELASTICPS_BAD_RECORDS": args.bad_records,
     }
     master_args = (
         "--epochs", str(args.epochs),
@@ -1046,7 +1078,12 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``elasticps`` command; returns the exit status."""
+    """Entry point of the ``elasticps`` command; returns the exit status.
+
+    0 on success; 2 after a user error (one ``elasticps: error:`` line); 1
+    after an internal failure (one ``elasticps: internal error:`` line naming
+    the log with the traceback).
+    """
     try:
         args = build_parser().parse_args(argv)
         role = os.environ.get("ELASTICPS_ROLE", args.command)
@@ -1055,14 +1092,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
             stream=sys.stderr,
         )
+        log_file = environment_log_file()
+        if log_file is not None and args.command in _ROLE_COMMANDS:
+            log_to_file(log_file)
         return COMMANDS[args.command](args)
     except UserError as exc:
+        file_only(logging.ERROR, f"elasticps: error: {exc}", exc_info=exc)
         print(f"elasticps: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except ElasticPSError as exc:
+    except Exception as exc:
+        return _internal_failure(exc)
+
+
+def _internal_failure(exc: Exception) -> int:
+    """Report a failure that is not the user's: one line, and the traceback in the log."""
+    message = " ".join(str(exc).split())
+    what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if isinstance(exc, ElasticPSError) and message:
+        what = message  # our own errors say what failed in their message
+    log_file = active_log_file()
+    if log_file is None:
         traceback.print_exc(file=sys.stderr)
-        print(f"elasticps: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        where = "the traceback above"
+    else:
+        file_only(logging.ERROR, f"internal error: {what}", exc_info=exc)
+        where = f"the log {log_file}"
+    end = " " if what.endswith((".", "?", "!")) else ". "
+    print(
+        f"elasticps: internal error: {what}{end}Unless this is an infrastructure failure "
+        f"(a killed process, etcd gone), it is a bug: please report it with {where}",
+        file=sys.stderr,
+    )
+    return EXIT_FAILURE
 
 
 def run() -> None:

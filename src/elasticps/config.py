@@ -307,6 +307,14 @@ PS_TRANSPORTS = ("auto", "tcp", "unix")
 SPAWN_METHODS = ("fork", "exec")
 """Values of ``--spawn`` (:class:`JobConfig`): how the local launcher starts role processes."""
 
+BAD_RECORDS = ("fail", "skip")
+"""Values of ``--bad-records``: what a trainer does with a mini-batch the model file raises on."""
+
+
+def _check_bad_records(value: str) -> None:
+    if value not in BAD_RECORDS:
+        raise ConfigError(f"--bad-records must be one of {', '.join(BAD_RECORDS)}, got {value!r}")
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -335,6 +343,11 @@ class TrainerConfig:
             benchmarks/push_options.py). Only pushes handed an
             ``on_acknowledged`` callback go to the background, so progress
             is never reported for a push in flight.
+        bad_records: ``fail``: a mini-batch the model file's
+            ``batch_to_tensors``, ``forward`` or ``loss`` raises on stops the
+            trainer with a :class:`~elasticps.errors.BadRecordError`;
+            ``skip``: the mini-batch is dropped and its records are reported
+            as skipped (at most ``Task.skip_budget`` per attempt).
     """
 
     common: CommonConfig
@@ -353,8 +366,10 @@ class TrainerConfig:
     grad_compression: str = "none"
     ps_transport: str = "auto"
     overlap_push: bool = True
+    bad_records: str = "fail"
 
     def __post_init__(self) -> None:
+        _check_bad_records(self.bad_records)
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ConfigError(
                 f"--grad-compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "
@@ -431,6 +446,10 @@ class JobConfig:
             versions behind (``--max-staleness``); None accepts any.
         sync_reduction: sync: ``"mean"`` or ``"sum"`` of the trainers'
             gradients per step (``--sync-reduction``).
+        bad_records: ``fail`` or ``skip`` (see :class:`TrainerConfig`); with
+            ``skip``, nulls in the data's columns are no error before launch.
+        overwrite: an ``output`` that holds a previous run's files is cleaned
+            first instead of refused.
     """
 
     job: str
@@ -470,9 +489,12 @@ class JobConfig:
     spawn: str = "fork"
     eval_each_pass: bool = False
     random_chaos: RandomChaos | None = None
+    bad_records: str = "fail"
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        _check_bad_records(self.bad_records)
         if self.spawn not in SPAWN_METHODS:
             raise ConfigError(
                 f"--spawn must be one of {', '.join(SPAWN_METHODS)}, got {self.spawn!r}"

@@ -40,6 +40,20 @@ class PortInUseError(UserError):
     """A port the user asked for is already bound by another process."""
 
 
+class BadRecordError(DataError):
+    """A mini-batch could not be trained: the model file raised on it.
+
+    Raised by a trainer when the model file's ``batch_to_tensors``,
+    ``forward`` or ``loss`` raises on a mini-batch. The message is one line
+    naming the model file and line, the exception, and the task (file and
+    row range) the mini-batch came from.
+    """
+
+
+class OutputInUseError(UserError):
+    """Another job holds the lock of the output directory (``OUTPUT/.lock``)."""
+
+
 class JobUserError(UserError):
     """A process of the job stopped on a user error (exit status 2).
 

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from elasticps.data.parquet import RangeReader, check_columns, count_rows
-from elasticps.errors import ConfigError, DataError, ModelContractError
-from elasticps.model_file import ModelSpec
+from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError
+from elasticps.model_file import ModelSpec, describe_model_error
 
 
 def _shape(values: torch.Size) -> str:
@@ -91,6 +91,9 @@ def evaluate(
         DataError: the file is missing, not Parquet, lacks a column, or is empty.
         ModelContractError: ``tensors`` do not match the model, or the model's
             outputs are not [B, classes] with int64 [B] targets.
+        BadRecordError: the model file's ``batch_to_tensors``, ``forward`` or
+            ``loss`` raised on a batch (a bad record); one line naming the
+            model file's line and the rows.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -110,15 +113,26 @@ def evaluate(
         for start in range(0, total_rows, batch_size):
             end = min(start + batch_size, total_rows)
             batch = reader.read_rows(data_path, start, end, spec.columns)
-            inputs, targets = spec.batch_to_tensors(batch)
-            outputs = model(inputs)
-            if outputs.dim() != 2 or targets.shape != (end - start,):
-                raise ModelContractError(
-                    f"{what}: evaluation needs outputs [B, classes] and targets [B] "
-                    f"with B={end - start}; got outputs {_shape(outputs.shape)}, "
-                    f"targets {_shape(targets.shape)}"
-                )
-            loss_sum += float(spec.loss(outputs, targets)) * (end - start)
+            called = "batch_to_tensors"
+            try:
+                inputs, targets = spec.batch_to_tensors(batch)
+                called = "forward"
+                outputs = model(inputs)
+                if outputs.dim() != 2 or targets.shape != (end - start,):
+                    raise ModelContractError(
+                        f"{what}: evaluation needs outputs [B, classes] and targets [B] "
+                        f"with B={end - start}; got outputs {_shape(outputs.shape)}, "
+                        f"targets {_shape(targets.shape)}"
+                    )
+                called = "loss"
+                loss_sum += float(spec.loss(outputs, targets)) * (end - start)
+            except (ModelContractError, DataError):
+                raise
+            except Exception as exc:
+                raise BadRecordError(
+                    f"{describe_model_error(exc, spec.path, str(spec.path), called)}; on rows "
+                    f"[{start}, {end}) of {data_path}"
+                ) from exc
             correct += int((outputs.argmax(dim=1) == targets).sum())
     return {
         "accuracy": correct / total_rows,

@@ -42,7 +42,13 @@ from torch import Tensor, nn
 
 from elasticps.errors import ModelContractError
 
-__all__ = ["ModelSpec", "check_model", "in_process_spec", "load_model_file"]
+__all__ = [
+    "ModelSpec",
+    "check_model",
+    "describe_model_error",
+    "in_process_spec",
+    "load_model_file",
+]
 
 _module_counter = itertools.count()
 
@@ -139,6 +145,29 @@ def _error_line(exc: BaseException, path: Path) -> int | None:
         frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == str(path)
     ]
     return frames[-1].lineno if frames else None
+
+
+def describe_model_error(exc: BaseException, path: Path, shown: str, called: str) -> str:
+    """Describe an exception raised by a model file's code, on one line.
+
+    Args:
+        exc: the exception, with its traceback.
+        path: the model file's resolved path (:attr:`ModelSpec.path`).
+        shown: how to name the file to the user (as given on the command line).
+        called: the contract function that was called (``batch_to_tensors``,
+            ``forward`` or ``loss``); named when no frame of the traceback is
+            in the file itself (a library raised before reaching it).
+
+    Returns:
+        ``"model file SHOWN, line N, in FUNCTION: Type: message"``, naming the
+        innermost line of the file in the traceback.
+    """
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
+    if frames:
+        where = f"model file {shown}, line {frames[-1].lineno}, in {frames[-1].name}"
+    else:
+        where = f"model file {shown}, in {called}"
+    return f"{where}: {_one_line(exc)}"
 
 
 def _import_file(path: Path, shown: str) -> ModuleType:

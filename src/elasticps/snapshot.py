@@ -127,6 +127,11 @@ class ControlClient:
             )
         return answer
 
+    def interrupt(self) -> None:
+        """Make a request blocked on this connection fail at once (from another thread)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Close the connection (a server thaws a freeze this connection held)."""
         with contextlib.suppress(OSError):
@@ -390,6 +395,59 @@ def read_snapshot_manifest(ckpt_dir: Path) -> dict[str, object]:
         raise DataError(f"{path} has format {got!r}, expected {SNAPSHOT_FORMAT!r}")
     if not isinstance(manifest.get("shards"), list):
         raise DataError(f"{path} has no shards list")
+    return manifest
+
+
+def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict[str, object]:
+    """Check a consistent checkpoint's shard files against its manifest, without decoding them.
+
+    Every shard file the manifest lists must exist with the recorded size
+    and CRC-32 (read in chunks of ``chunk_bytes``; the tensors are not
+    decoded). :func:`load_consistent_checkpoint` checks the same and more;
+    this is the cheap check a launcher runs before it starts anything.
+
+    Args:
+        ckpt_dir: a directory written by :func:`take_consistent_checkpoint`.
+        chunk_bytes: read size, bytes.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        DataError: the manifest is missing or malformed, lists no shard
+            holding parameters, or a shard file is missing, has another size
+            or another CRC-32. The message is one line naming the file.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_snapshot_manifest(ckpt_dir)
+    shards = manifest["shards"]
+    assert isinstance(shards, list)  # checked by read_snapshot_manifest
+    entries = [e for e in shards if isinstance(e, dict) and e.get("initialized")]
+    if not entries:
+        raise DataError(f"{ckpt_dir / MANIFEST_FILE} lists no shard holding parameters")
+    for entry in entries:
+        name = entry.get("file")
+        if not isinstance(name, str) or Path(name).name != name:
+            raise DataError(f"{ckpt_dir}: shard {entry.get('index')} has an invalid file {name!r}")
+        path = ckpt_dir / name
+        crc, size = 0, 0
+        try:
+            with path.open("rb") as f:
+                while chunk := f.read(chunk_bytes):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+        except OSError as exc:
+            raise DataError(f"cannot read shard file {path}: {exc.strerror or exc}") from exc
+        if size != entry.get("bytes"):
+            raise DataError(
+                f"shard file {path} has {size:,} bytes, the manifest says {entry.get('bytes')!r}: "
+                "it is truncated or was replaced"
+            )
+        if crc != entry.get("crc32"):
+            raise DataError(
+                f"shard file {path} is corrupt: its CRC-32 is {crc}, "
+                f"the manifest says {entry.get('crc32')!r}"
+            )
     return manifest
 
 

@@ -38,6 +38,7 @@ def test_site_builds_strict_with_every_page_and_the_api_reference(tmp_path: Path
         "model-contract/index.html",
         "python-api/index.html",
         "fault-tolerance/index.html",
+        "errors/index.html",
         "trade-offs/index.html",
         "architecture/index.html",
         "reference/index.html",

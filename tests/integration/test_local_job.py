@@ -287,7 +287,7 @@ def test_sigint_to_the_launcher_stops_every_process_and_exits_130(
     job.assert_every_process_gone()
 
 
-def test_trainer_failure_fails_the_job_with_its_traceback_and_leaves_no_process(
+def test_a_model_file_that_raises_fails_the_job_with_one_line_and_leaves_no_process(
     start_job: Callable[..., Job], mnist_dir: Path, tmp_path: Path
 ) -> None:
     model = tmp_path / "failing_model.py"
@@ -298,13 +298,16 @@ def test_trainer_failure_fails_the_job_with_its_traceback_and_leaves_no_process(
 
     code = job.wait()
 
+    # A bad record (--bad-records fail): a user error, one line, the
+    # traceback in the trainer's log only.
     stderr = job.stderr()
-    assert code == 1, stderr[-4000:]
-    trainer_lines = [line for line in stderr.splitlines() if line.startswith("[trainer-")]
-    assert any("Traceback" in line for line in trainer_lines), stderr[-4000:]
-    assert any("RuntimeError: boom" in line for line in trainer_lines), stderr[-4000:]
-    assert any(
-        line.startswith("elasticps: JobFailedError: trainer-") for line in stderr.splitlines()
-    ), stderr[-4000:]
+    assert code == 2, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("elasticps: error:")]
+    assert len(errors) == 1, stderr[-4000:]
+    assert f"model file {model}, line 27, in batch_to_tensors: RuntimeError: boom" in errors[0]
+    trainer = errors[0].removeprefix("elasticps: error: ").split(":", 1)[0]
+    log = (job.output / "logs" / f"{trainer}.log").read_text()
+    assert "Traceback" in log and "RuntimeError: boom" in log
     assert not (job.output / "model.safetensors").exists()
     job.assert_every_process_gone()

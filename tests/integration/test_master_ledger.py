@@ -302,6 +302,7 @@ def test_a_new_master_restores_the_same_queue_from_etcd(
             "records_lost": 0,
             "passes_lost": [],
             "failed_tasks": [],
+            "records_skipped": 0,
             "exactly_once": True,
         }
     }

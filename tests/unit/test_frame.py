@@ -799,11 +799,7 @@ def test_keyed_push_round_trips() -> None:
 @pytest.mark.parametrize(
     ("header", "match"),
     [
-        (FrameHeader(MsgType.PULL, key_lo=0, key_hi=5), "push key is allowed on a non-empty PUSH"),
-        (
-            FrameHeader(MsgType.PUSH, DType.FLOAT32, Flags.EMPTY, key_hi=5),
-            "push key is allowed on a non-empty PUSH",
-        ),
+        (FrameHeader(MsgType.PULL, key_lo=0, key_hi=5), "push key is allowed on a PUSH only"),
         (FrameHeader(MsgType.PUSH, DType.FLOAT32, task_id=3), "malformed push key"),
         (FrameHeader(MsgType.PUSH, DType.FLOAT32, key_lo=9, key_hi=5), "malformed push key"),
         (FrameHeader(MsgType.PULL, status=PushStatus.STALE), "status STALE not allowed"),
@@ -812,6 +808,11 @@ def test_keyed_push_round_trips() -> None:
 def test_keys_and_statuses_are_checked(header: FrameHeader, match: str) -> None:
     with pytest.raises(FrameError, match=match):
         encode_header(header)
+
+
+def test_an_empty_push_may_carry_a_key() -> None:
+    header = FrameHeader(MsgType.PUSH, DType.FLOAT32, Flags.EMPTY, key_lo=3, key_hi=5)
+    assert decode_header(encode_header(header), max_body_bytes=0) == header
 
 
 def test_a_reply_carries_its_status() -> None:

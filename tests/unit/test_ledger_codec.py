@@ -240,6 +240,7 @@ def test_the_end_of_a_pass_writes_the_record_the_summary_and_the_meta_last() -> 
         "records_lost": 0,
         "passes_lost": [],
         "failed_tasks": [],
+        "records_skipped": 0,
         "exactly_once": True,
     }
     assert json.loads(writes[2][1]) == queue.meta()

@@ -1080,3 +1080,18 @@ def test_a_step_waits_for_readers_of_the_values(make_shard: ShardFactory) -> Non
         assert_close(shard.values, full(0.0))
     assert pushed.result(TIMEOUT_S).accepted
     assert_close(shard.values, full(-1.0))
+
+
+def test_an_empty_push_with_a_key_holds_its_records_without_a_step(
+    make_shard: ShardFactory,
+) -> None:
+    """Records skipped as bad have no gradient; an empty keyed push accounts for them."""
+    for mode in (UpdateMode.ASYNC, UpdateMode.SYNC):
+        shard = make_shard(mode)
+        shard.set_live_trainers({0})
+        k = PushKey(0, 4, 0, 16)
+        assert shard.push(0, None, 0, 0, key=k).status is PushStatus.APPLIED
+        assert shard.coverage_of(0) == (False, [(4, 0, 16)])
+        assert shard.stats().steps == 0 and shard.version == 0
+        again = shard.push(0, None, 0, 0, key=k)
+        assert again.status is PushStatus.DUPLICATE

@@ -268,11 +268,12 @@ class _EventHub:
 
     def _iteration(self, event: TrainingEvent) -> None:
         try:
-            self._deliver(event)
+            self.deliver(event)
         except Exception as exc:  # the user's code: it fails the job (see train())
             raise _HandlerError from exc
 
-    def _deliver(self, event: TrainingEvent) -> None:
+    def deliver(self, event: TrainingEvent) -> None:
+        """Hand an iteration event (and the pass events it implies) to the handler."""
         assert self.handler is not None
         with self._lock:
             if isinstance(event, BeginIteration) and event.pass_id != self._pass:
@@ -416,7 +417,8 @@ def _train_in_process(job: _Job) -> ParameterSet:
     shard.values.copy_(flat.params)  # what a trainer's INIT_VALUES does
     shard.set_live_trainers({0})
     hub.begin(_metrics(flat, num_passes, 1), shard.version)
-    on_event = hub.on_iteration
+    # In this thread: what the handler raises propagates as is.
+    on_event = hub.deliver if hub.handler is not None else None
     try:
         for pass_id in range(num_passes):
             for batch_id, (inputs, targets) in _in_process_batches(reader):

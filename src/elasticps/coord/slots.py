@@ -61,13 +61,15 @@ class PSSlot:
     Attributes:
         index: the slot, 0-based.
         address: where trainers reach the server, ``"host:port"``.
-        epoch: the claim's epoch, the ``create_revision`` of ``ps/<index>`` (>= 1).
+        epoch: the claim's epoch, the ``create_revision`` of ``ps/<index>`` (>= 1);
+            0 for a server reached by a fixed address without coordination (tools
+            and tests), whose unclaimed server also holds epoch 0.
         unix: the AF_UNIX path the server also listens on, or None.
         host_id: the server's host id (:func:`~elasticps.wire.frame.local_host_id`)
             when ``unix`` is set, else None.
 
     Raises:
-        ConfigError: a negative index or an epoch < 1.
+        ConfigError: a negative index or a negative epoch.
     """
 
     index: int
@@ -77,8 +79,8 @@ class PSSlot:
     host_id: str | None = None
 
     def __post_init__(self) -> None:
-        if self.index < 0 or self.epoch < 1:
-            raise ConfigError(f"a PS slot needs index >= 0 and epoch >= 1, got {self}")
+        if self.index < 0 or self.epoch < 0:
+            raise ConfigError(f"a PS slot needs index >= 0 and epoch >= 0, got {self}")
 
     @property
     def claim(self) -> SlotClaim:

@@ -85,6 +85,96 @@ def check_columns(path: str | Path, required: Sequence[str]) -> None:
         raise _missing_columns_error(Path(path), missing, present)
 
 
+def null_counts(path: str | Path, columns: Sequence[str]) -> dict[str, int]:
+    """Return the number of null values in each of ``columns``, from the file's footer.
+
+    A flat column's count is the ``null_count`` statistic of each row group,
+    read from the footer only, however large the file. A nested column's
+    statistic (a list such as MNIST's ``pixels``) cannot tell a null list
+    from an empty one, so where it is non-zero the column is read, in those
+    row groups only, and its null lists and null elements are counted.
+    Row groups written without statistics are not counted.
+
+    Args:
+        path: a Parquet file.
+        columns: top-level column names (e.g. a model file's ``COLUMNS``).
+
+    Returns:
+        Column name -> null values, for every column of ``columns`` the file has.
+
+    Raises:
+        DataError: the file is missing, is not Parquet, or cannot be read.
+    """
+    path = Path(path)
+    metadata = _open_metadata(path)
+    wanted = set(columns)
+    # Top-level column -> [(row group, leaf column index, nested)]
+    leaves: dict[str, list[tuple[int, int, bool]]] = {}
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        for index in range(row_group.num_columns):
+            parts = row_group.column(index).path_in_schema.split(".")
+            if parts[0] in wanted:
+                leaves.setdefault(parts[0], []).append((group, index, len(parts) > 1))
+    counts = {name: 0 for name in columns if name in leaves}
+    suspect: dict[str, set[int]] = {}
+    for name, entries in leaves.items():
+        for group, index, nested in entries:
+            stats = metadata.row_group(group).column(index).statistics
+            if stats is None or not stats.has_null_count or not stats.null_count:
+                continue
+            if nested:
+                suspect.setdefault(name, set()).add(group)
+            else:
+                counts[name] += int(stats.null_count)
+    for name, groups in suspect.items():
+        try:
+            table = pq.ParquetFile(path).read_row_groups(sorted(groups), columns=[name])
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"cannot read column {name!r} of {path}: {_one_line(exc)}") from exc
+        counts[name] += sum(_nulls(chunk) for chunk in table.column(name).chunks)
+    return counts
+
+
+def _nulls(array: pa.Array) -> int:
+    """Null values in ``array`` and, for lists and structs, in their values."""
+    count = int(array.null_count)
+    kind = array.type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        count += _nulls(array.flatten())
+    elif pa.types.is_struct(kind):
+        valid = array.is_valid()  # a null struct's fields are not counted again
+        count += sum(_nulls(array.field(i).filter(valid)) for i in range(array.type.num_fields))
+    return count
+
+
+SKIP_HINT = "or pass --bad-records skip to drop the mini-batches they fall in"
+"""The end of :func:`check_no_nulls`'s message for training data."""
+
+
+def check_no_nulls(path: str | Path, columns: Sequence[str], *, hint: str = SKIP_HINT) -> None:
+    """Check that ``columns`` of a Parquet file hold no null values (see :func:`null_counts`).
+
+    Args:
+        path: a Parquet file.
+        columns: the columns a model reads (its ``COLUMNS``).
+        hint: what else the user can do, at the end of the message (after
+            "remove or fill those rows, ").
+
+    Raises:
+        DataError: a column holds nulls; one line naming the file, each such
+            column and its count. Also if the file is missing or unreadable.
+    """
+    counts = null_counts(path, columns)
+    bad = [(name, n) for name, n in counts.items() if n]
+    if bad:
+        shown = ", ".join(f"{n:,} null{'s' if n > 1 else ''} in column {name!r}" for name, n in bad)
+        raise DataError(
+            f"data file {path} has {shown}, which the model file reads (COLUMNS); "
+            f"remove or fill those rows, {hint}"
+        )
+
+
 def resolve_dataset(data: str | Path, split: str = "train") -> Path:
     """Return the Parquet file named by ``data``.
 

@@ -20,6 +20,15 @@ is written to ``<output>/run.json`` (key ``etcd``) as soon as etcd is up, so
 At the end it pulls the final parameters from the parameter servers, saves
 them as a safetensors checkpoint with a JSON manifest under ``output``, and,
 if the data directory has a ``test.parquet``, evaluates them.
+
+Before it starts anything (:meth:`LocalLauncher.validate`, then
+:meth:`LocalLauncher.claim_output`) it checks the model file, the data (from
+Parquet metadata: columns, rows, nulls), a ``--resume`` checkpoint (sizes and
+CRC-32s), the ports, and the output directory, which it then locks for the
+job's life (:mod:`elasticps.launcher.output`). Logs go to ``output/logs/``
+(:mod:`elasticps.logs`). A role process that stops on a user error (exit
+status 2, e.g. a trainer whose model file raised on a mini-batch) ends the
+job with that process's one-line error.
 """
 
 from __future__ import annotations
@@ -51,8 +60,15 @@ from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, is_transient
-from elasticps.data.parquet import check_columns, count_rows, resolve_dataset
+from elasticps.data.parquet import (
+    check_columns,
+    check_no_nulls,
+    count_rows,
+    resolve_dataset,
+)
 from elasticps.errors import (
+    BadRecordError,
+    ConfigError,
     CoordinationError,
     DataError,
     ElasticPSError,
@@ -66,6 +82,15 @@ from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerStat
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.local_backend import LocalBackend
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
+from elasticps.launcher.output import (
+    OutputLock,
+    check_free_space,
+    check_output_location,
+    checkpoint_bytes_estimate,
+    optimizer_state_tensors,
+    previous_run_files,
+    remove_previous_run,
+)
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
 from elasticps.launcher.supervisor import (
@@ -85,10 +110,15 @@ from elasticps.launcher.supervisor import (
     SupervisorConfig,
     error_line,
 )
+from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
-from elasticps.snapshot import load_consistent_checkpoint, take_consistent_checkpoint
+from elasticps.snapshot import (
+    load_consistent_checkpoint,
+    take_consistent_checkpoint,
+    verify_snapshot_files,
+)
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
@@ -98,6 +128,8 @@ _POLL_S = 0.25
 _FOREVER_S = 10.0 * 365 * 24 * 3600
 # After the master says the job is finished, how long trainers get to exit on their own.
 _TRAINER_EXIT_S = 30.0
+# A role process's last line when it stops on a user error (elasticps.cli.main).
+_USER_ERROR_PREFIX = "elasticps: error: "
 
 
 @dataclass
@@ -148,6 +180,8 @@ class JobResult:
         pids: pid of every child, by role.
         exactly_once: whether every pass's records were shown applied once on
             every shard, with nothing lost (see :func:`exactly_once_summary`).
+        records_skipped: records skipped over all passes (``--bad-records
+            skip``), from the ledger's pass audits.
     """
 
     output: Path
@@ -156,6 +190,7 @@ class JobResult:
     evaluation: dict[str, float] | None
     pids: dict[str, int] = field(default_factory=dict)
     exactly_once: bool | None = None
+    records_skipped: int = 0
 
 
 class LocalLauncher:
@@ -201,6 +236,9 @@ class LocalLauncher:
         self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
         self.run_id = uuid.uuid4().hex
+        self._lock: OutputLock | None = None
+        self._records_skipped = 0
+        self._num_parameters: int | None = None
 
     # --- public ---------------------------------------------------------------
 
@@ -210,26 +248,121 @@ class LocalLauncher:
         Returns:
             The model spec, the training file, and the test file if present.
 
+        It changes nothing: the data is checked from Parquet metadata
+        (columns, rows, and nulls in the model's columns unless
+        ``bad_records`` is ``skip``), a ``resume`` checkpoint from its
+        manifest and the sizes and CRC-32s of its shard files, and the
+        output location by its path (see :meth:`claim_output` for the rest).
+
+        Returns:
+            The model spec, the training file, and the test file if present.
+
         Raises:
-            ModelContractError, DataError, PortInUseError: one-line user errors.
+            ModelContractError, DataError, PortInUseError, ConfigError:
+                one-line user errors.
         """
         cfg = self.config
         spec = load_model_file(cfg.model_path, cfg.model_class)
+        # Built once here, as every trainer will: its constructor and parameters
+        # are checked before launch, and its size sizes the checkpoints.
+        self._num_parameters = sum(p.numel() for p in spec.instantiate(cfg.seed).parameters())
         train = resolve_dataset(cfg.data, "train")
         check_columns(train, spec.columns)
         if count_rows(train) == 0:
             raise DataError(f"{train} has no rows")
+        if cfg.bad_records != "skip":
+            check_no_nulls(train, spec.columns)
         test: Path | None = None
         if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
             test = cfg.data / "test.parquet"
             check_columns(test, spec.columns)
+            # Evaluation skips nothing, whatever --bad-records says.
+            check_no_nulls(
+                test, spec.columns, hint="or move the file away to train without evaluating"
+            )
         if cfg.eval_each_pass and test is None:
             raise DataError(f"--eval-each-pass needs a test.parquet in {cfg.data}")
+        if cfg.resume is not None:
+            if not cfg.resume.is_dir():
+                raise DataError(f"--resume {cfg.resume}: no such directory")
+            if (cfg.resume / "run.json").exists() and (cfg.resume / "snapshot").is_dir():
+                raise DataError(
+                    f"--resume {cfg.resume} is a job's output directory; its consistent "
+                    f"checkpoint is {cfg.resume / 'snapshot'}"
+                )
+            verify_snapshot_files(cfg.resume)
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
         if cfg.master_port:
             check_port_free(cfg.master_port, what="--master-port")
+        check_output_location(cfg.output)
         return spec, train, test
+
+    def claim_output(self, spec: ModelSpec) -> OutputLock:
+        """Lock the output directory for this job, clean it if asked, check its free space.
+
+        Still before anything starts: the lock is an ``fcntl.flock`` on
+        ``OUTPUT/.lock``, held by this process until :meth:`run` returns
+        (or the process dies). A previous run's files are refused, unless
+        ``overwrite`` or ``resume`` is set; then they are removed (all but the
+        ``resume`` directory itself, if it is in the output directory). Then
+        the launcher's log, ``OUTPUT/logs/launcher.log``, starts.
+
+        Args:
+            spec: the model (its parameters size the checkpoints; counted by
+                :meth:`validate`, or here if it did not run).
+
+        Returns:
+            The held lock; the caller releases it.
+
+        Raises:
+            OutputInUseError: another job holds the lock.
+            ConfigError: the directory holds a previous run, or too little space is free.
+        """
+        cfg = self.config
+        lock = OutputLock(cfg.output)
+        lock.acquire()
+        try:
+            previous = previous_run_files(cfg.output)
+            if previous and not (cfg.overwrite or cfg.resume is not None):
+                raise ConfigError(
+                    f"--output {cfg.output} holds a previous run ({', '.join(previous)}); "
+                    "pass --overwrite to replace it, --resume DIR to continue from a "
+                    "checkpoint, or choose another --output"
+                )
+            removed = remove_previous_run(cfg.output, keep=cfg.resume)
+            if self._num_parameters is None:
+                model = spec.instantiate(cfg.seed)
+                self._num_parameters = sum(p.numel() for p in model.parameters())
+            needed = checkpoint_bytes_estimate(
+                self._num_parameters, optimizer_state_tensors(cfg.optimizer)
+            )
+            check_free_space(cfg.output, needed)
+            log_to_file(self._log_path("launcher"))
+        except BaseException:
+            lock.release()
+            raise
+        file_only(
+            logging.INFO,
+            f"job {cfg.job}: inputs checked; {cfg.output} locked"
+            + (f"; removed the previous run's {', '.join(removed)}" if removed else ""),
+        )
+        return lock
+
+    def _evaluate(
+        self, spec: ModelSpec, tensors: dict[str, torch.Tensor], test: Path
+    ) -> dict[str, float]:
+        """The final evaluation; what the model file raises on the test data is a user error."""
+        try:
+            return evaluate(spec, tensors, test)
+        except BadRecordError as exc:
+            raise BadRecordError(
+                f"evaluating the trained model: {exc} (the model is saved in {self.config.output})"
+            ) from exc
+
+    def _log_path(self, role: str) -> Path:
+        """The log file of ``role`` (``launcher``, ``master-0``, ``trainer-3``...)."""
+        return (self.config.output / "logs" / f"{role}.log").resolve()
 
     def run(self) -> JobResult:
         """Run the job to the end.
@@ -238,10 +371,19 @@ class LocalLauncher:
             The job's result; the checkpoint is under ``config.output``.
 
         Raises:
-            UserError: bad inputs (see :meth:`validate`).
+            UserError: bad inputs (see :meth:`validate` and
+                :meth:`claim_output`), or a role process stopped on a user
+                error (:class:`~elasticps.errors.JobUserError`).
             JobFailedError: a child process failed; every child has been stopped.
         """
         spec, train, test = self.validate()
+        self._lock = self.claim_output(spec)
+        try:
+            return self._run(spec, train, test)
+        finally:
+            self._lock.release()
+
+    def _run(self, spec: ModelSpec, train: Path, test: Path | None) -> JobResult:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
@@ -292,6 +434,9 @@ class LocalLauncher:
                 # cover every pass whichever master ran it; the master's own
                 # count starts at zero after a failover.
                 samples = sum(int(str(p["records_trained"])) for p in self._passes)
+                self._records_skipped = sum(
+                    int(str(p.get("records_skipped", 0))) for p in self._passes
+                )
                 self._await_trainers()
                 self._store = None  # closed below; late reaper events must not use it
             wall_s = time.monotonic() - started
@@ -313,7 +458,7 @@ class LocalLauncher:
                 "wall_s": round(wall_s, 3),
             }
             save_checkpoint(cfg.output, tensors, manifest)
-            evaluation = evaluate(spec, tensors, test) if test is not None else None
+            evaluation = self._evaluate(spec, tensors, test) if test is not None else None
             result = JobResult(
                 cfg.output,
                 wall_s,
@@ -321,6 +466,7 @@ class LocalLauncher:
                 evaluation,
                 dict(self._pid_log),
                 bool(exactly_once_summary(self._passes, cfg.epochs)["exactly_once"]),
+                records_skipped=self._records_skipped,
             )
             self._write_run_record(result)
             return result
@@ -396,7 +542,9 @@ class LocalLauncher:
                 "--big-array-bound", str(cfg.big_array_bound),
                 "--seed", str(cfg.seed),
                 "--threads", str(cfg.threads),
+                "--bad-records", cfg.bad_records,
             ),
+            env={LOG_FILE_ENV: str(self._log_path(f"trainer-{index}"))},
         )  # fmt: skip
 
     def _start_trainers(self, store: JobStore) -> None:
@@ -405,7 +553,7 @@ class LocalLauncher:
         low, high = cfg.trainer_range
         backend = LocalBackend(
             spawner=self._spawner,
-            on_output=lambda name, line: self._emit(f"[{name}] {line}"),
+            on_output=self._child_line,
             on_start=self._on_trainer_start,
         )
         backend.watch(self._on_trainer_event)
@@ -477,6 +625,7 @@ class LocalLauncher:
         # included, so that tests and operators can check all are gone.
         if pid is None:
             return
+        file_only(logging.INFO, f"started {name} (pid {pid})", name=__name__)
         with self._pid_lock:
             key, n = name, 0
             while key in self._pid_log and self._pid_log[key] != pid:
@@ -486,7 +635,7 @@ class LocalLauncher:
             self._write_json("pids.json", self._pid_log)
 
     def _start_process(self, role: str, args: list[str]) -> ProcessHandle:
-        return self._spawner.start(args, child_env(role))
+        return self._spawner.start(args, child_env(role, {LOG_FILE_ENV: str(self._log_path(role))}))
 
     def _pump(self, child: Child) -> None:
         stdout = child.proc.stdout
@@ -496,9 +645,17 @@ class LocalLauncher:
             message = error_line(line)
             if message is not None:
                 child.message = message  # its closing error, for the policy
-            self._emit(f"[{child.role}] {line}")
+            self._child_line(child.role, line)
+
+    def _child_line(self, role: str, line: str) -> None:
+        """Show a child's line, except its closing user error: the job reports that one."""
+        if line.startswith(_USER_ERROR_PREFIX):
+            file_only(logging.INFO, f"[{role}] {line}", name=__name__)
+            return
+        self._emit(f"[{role}] {line}")
 
     def _emit(self, line: str) -> None:
+        file_only(logging.INFO, line, name=__name__)
         with self._out_lock:
             if self._bar is not None:
                 self._bar.write(line, file=self.out)
@@ -564,7 +721,7 @@ class LocalLauncher:
                 break
             pid = self._trainer_pids.get(event.name)
             if isinstance(action, FailJob):
-                self._fail(action)
+                self._fail(action, event.name)
             if isinstance(action, Replace):
                 self._emit(
                     f"[launcher] {event.name} (pid {pid}) ended ({event.reason}); "
@@ -588,7 +745,7 @@ class LocalLauncher:
             )
             action = self._decide(exited)
             if isinstance(action, FailJob):
-                self._fail(action)
+                self._fail(action, child.role)
             if isinstance(action, Restart):
                 self._emit(
                     f"[launcher] {child.role} (pid {child.pid}) {exited.describe()}; "
@@ -641,14 +798,18 @@ class LocalLauncher:
             self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
             return
 
-    def _fail(self, action: FailJob) -> None:
+    def _fail(self, action: FailJob, role: str | None = None) -> None:
         """End the job as the policy decided: record it in ``run.json``, then raise.
+
+        The error's message is the policy's one line, naming the log of
+        ``role`` (the process whose end failed the job), if given; the
+        command prints it (see :func:`elasticps.cli.main`).
 
         Raises:
             JobUserError: ``action`` is a user error (exit status 2).
             JobFailedError: otherwise.
         """
-        self._emit(f"[launcher] the job fails: {action.message}")
+        file_only(logging.ERROR, f"[launcher] the job fails: {action.message}", name=__name__)
         with contextlib.suppress(OSError):
             self._write_json(
                 "run.json",
@@ -662,9 +823,12 @@ class LocalLauncher:
                     "etcd_restarts": self._etcd_restarts,
                 },
             )
+        where = ""
+        if role is not None and role != "etcd":
+            where = f" (its log: {self._log_path(role)})"
         if action.exit_code == EXIT_USER_ERROR:
-            raise JobUserError(action.message)
-        raise JobFailedError(action.message)
+            raise JobUserError(action.message + where)
+        raise JobFailedError(action.message + where)
 
     def _restart_counts(self) -> dict[str, int]:
         return {c.role: c.restarts for c in self.children if c.restarts}
@@ -956,6 +1120,11 @@ class LocalLauncher:
                     "pass": f"{status.pass_id + 1}/{status.num_passes}",  # type: ignore[attr-defined]
                     "samples/s": f"{rate:.0f}",
                     "loss": f"{status.last_loss:.4f}",  # type: ignore[attr-defined]
+                    **(
+                        {"skipped": str(status.records_skipped)}  # type: ignore[attr-defined]
+                        if self.config.bad_records == "skip"
+                        else {}
+                    ),
                 },
                 refresh=False,
             )
@@ -977,6 +1146,8 @@ class LocalLauncher:
             ],
             "wall_s": round(result.wall_s, 3),
             "samples": result.samples,
+            "bad_records": self.config.bad_records,
+            "records_skipped": self._records_skipped,
             "evaluation": result.evaluation,
             "pids": result.pids,
             "chaos": self.chaos_log,

@@ -114,7 +114,7 @@ class SyncAligner:
         self._thread.start()
 
     def _on_slots(self, slots: dict[int, PSSlot]) -> None:
-        del slots
+        self._controller.slots_changed(slots)
         self._wake.set()
 
     def close(self) -> None:

@@ -80,6 +80,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._on_stepped_down = on_stepped_down
         self._lock = threading.Condition()
         self._samples_done = 0
+        self._records_skipped = 0
         self._last_loss = math.nan
         self._stepped_down: str | None = None  # the reason, once stepped down
         self._stop = threading.Event()
@@ -109,6 +110,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     end=result.data.end,
                     timeout_s=self._timeout_s,
                     offset=result.offset,
+                    skip_budget=self._skip_budget(result.task_id),
                 )
             )
         if isinstance(result, Wait):
@@ -133,7 +135,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 success=request.success,
                 now=now,
                 error=request.error,
+                skipped=request.skipped,
+                skipped_batches=request.skipped_batches,
             )
+            self._records_skipped += request.skipped
             if request.success:
                 self._samples_done += request.samples
                 if request.samples:
@@ -158,7 +163,12 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 lambda now: (
                     None,
                     self._queue.report_progress(
-                        request.task_id, request.pass_id, request.attempt, request.offset, now
+                        request.task_id,
+                        request.pass_id,
+                        request.attempt,
+                        request.offset,
+                        now,
+                        skipped=request.skipped,
                     ),
                 )
             )
@@ -184,6 +194,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 samples_done=self._samples_done,
                 last_loss=self._last_loss,
                 tasks_done_all_passes=s.done_all_passes,
+                records_skipped=self._records_skipped,
             )
 
     # --- membership and lifecycle ------------------------------------------------
@@ -273,6 +284,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._timer.join(timeout=5)
 
     # --- internals ---------------------------------------------------------------
+
+    def _skip_budget(self, task_id: int) -> int:
+        """The task's skip budget, read right after its dispatch (the lock is free again)."""
+        with self._lock:
+            return self._queue.skip_budget(task_id)
 
     def _mutate(self, mutate: Callable[[float], tuple[_R, list[TaskEvent]]]) -> _R:
         """Apply one queue mutation and persist its events, in one critical section.
@@ -370,13 +386,14 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 log.log(
                     logging.INFO if s.exactly_once else logging.ERROR,
                     "pass %d completed: %d/%d tasks done, %d failed, %d records trained, "
-                    "exactly once on every shard: %s (checked on the servers: %s; ledger "
-                    "duplicated %d, missing %d; re-opened %d; lost %d of passes %s)",
+                    "%d skipped, exactly once on every shard: %s (checked on the servers: %s; "
+                    "ledger duplicated %d, missing %d; re-opened %d; lost %d of passes %s)",
                     s.pass_id,
                     s.done,
                     s.tasks,
                     s.failed,
                     s.records_trained,
+                    s.records_skipped,
                     s.exactly_once,
                     s.shards_checked,
                     s.duplicated_records,

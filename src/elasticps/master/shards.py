@@ -37,10 +37,13 @@ class ShardController:
 
     Args:
         store: the job's store (to find the slots).
-        timeout_s: connect timeout and reply deadline, seconds.
+        timeout_s: connect timeout and default reply deadline, seconds. Short:
+            a server that does not answer is being replaced (stopped, cut off)
+            more often than slow, and a caller blocked on it would not see its
+            successor; the caller retries, finding the slot's current server.
     """
 
-    def __init__(self, store: JobStore, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, store: JobStore, *, timeout_s: float = 5.0) -> None:
         self._store = store
         self._timeout_s = timeout_s
         self._clients: dict[int, tuple[PSSlot, ControlClient]] = {}
@@ -111,6 +114,18 @@ class ShardController:
         except ElasticPSError as exc:
             self._drop(index)
             raise ShardsChangedError(f"parameter server {index} at {slot.address}: {exc}") from exc
+
+    def slots_changed(self, slots: Mapping[int, PSSlot]) -> None:
+        """Interrupt requests to servers whose slot was claimed anew (any thread).
+
+        A request blocked on a server that was stopped or cut off fails at
+        once instead of at its deadline, and the caller retries on the
+        slot's new server.
+        """
+        for index, (slot, client) in list(self._clients.items()):
+            now = slots.get(index)
+            if now is None or now.epoch != slot.epoch:
+                client.interrupt()
 
     def _client(self, slot: PSSlot) -> ControlClient:
         held = self._clients.get(slot.index)
@@ -223,7 +238,8 @@ class PassVerifier:
             body: dict[str, object] = {"op": "seal", "pass": pass_id}
             if isinstance(answer.get("version"), int):
                 body["if_version"] = answer["version"]
-            sealed[index] = self._controller.request_one(index, body)
+            # Sealing writes a checkpoint: as long as the disk takes.
+            sealed[index] = self._controller.request_one(index, body, timeout_s=300.0)
         not_durable = sorted(i for i, a in sealed.items() if not a.get("durable"))
         log.info(
             "pass %d: every parameter server holds every record of it; sealed%s",

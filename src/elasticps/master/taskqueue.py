@@ -21,6 +21,13 @@ actually applied (:mod:`elasticps.master.verify`) and either re-opens the
 records some shard lacks (:meth:`TaskQueue.rewind`) or completes the pass
 (:meth:`TaskQueue.complete_pass`) with the shards' verdict in its summary.
 
+Skipped records (``--bad-records skip``: the model file raised on their
+mini-batch) are covered by their attempt's segment, so the audit still sees
+every record once, but each segment also counts how many of its records were
+skipped, and the pass audit reports them as skipped, never as trained. A
+skipped mini-batch counts like a timeout against its task
+(:meth:`TaskQueue.skip_budget`).
+
 This module does no I/O, starts no threads and reads no clock: the caller
 passes ``now`` (seconds on a monotonic clock) into every mutation. Every
 mutation returns the :class:`TaskEvent` records it caused, so the service shell
@@ -224,11 +231,14 @@ class Segment:
         attempt: the attempt that trained them.
         start: first record, relative to the task's start, inclusive.
         end: last record, exclusive.
+        skipped: how many of them the attempt skipped rather than trained
+            (``--bad-records skip``), ``0 <= skipped <= end - start``.
     """
 
     attempt: int
     start: int
     end: int
+    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -286,7 +296,7 @@ class PassSummary:
         done: tasks done in the pass.
         failed: tasks failed in the pass.
         records_trained: records in every segment of the pass (failed tasks'
-            partial progress included).
+            partial progress included), minus the skipped ones.
         duplicated_records: records of done tasks covered by more than one
             segment (counted once per extra coverage).
         missing_records: records of done tasks covered by no segment.
@@ -302,6 +312,8 @@ class PassSummary:
         passes_lost: the earlier passes those records belong to.
         failed_tasks: the ids of the failed tasks (their records are not
             checked on the servers).
+        records_skipped: records in the segments of the pass that were
+            skipped, not trained (``--bad-records skip``).
     """
 
     pass_id: int
@@ -317,6 +329,7 @@ class PassSummary:
     records_lost: int = 0
     passes_lost: tuple[int, ...] = ()
     failed_tasks: tuple[int, ...] = ()
+    records_skipped: int = 0
 
     @property
     def ledger_exactly_once(self) -> bool:
@@ -507,12 +520,13 @@ class TaskQueue:
         self._num_failed = 0
         self._done_before = 0  # tasks done in earlier passes
         # The running audit of the current pass.
-        self._records_trained = 0
+        self._records_trained = 0  # records covered by segments, skipped ones included
         self._duplicated = 0
         self._missing = 0
         self._reopened = 0
         # verify_passes: the pass is over but not yet completed by the shell.
         self._ready = False
+        self._skipped = 0
 
     # --- queries -----------------------------------------------------------
 
@@ -623,6 +637,21 @@ class TaskQueue:
         self._drop_dead_heads()
         return self._deadlines[0][0] if self._deadlines else None
 
+    def skip_budget(self, task_id: int) -> int:
+        """Return how many more mini-batches a task may skip in the current pass.
+
+        A skipped mini-batch (``--bad-records skip``) counts like a timeout: a
+        task may have ``max_task_timeouts`` timeouts, failures and skipped
+        mini-batches in a pass; one more and it is FAILED. The service hands
+        the budget to each attempt (``Task.skip_budget``).
+
+        Raises:
+            UnknownTaskError: no such task.
+        """
+        task = self._task(task_id)
+        used = task.timeout_count if self._in_pass(task) else 0
+        return max(0, self._config.max_task_timeouts - used)
+
     # --- mutations ---------------------------------------------------------
 
     def get_task(self, trainer_id: str, now: float) -> tuple[GetTaskResult, list[TaskEvent]]:
@@ -682,7 +711,14 @@ class TaskQueue:
         return dispatch, events
 
     def report_progress(
-        self, task_id: int, pass_id: int, attempt: int, offset: int, now: float
+        self,
+        task_id: int,
+        pass_id: int,
+        attempt: int,
+        offset: int,
+        now: float,
+        *,
+        skipped: int = 0,
     ) -> list[TaskEvent]:
         """Record that a trainer has trained a task's records up to ``offset``.
 
@@ -699,6 +735,8 @@ class TaskQueue:
             offset: records trained, counted from the task's first row (not from
                 the attempt's offset), ``<= data.num_rows``.
             now: current monotonic time, in seconds.
+            skipped: records of the attempt skipped so far (``--bad-records
+                skip``), all below ``offset``; the segment records the new ones.
 
         Returns:
             A PROGRESS event if the offset advanced, else nothing.
@@ -706,7 +744,8 @@ class TaskQueue:
         Raises:
             UnknownTaskError: no such task.
             StaleTaskError: ``(pass_id, attempt)`` is not the task's current
-                pending attempt, or ``offset`` is beyond the task's end.
+                pending attempt, ``offset`` is beyond the task's end, or
+                ``skipped`` is not a count of records the attempt covered.
                 Nothing is changed.
         """
         task = self._current_attempt(task_id, pass_id, attempt)
@@ -718,7 +757,8 @@ class TaskQueue:
         self._renew_deadline(task_id, task, now + self._config.task_timeout_s)
         if offset <= task.offset:
             return []
-        self._add_segment(task, task.offset, offset)
+        new_skipped = self._new_skipped(task, skipped, offset - task.offset)
+        self._add_segment(task, task.offset, offset, new_skipped)
         task.offset = offset
         return [self._event(EventKind.PROGRESS, task_id, trainer_id=task.trainer_id)]
 
@@ -731,6 +771,8 @@ class TaskQueue:
         success: bool,
         now: float,
         error: str = "",
+        skipped: int = 0,
+        skipped_batches: int = 0,
     ) -> list[TaskEvent]:
         """Record a trainer's report on one attempt.
 
@@ -749,6 +791,13 @@ class TaskQueue:
             success: whether the trainer finished the range.
             now: current monotonic time, in seconds.
             error: the trainer's failure message, if ``success`` is False.
+            skipped: records of the task the attempt skipped in all
+                (``--bad-records skip``); with ``success``, those not yet
+                reported with its progress are recorded in its last segment.
+                A failed attempt reports its skipped records with its progress.
+            skipped_batches: mini-batches the attempt skipped; each counts
+                like a timeout (see :meth:`skip_budget`). A failed report
+                counts ``max(1, skipped_batches)``.
 
         Returns:
             The events caused, possibly including PASS_COMPLETED followed by
@@ -757,19 +806,26 @@ class TaskQueue:
         Raises:
             UnknownTaskError: no such task.
             StaleTaskError: ``(pass_id, attempt)`` is not the task's current
-                pending attempt. Nothing is changed.
+                pending attempt, or ``skipped``/``skipped_batches`` are not
+                counts the attempt can have. Nothing is changed.
         """
         del now  # Reports do not depend on time; kept for a uniform interface.
         task = self._current_attempt(task_id, pass_id, attempt)
+        if skipped_batches < 0:
+            raise StaleTaskError(f"task {task_id}: skipped_batches {skipped_batches} < 0")
         if success:
+            new_skipped = self._new_skipped(task, skipped, task.data.num_rows - task.offset)
             trainer_id = self._release(task_id, task)
-            self._add_segment(task, task.offset, task.data.num_rows)
+            self._add_segment(task, task.offset, task.data.num_rows, new_skipped)
             task.offset = task.data.num_rows
+            task.timeout_count += skipped_batches
             self._transition(task, TaskState.DONE)
             self._audit_done(task)
             events = [self._event(EventKind.DONE, task_id, trainer_id=trainer_id)]
         else:
-            events = self._count_failure(task_id, task, reason=f"reported failure: {error}")
+            events = self._count_failure(
+                task_id, task, reason=f"reported failure: {error}", failures=max(1, skipped_batches)
+            )
         events.extend(self._maybe_advance_pass())
         return events
 
@@ -870,9 +926,14 @@ class TaskQueue:
         for seg in task.segments:
             if seg.start >= offset:
                 self._records_trained -= seg.end - seg.start
+                self._skipped -= seg.skipped
             elif seg.end > offset:
+                # Where in the segment its skipped records were is not kept:
+                # at most the records kept can have been skipped.
+                skipped = min(seg.skipped, offset - seg.start)
                 self._records_trained -= seg.end - offset
-                kept.append(Segment(seg.attempt, seg.start, offset))
+                self._skipped -= seg.skipped - skipped
+                kept.append(Segment(seg.attempt, seg.start, offset, skipped))
             else:
                 kept.append(seg)
         self._reopened += task.offset - offset
@@ -934,7 +995,8 @@ class TaskQueue:
         Keys: ``pass`` (the pass the other fields belong to; a record of an
         earlier pass means todo with zero counts), ``state``, ``attempt`` (the
         last attempt number, across passes), ``timeouts``, ``offset``,
-        ``segments`` (``[[attempt, from, to], ...]``), ``trainer`` (the holder
+        ``segments`` (``[[attempt, from, to], ...]``, with a fourth element,
+        the records skipped, when there are any), ``trainer`` (the holder
         while pending, else null) and ``seq`` (order among requeued todo tasks,
         or null). The deadline is not persisted: monotonic clocks differ between
         processes, and :meth:`restore` gives pending attempts a fresh one.
@@ -949,7 +1011,10 @@ class TaskQueue:
             "attempt": task.attempt,
             "timeouts": task.timeout_count,
             "offset": task.offset,
-            "segments": [[s.attempt, s.start, s.end] for s in task.segments],
+            "segments": [
+                [s.attempt, s.start, s.end, *([s.skipped] if s.skipped else [])]
+                for s in task.segments
+            ],
             "trainer": task.trainer_id,
             "seq": task.seq,
         }
@@ -1035,6 +1100,7 @@ class TaskQueue:
                 fresh.append(task_id)
                 continue
             self._records_trained += sum(s.end - s.start for s in task.segments)
+            self._skipped += sum(s.skipped for s in task.segments)
             if task.state is TaskState.TODO:
                 assert task.seq is not None
                 requeued.append((task.seq, task_id))
@@ -1167,8 +1233,9 @@ class TaskQueue:
         heapq.heappush(self._deadlines, (deadline, task_id, task.attempt))
         self._compact_deadlines()
 
-    def _add_segment(self, task: _Task, start: int, end: int) -> None:
-        """Record that the current attempt trained records ``[start, end)``.
+    def _add_segment(self, task: _Task, start: int, end: int, skipped: int = 0) -> None:
+        """Record that the current attempt trained records ``[start, end)``,
+        ``skipped`` of them skipped rather than trained.
 
         A segment that continues the previous one of the same attempt extends
         it, so a task has at most one segment per attempt.
@@ -1176,11 +1243,31 @@ class TaskQueue:
         if end <= start:
             return
         self._records_trained += end - start
+        self._skipped += skipped
         last = task.segments[-1] if task.segments else None
         if last is not None and last.attempt == task.attempt and last.end == start:
-            task.segments[-1] = Segment(task.attempt, last.start, end)
+            task.segments[-1] = Segment(task.attempt, last.start, end, last.skipped + skipped)
         else:
-            task.segments.append(Segment(task.attempt, start, end))
+            task.segments.append(Segment(task.attempt, start, end, skipped))
+
+    @staticmethod
+    def _new_skipped(task: _Task, skipped: int, new_records: int) -> int:
+        """The records of ``new_records`` the current attempt skipped, from the
+        attempt's running total ``skipped`` (what its segment holds already is
+        not new).
+
+        Raises:
+            StaleTaskError: ``skipped`` went down, or exceeds what the attempt covers.
+        """
+        already = sum(s.skipped for s in task.segments if s.attempt == task.attempt)
+        new = skipped - already
+        if not 0 <= new <= new_records:
+            raise StaleTaskError(
+                f"task {task.data.file} rows [{task.data.start}, {task.data.end}): attempt "
+                f"{task.attempt} reports {skipped} skipped records, which does not fit its "
+                f"{already} skipped before and {new_records} new records"
+            )
+        return new
 
     def _audit_done(self, task: _Task) -> None:
         """Add a done task's duplicated and missing records to the pass audit."""
@@ -1188,10 +1275,13 @@ class TaskQueue:
         self._duplicated += dup
         self._missing += missing
 
-    def _count_failure(self, task_id: int, task: _Task, *, reason: str) -> list[TaskEvent]:
-        """Requeue a pending task after a timeout or failure, or fail it past the limit."""
+    def _count_failure(
+        self, task_id: int, task: _Task, *, reason: str, failures: int = 1
+    ) -> list[TaskEvent]:
+        """Requeue a pending task after a timeout or failure (``failures`` of them:
+        skipped mini-batches count too), or fail it past the limit."""
         trainer_id = self._release(task_id, task)
-        task.timeout_count += 1
+        task.timeout_count += failures
         if task.timeout_count > self._config.max_task_timeouts:
             self._transition(task, TaskState.FAILED)
             kind = EventKind.FAILED
@@ -1226,7 +1316,7 @@ class TaskQueue:
             records=self._records_total,
             done=self._num_done,
             failed=self._num_failed,
-            records_trained=self._records_trained,
+            records_trained=self._records_trained - self._skipped,
             duplicated_records=self._duplicated,
             missing_records=self._missing,
             shards_checked=shards_checked,
@@ -1240,6 +1330,7 @@ class TaskQueue:
             )
             if self._num_failed
             else (),
+            records_skipped=self._skipped,
         )
         events = [self._queue_event(EventKind.PASS_COMPLETED, summary)]
         if self._pass_id + 1 >= self._config.num_passes:
@@ -1254,6 +1345,7 @@ class TaskQueue:
         self._next_seq = 0
         self._num_done = self._num_failed = 0
         self._records_trained = self._duplicated = self._missing = self._reopened = 0
+        self._skipped = 0
         events.append(self._queue_event(EventKind.PASS_STARTED))
         return events
 
@@ -1399,14 +1491,16 @@ def _parse_record(
         raise InvalidRecordError(f"{what}: 'segments' must be a list, got {raw_segments!r}")
     segments: list[Segment] = []
     for raw in raw_segments:
-        if not isinstance(raw, list) or len(raw) != 3:
+        if not isinstance(raw, list) or len(raw) not in (3, 4):
             raise InvalidRecordError(
-                f"{what}: each segment must be [attempt, from, to], got {raw!r}"
+                f"{what}: each segment must be [attempt, from, to] or "
+                f"[attempt, from, to, skipped], got {raw!r}"
             )
         seg_attempt = _int(what, "segment attempt", raw[0], 1, attempt)
         start = _int(what, "segment from", raw[1], 0, length - 1)
         end = _int(what, "segment to", raw[2], start + 1, length)
-        segments.append(Segment(seg_attempt, start, end))
+        skipped = _int(what, "segment skipped", raw[3], 0, end - start) if len(raw) == 4 else 0
+        segments.append(Segment(seg_attempt, start, end, skipped))
     if offset != max((s.end for s in segments), default=0):
         raise InvalidRecordError(
             f"{what}: 'offset' {offset} is not where its last segment ends ({raw_segments!r})"

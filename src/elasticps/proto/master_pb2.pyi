@@ -54,6 +54,7 @@ class Task(_message.Message):
     END_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    SKIP_BUDGET_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
     pass_id: _builtins.int
     """0-based pass (epoch) the attempt belongs to."""
@@ -70,6 +71,13 @@ class Task(_message.Message):
     """Records of the task already trained in this pass (by earlier attempts):
     train rows [start + offset, end).
     """
+    skip_budget: _builtins.int
+    """With --bad-records skip: mini-batches this attempt may skip (the model
+    file raised on them) before it reports the task failed. It is
+    --max-task-timeouts minus the task's timeouts, failures and skipped
+    mini-batches so far in this pass: a skipped mini-batch counts like a
+    timeout.
+    """
     def __init__(
         self,
         *,
@@ -81,10 +89,11 @@ class Task(_message.Message):
         end: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
         offset: _builtins.int = ...,
+        skip_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "end", b"end", "file", b"file", "offset", b"offset", "pass_id", b"pass_id", "start", b"start", "task_id", b"task_id", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "end", b"end", "file", b"file", "offset", b"offset", "pass_id", b"pass_id", "skip_budget", b"skip_budget", "start", b"start", "task_id", b"task_id", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -135,6 +144,8 @@ class ReportTaskRequest(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     MEAN_LOSS_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    SKIPPED_BATCHES_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     task_id: _builtins.int
     pass_id: _builtins.int
@@ -146,6 +157,13 @@ class ReportTaskRequest(_message.Message):
     """Training statistics of the attempt."""
     mean_loss: _builtins.float
     elapsed_s: _builtins.float
+    skipped: _builtins.int
+    """Records of the task this attempt skipped (--bad-records skip): the rows
+    of mini-batches the model file raised on. They are reported as skipped,
+    never as trained; `samples` does not include them.
+    """
+    skipped_batches: _builtins.int
+    """Mini-batches this attempt skipped; each counts like a timeout."""
     def __init__(
         self,
         *,
@@ -158,10 +176,12 @@ class ReportTaskRequest(_message.Message):
         samples: _builtins.int = ...,
         mean_loss: _builtins.float = ...,
         elapsed_s: _builtins.float = ...,
+        skipped: _builtins.int = ...,
+        skipped_batches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,6 +211,7 @@ class ReportProgressRequest(_message.Message):
     PASS_ID_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     task_id: _builtins.int
     pass_id: _builtins.int
@@ -198,6 +219,10 @@ class ReportProgressRequest(_message.Message):
     offset: _builtins.int
     """Records of the task trained and acknowledged so far, counted from the
     task's start (not from this attempt's offset): 0 <= offset <= end - start.
+    """
+    skipped: _builtins.int
+    """Records this attempt skipped so far (--bad-records skip), all of them
+    below `offset`: 0 <= skipped <= offset - the attempt's first record.
     """
     def __init__(
         self,
@@ -207,10 +232,11 @@ class ReportProgressRequest(_message.Message):
         pass_id: _builtins.int = ...,
         attempt: _builtins.int = ...,
         offset: _builtins.int = ...,
+        skipped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "offset", b"offset", "pass_id", b"pass_id", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "offset", b"offset", "pass_id", b"pass_id", "skipped", b"skipped", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -261,6 +287,7 @@ class JobStatus(_message.Message):
     SAMPLES_DONE_FIELD_NUMBER: _builtins.int
     LAST_LOSS_FIELD_NUMBER: _builtins.int
     TASKS_DONE_ALL_PASSES_FIELD_NUMBER: _builtins.int
+    RECORDS_SKIPPED_FIELD_NUMBER: _builtins.int
     pass_id: _builtins.int
     num_passes: _builtins.int
     tasks_total: _builtins.int
@@ -275,6 +302,8 @@ class JobStatus(_message.Message):
     """Mean loss of the most recently reported task; NaN before the first."""
     tasks_done_all_passes: _builtins.int
     """Tasks done over all passes (for progress bars)."""
+    records_skipped: _builtins.int
+    """Records skipped (--bad-records skip) in reported tasks since the master started."""
     def __init__(
         self,
         *,
@@ -289,10 +318,11 @@ class JobStatus(_message.Message):
         samples_done: _builtins.int = ...,
         last_loss: _builtins.float = ...,
         tasks_done_all_passes: _builtins.int = ...,
+        records_skipped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "last_loss", b"last_loss", "num_passes", b"num_passes", "pass_id", b"pass_id", "samples_done", b"samples_done", "tasks_done", b"tasks_done", "tasks_done_all_passes", b"tasks_done_all_passes", "tasks_failed", b"tasks_failed", "tasks_pending", b"tasks_pending", "tasks_todo", b"tasks_todo", "tasks_total", b"tasks_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "last_loss", b"last_loss", "num_passes", b"num_passes", "pass_id", b"pass_id", "records_skipped", b"records_skipped", "samples_done", b"samples_done", "tasks_done", b"tasks_done", "tasks_done_all_passes", b"tasks_done_all_passes", "tasks_failed", b"tasks_failed", "tasks_pending", b"tasks_pending", "tasks_todo", b"tasks_todo", "tasks_total", b"tasks_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -795,8 +795,6 @@ class ParameterShard:
             raise LayoutMismatchError(
                 f"gradient has {grad.numel()} elements, shard has {self.numel}"
             )
-        if grad is None:
-            key = None  # an empty push covers no records
         if grad is not None and self._frozen_pieces:
             self._check_frozen(grad)
         if max_staleness is None:
@@ -859,6 +857,12 @@ class ParameterShard:
             self._wait_while_frozen()
             self._pushes += 1
             if grad is None:
+                # An empty push with a key: hold its records (skipped: no gradient).
+                if key is not None:
+                    if self._key_status(key) is KeyStatus.HELD:
+                        self._duplicates += 1
+                        return PushResult(False, self._version, PushStatus.DUPLICATE)
+                    self._coverage.add(key)
                 return PushResult(False, self._version)
             if max_staleness is not None and self._version - model_version > max_staleness:
                 self._stale += 1
@@ -918,9 +922,11 @@ class ParameterShard:
                 weight = float(num_samples) if self.reduction == "mean" else 1.0
                 self._acc.add_(grad, alpha=weight)
                 self._acc_samples += num_samples
-                if key is not None:
-                    self._round_keys.append(key)
-                    self._round_cov.add(key)
+            if key is not None and status is PushStatus.APPLIED:
+                # Held once the round completes (an empty push's key too: its
+                # records were skipped, there is nothing to apply).
+                self._round_keys.append(key)
+                self._round_cov.add(key)
             self._contributors.add(trainer_id)
             my_round = self._round
             self._maybe_complete_round()

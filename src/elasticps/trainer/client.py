@@ -336,7 +336,7 @@ class _ShardConnection:
         dtype, views = (
             (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
         )
-        k = None if empty else key
+        k = key
         send_frame(
             self._sock(),
             FrameHeader(
@@ -838,12 +838,20 @@ class ParameterClient:
             self._acknowledged += 1
         handle._finish(None, statuses)
 
-    def push_empty(self) -> None:
-        """Take part in the current sync step without a gradient, then pull."""
+    def push_empty(self, *, key: PushKey | None = None) -> list[PushStatus]:
+        """Push no gradient, then pull: take part in the current sync step, and with
+        ``key``, have every server hold its records (skipped ones: nothing to apply).
+
+        Returns:
+            Each server's answer (STALE: the caller pulls and pushes again).
+        """
         self.flush()
-        self._fan_out(
-            lambda c: c.push(self.trainer_id, 0, self._step, empty=True, want_params=True)
-        )
+
+        def send(c: _ShardConnection) -> PushStatus:
+            c.push(self.trainer_id, 0, self._step, empty=True, want_params=True, key=key)
+            return c.status
+
+        return self._fan_out(send)
 
     def pull(self) -> None:
         """Receive every shard's parameters into the flat parameter buffer.

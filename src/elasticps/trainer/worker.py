@@ -14,6 +14,15 @@ record being one mini-batch. Gradients of frozen parameters are zeroed before
 every push. With an ``on_event`` callback the trainer reports
 :class:`~elasticps.events.BeginIteration` / :class:`~elasticps.events.EndIteration`;
 without one, the training path does no event work at all.
+
+Bad records: when the model file's ``batch_to_tensors``, ``forward`` or
+``loss`` raises on a mini-batch, the trainer logs one line naming the model
+file's line, the exception and the task's rows (the traceback goes to its
+log file only). With ``--bad-records fail`` it then stops with a
+:class:`~elasticps.errors.BadRecordError` (exit status 2); with ``skip`` it
+drops the mini-batch and reports its records as skipped, until the task's
+skip budget (``Task.skip_budget``) is spent: then the task is reported
+failed, and the master sets it aside.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import pyarrow as pa
 import torch
 from torch import Tensor
 
@@ -38,6 +48,7 @@ from elasticps.config import TrainerConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
+    BadRecordError,
     CoordinationError,
     DataError,
     ElasticPSError,
@@ -48,11 +59,12 @@ from elasticps.errors import (
 from elasticps.events import BeginIteration, EndIteration, TrainingEvent
 from elasticps.master.client import MasterClient
 from elasticps.master.main import VIRTUAL_SOURCE
-from elasticps.model_file import ModelSpec, load_model_file
+from elasticps.model_file import ModelSpec, describe_model_error, load_model_file
 from elasticps.proto import master_pb2
 from elasticps.pserver.coverage import PushKey
 from elasticps.trainer.client import ParameterClient, PushHandle
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
+from elasticps.wire.frame import PushStatus
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +73,15 @@ Batch = tuple[Tensor, Tensor]
 
 Reader = Callable[[], Iterable[Batch]]
 """A reader function: each call yields the same mini-batches, in the same order."""
+
+
+class _ModelCodeError(ElasticPSError):
+    """The model file's ``called`` function raised ``exc`` on a mini-batch (module-internal)."""
+
+    def __init__(self, exc: Exception, called: str) -> None:
+        super().__init__(f"{called} raised {type(exc).__name__}")
+        self.exc = exc
+        self.called = called
 
 
 @dataclass
@@ -111,14 +132,16 @@ class ProgressReporter:
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
         self._thread.start()
 
-    def update(self, task: master_pb2.Task, offset: int) -> None:
-        """Record that rows ``[task.start, task.start + offset)`` are trained and acknowledged."""
+    def update(self, task: master_pb2.Task, offset: int, skipped: int = 0) -> None:
+        """Record that rows ``[task.start, task.start + offset)`` are trained and acknowledged
+        (``skipped`` of them, by this attempt, skipped as bad records)."""
         request = master_pb2.ReportProgressRequest(
             trainer_id=self._trainer_id,
             task_id=task.task_id,
             pass_id=task.pass_id,
             attempt=task.attempt,
             offset=offset,
+            skipped=skipped,
         )
         with self._cond:
             self._latest = request
@@ -217,6 +240,7 @@ class Trainer:
         self._acc = _Accumulator()
         self._batches = 0
         self._checked_columns: set[str] = set()
+        self._skip_traceback_logged = False
         self._lease_lost = threading.Event()
         self._lease: KeptLease | None = None
         # PS slot -> address, kept current by a watch on ps/; a lost PS's
@@ -357,6 +381,7 @@ class Trainer:
         started = time.monotonic()
         samples = 0
         records = 0  # rows (Parquet) or batches (virtual source) of this attempt
+        skipped = skipped_batches = 0  # bad records (--bad-records skip) of this attempt
         loss_sum = 0.0
         if task.pass_id != self._pass_id:
             self._pass_id = task.pass_id
@@ -364,16 +389,41 @@ class Trainer:
         self._task = task
         self._acc = _Accumulator(first=task.offset, end=task.offset)
         try:
-            for batch_id, (inputs, targets), num_records in self._task_batches(task):
+            for batch_id, batch, num_records in self._task_batches(task):
                 if self.stop.is_set():
                     return  # the master re-dispatches the rest from the last progress
+                first = task.start + task.offset + records
                 records += num_records
                 # Progress is reported only once the push is acknowledged by
                 # every PS (it may be sent in the background, see overlap_push).
-                acknowledged = functools.partial(progress.update, task, task.offset + records)
-                loss = self._train_batch(
-                    inputs, targets, client, batch_id, acknowledged, num_records=num_records
+                acknowledged = functools.partial(
+                    progress.update, task, task.offset + records, skipped
                 )
+                try:
+                    if isinstance(batch, _ModelCodeError):
+                        raise batch
+                    inputs, targets = batch
+                    loss = self._train_batch(
+                        inputs, targets, client, batch_id, acknowledged, num_records=num_records
+                    )
+                except _ModelCodeError as raised:
+                    error = self._bad_record(raised, task, first, first + num_records)
+                    if self.config.bad_records != "skip":
+                        raise error from raised.exc
+                    skipped += num_records
+                    skipped_batches += 1
+                    # The records stay in the push key of the next push (or of a
+                    # push without a gradient at the end of the task): every
+                    # parameter server holds them, as skipped.
+                    self._acc.end += num_records
+                    if skipped_batches > task.skip_budget:
+                        self._set_task_aside(
+                            task, master, client, progress,
+                            offset=task.offset + records, skipped=skipped,
+                            skipped_batches=skipped_batches, error=error,
+                        )  # fmt: skip
+                        return
+                    continue
                 samples += len(targets)
                 loss_sum += loss * len(targets)
             self._flush(client, functools.partial(progress.update, task, task.offset + records))
@@ -404,6 +454,8 @@ class Trainer:
                     samples=samples,
                     mean_loss=loss_sum / samples if samples else math.nan,
                     elapsed_s=time.monotonic() - started,
+                    skipped=skipped,
+                    skipped_batches=skipped_batches,
                 )
             )
         except StaleTaskError as exc:
@@ -413,8 +465,99 @@ class Trainer:
             # applied twice.
             log.warning("trainer %s: report of task %d rejected: %s", self.name, task.task_id, exc)
 
-    def _task_batches(self, task: master_pb2.Task) -> Iterator[tuple[int, Batch, int]]:
-        """The task's remaining mini-batches: ``(batch id, (inputs, targets), records)``."""
+    def _bad_record(
+        self, raised: _ModelCodeError, task: master_pb2.Task, first: int, end: int
+    ) -> BadRecordError:
+        """Log (traceback in the log file only) and return the one-line error of a bad batch.
+
+        ``[first, end)`` are the mini-batch's rows (records of the virtual source).
+        """
+        cause = describe_model_error(
+            raised.exc, self.spec.path, str(self.config.model_path), raised.called
+        )
+        message = (
+            f"{cause}; on rows [{first}, {end}) of {task.file} "
+            f"(task {task.task_id}: rows [{task.start}, {task.end}), pass {task.pass_id})"
+        )
+        skip = self.config.bad_records == "skip"
+        # One traceback in the log is enough to debug the model file.
+        with_traceback = not skip or not self._skip_traceback_logged
+        self._skip_traceback_logged = self._skip_traceback_logged or skip
+        log.error(
+            "%s%s",
+            "skipped a mini-batch: " if skip else "",
+            message,
+            exc_info=raised.exc if with_traceback else None,
+        )
+        return BadRecordError(message)
+
+    def _set_task_aside(
+        self,
+        task: master_pb2.Task,
+        master: MasterClient,
+        client: ParameterClient,
+        progress: ProgressReporter,
+        *,
+        offset: int,
+        skipped: int,
+        skipped_batches: int,
+        error: BadRecordError,
+    ) -> None:
+        """Report a task failed after it skipped more mini-batches than its budget.
+
+        Its trained records are pushed and acknowledged first, then its
+        progress (the records up to ``offset``, ``skipped`` of them skipped) is
+        reported, so the ledger has every record this attempt covered; the
+        failure then counts ``skipped_batches`` against the task, which sets
+        it aside as failed for the pass.
+        """
+        self._flush(client)
+        progress.discard()
+        log.warning(
+            "trainer %s: task %d skipped %d mini-batches, more than its budget of %d; "
+            "reporting it failed",
+            self.name, task.task_id, skipped_batches, task.skip_budget,
+        )  # fmt: skip
+        try:
+            master.report_progress(
+                master_pb2.ReportProgressRequest(
+                    trainer_id=self.name,
+                    task_id=task.task_id,
+                    pass_id=task.pass_id,
+                    attempt=task.attempt,
+                    offset=offset,
+                    skipped=skipped,
+                )
+            )
+            master.report_task(
+                master_pb2.ReportTaskRequest(
+                    trainer_id=self.name,
+                    task_id=task.task_id,
+                    pass_id=task.pass_id,
+                    attempt=task.attempt,
+                    success=False,
+                    error=f"{skipped_batches} mini-batches skipped, the last: {error}",
+                    skipped=skipped,
+                    skipped_batches=skipped_batches,
+                )
+            )
+        except StaleTaskError as exc:
+            log.warning("trainer %s: task %d is no longer ours: %s", self.name, task.task_id, exc)
+
+    def _to_tensors(self, batch: pa.Table) -> Batch | _ModelCodeError:
+        """The model file's ``batch_to_tensors(batch)``, or what it raised."""
+        try:
+            return self.spec.batch_to_tensors(batch)
+        except ElasticPSError:
+            raise
+        except Exception as exc:
+            return _ModelCodeError(exc, "batch_to_tensors")
+
+    def _task_batches(
+        self, task: master_pb2.Task
+    ) -> Iterator[tuple[int, Batch | _ModelCodeError, int]]:
+        """The task's remaining mini-batches: ``(batch id, (inputs, targets), records)``;
+        instead of the tensors, what ``batch_to_tensors`` raised on them."""
         first = task.start + task.offset
         if task.file == VIRTUAL_SOURCE:
             if self._batch_reader is None:
@@ -430,7 +573,7 @@ class Trainer:
         table = self.reader.read_rows(task.file, first, task.end, self.spec.columns)
         for lo in range(0, table.num_rows, self.config.batch_size):
             batch = table.slice(lo, self.config.batch_size)
-            yield self._pass_batches, self.spec.batch_to_tensors(batch), batch.num_rows
+            yield self._pass_batches, self._to_tensors(batch), batch.num_rows
 
     def _check_columns(self, path: str) -> None:
         if path not in self._checked_columns:
@@ -441,9 +584,21 @@ class Trainer:
         return max(client.versions, default=0)
 
     def _forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """One mini-batch's forward and backward, accumulating into the gradient buffer."""
-        outputs = self.flat.model(inputs)
-        loss = self.spec.loss(outputs, targets)
+        """One mini-batch's forward and backward, accumulating into the gradient buffer.
+
+        Raises:
+            _ModelCodeError: the model file's forward or loss raised.
+            ModelContractError: the loss is not a scalar, or .grad was replaced.
+        """
+        called = "forward"
+        try:
+            outputs = self.flat.model(inputs)
+            called = "loss"
+            loss = self.spec.loss(outputs, targets)
+        except ElasticPSError:
+            raise
+        except Exception as exc:
+            raise _ModelCodeError(exc, called) from exc
         if loss.dim() != 0:
             raise ModelContractError(f"loss must return a scalar, got shape {tuple(loss.shape)}")
         loss.backward()  # type: ignore[no-untyped-call]
@@ -532,6 +687,14 @@ class Trainer:
         key = self._key(acc)
         sync = self.config.mode is UpdateMode.SYNC
         self._retrain_stale_inflight(client)
+        if not acc.batches:
+            # Only skipped records: cover them on every server, without a gradient.
+            if key is not None:
+                self._cover(client, key)
+            if on_acknowledged is not None:
+                on_acknowledged()
+            self._acc = _Accumulator(first=acc.end, end=acc.end)
+            return
         for attempt in range(MAX_STALE_RETRIES + 1):
             grads = self.flat.grads
             for lo, hi in self._frozen:
@@ -557,6 +720,20 @@ class Trainer:
                 )
             self._recompute(client, acc)
         self._acc = _Accumulator(first=acc.end, end=acc.end)
+
+    def _cover(self, client: ParameterClient, key: PushKey) -> None:
+        """Have every server hold ``key``'s records without a gradient (they were skipped)."""
+        for attempt in range(MAX_STALE_RETRIES + 1):
+            if self.config.mode is UpdateMode.SYNC and not client.consistent:
+                client.pull_consistent()
+            statuses = client.push_empty(key=key)
+            if PushStatus.STALE not in statuses:
+                return
+            if attempt == MAX_STALE_RETRIES:
+                raise ServiceUnavailableError(
+                    f"a push was answered STALE {MAX_STALE_RETRIES + 1} times in a row"
+                )
+            client.pull()
 
     def _on_ack(self, then: Callable[[], None] | None) -> Callable[[], None] | None:
         """Wrap an acknowledgement callback with the kill-after-ack test hook."""
@@ -612,9 +789,11 @@ class Trainer:
                 )
         self.flat.grads.copy_(saved)
 
-    def _flush(self, client: ParameterClient, on_acknowledged: Callable[[], None]) -> None:
+    def _flush(
+        self, client: ParameterClient, on_acknowledged: Callable[[], None] | None = None
+    ) -> None:
         """Push what is accumulated; return once every push of the task is acknowledged."""
-        if self._acc.batches:
+        if self._acc.end > self._acc.first:
             self._push(client, want_params=True, on_acknowledged=on_acknowledged)
         self._retrain_stale_inflight(client)
         client.flush()

@@ -55,8 +55,9 @@ without etcd, or a CONTROL request from a tool).
 of task ``task_id`` in pass ``pass_id`` carries them, so that a server
 applies every key at most once (:mod:`elasticps.pserver.coverage`). A PUSH
 without a key (``key_lo == key_hi == 0`` and ``task_id == pass_id == 0``,
-e.g. from the KVStore API) is applied every time. Only a non-empty PUSH may
-carry a key.
+e.g. from the KVStore API) is applied every time. An EMPTY PUSH with a key
+has the server hold the key's records without applying anything: records
+skipped as bad (``--bad-records skip``) are accounted for that way.
 
 *Generation.* In sync mode the servers of a job share a generation, which
 changes when the master realigns them after a server restart (every shard
@@ -398,8 +399,8 @@ def _check_consistency(h: FrameHeader) -> None:
     if h.status is not PushStatus.APPLIED and mt not in _STATUS_TYPES:
         raise FrameError(f"status {h.status.name} not allowed on {mt.name}")
     if h.key_hi > h.key_lo:
-        if mt is not MsgType.PUSH or h.flags & Flags.EMPTY:
-            raise FrameError(f"a push key is allowed on a non-empty PUSH only, not {mt.name}")
+        if mt is not MsgType.PUSH:
+            raise FrameError(f"a push key is allowed on a PUSH only, not {mt.name}")
     elif h.key_lo or h.key_hi or h.task_id or h.pass_id:
         raise FrameError(
             f"malformed push key: task {h.task_id} pass {h.pass_id} "

@@ -1,0 +1,141 @@
+"""Log files: full records (tracebacks included) in a file, one line per record on stderr.
+
+A local job writes its logs under ``OUTPUT/logs/``: ``launcher.log`` (the
+launcher's own records, and a transcript of every line it shows on the
+terminal) and one ``<role>.log`` per role process (``trainer-0.log``,
+``ps-1.log``...). The launcher tells each role process its file in
+``ELASTICPS_LOG_FILE``.
+
+Once :func:`log_to_file` has run in a process, every log record goes in
+full to that file, and the handlers that write to the terminal print it
+without its traceback, ending in ``(traceback in FILE)`` instead. So a
+user's terminal shows what happened, one line each, and the traceback
+waits in the file for a bug report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "DEFAULT_FORMAT",
+    "LOG_FILE_ENV",
+    "OneLineFormatter",
+    "active_log_file",
+    "environment_log_file",
+    "file_only",
+    "log_to_file",
+]
+
+LOG_FILE_ENV: Final = "ELASTICPS_LOG_FILE"
+"""The environment variable that names a role process's log file."""
+
+DEFAULT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""Record format when the process has no stderr handler to copy it from."""
+
+
+class OneLineFormatter(logging.Formatter):
+    """Formats a record without its traceback or stack, naming the file that has them.
+
+    Args:
+        fmt: the record format.
+        log_file: the file holding the full records.
+    """
+
+    def __init__(self, fmt: str, log_file: Path) -> None:
+        super().__init__(fmt)
+        self.log_file = log_file
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record on one line; `` (traceback in FILE)`` if it carried one."""
+        if not (record.exc_info or record.exc_text or record.stack_info):
+            return super().format(record)
+        bare = logging.makeLogRecord(record.__dict__)
+        bare.exc_info = None
+        bare.exc_text = None
+        bare.stack_info = None
+        return f"{super().format(bare)} (traceback in {self.log_file})"
+
+
+class _LogFileHandler(logging.FileHandler):
+    """The handler :func:`log_to_file` installs (found again by :func:`active_log_file`)."""
+
+
+def _format_of(handler: logging.Handler) -> str:
+    formatter = handler.formatter
+    fmt = getattr(formatter, "_fmt", None) if formatter is not None else None
+    return fmt if isinstance(fmt, str) else DEFAULT_FORMAT
+
+
+def log_to_file(path: Path) -> Path:
+    """Send this process's log records to ``path`` in full, and to stderr without tracebacks.
+
+    The file is appended to (a restarted role process continues its file).
+    Handlers writing to a stream (stderr) keep their format but get a
+    :class:`OneLineFormatter`. Calling it again with the same path does
+    nothing.
+
+    Args:
+        path: the log file; its directory is created.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+    root = logging.getLogger()
+    if active_log_file() == path:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    streams = [
+        h
+        for h in root.handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
+    fmt = _format_of(streams[0]) if streams else DEFAULT_FORMAT
+    handler = _LogFileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(fmt))
+    root.addHandler(handler)
+    for stream in streams:
+        stream.setFormatter(OneLineFormatter(_format_of(stream), path))
+    return path
+
+
+def active_log_file() -> Path | None:
+    """The file :func:`log_to_file` set up in this process, or None."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _LogFileHandler):
+            return Path(handler.baseFilename)
+    return None
+
+
+def file_only(
+    level: int,
+    message: str,
+    *,
+    exc_info: BaseException | None = None,
+    name: str = "elasticps",
+) -> None:
+    """Write one record to the log file only (not to the terminal); a no-op without a file.
+
+    Args:
+        level: a ``logging`` level.
+        message: the message (not a format string).
+        exc_info: an exception whose traceback goes with the record.
+        name: the logger name shown in the record.
+    """
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _LogFileHandler):
+            info = (type(exc_info), exc_info, exc_info.__traceback__) if exc_info else None
+            record = logging.LogRecord(name, level, __file__, 0, "%s", (message,), info)
+            handler.handle(record)
+
+
+def environment_log_file() -> Path | None:
+    """The log file ``ELASTICPS_LOG_FILE`` names, or None."""
+    value = os.environ.get(LOG_FILE_ENV, "")
+    return Path(value) if value else None
