@@ -38,6 +38,11 @@ The rules (each unit-tested in ``tests/unit/test_manager.py``):
   reloads its checkpoint; a :class:`~elasticps.launcher.supervisor.FailJob`
   stops all creation and is handed to the shell (the local launcher ends
   the job; on Kubernetes the job is marked failed).
+- The policy counts trainers failing in a row with internal errors while no
+  task progresses; the shell tells it of progress (the local launcher from
+  the master's status; on Kubernetes, a ``task_progress`` source read once per
+  tick, :class:`LedgerTaskProgress`, which counts a task done or its offset
+  advanced, never a mere dispatch).
 - A trainer that exits with status 0 on its own means the master said the job
   is finished: from then on nothing is created (:meth:`ManagerCore.finish`
   does the same).
@@ -67,6 +72,7 @@ from elasticps.launcher.supervisor import (
     Exited,
     FailJob,
     Kind,
+    Progressed,
     Supervisor,
     SupervisorConfig,
     exited_from_reason,
@@ -82,12 +88,16 @@ __all__ = [
     "EtcdDesiredCount",
     "FailJob",
     "LedgerProgress",
+    "LedgerTaskProgress",
     "ManagerCore",
     "ProgressSource",
     "StaticDesiredCount",
+    "TaskProgressSource",
     "WorkerManager",
     "backoff_delay_s",
     "policy_event",
+    "task_marks",
+    "tasks_progressed",
 ]
 
 log = logging.getLogger(__name__)
@@ -236,6 +246,10 @@ class ManagerCore:
     def failed(self) -> FailJob | None:
         """The policy's decision that failed the job, or None."""
         return self._failed
+
+    def progressed(self) -> None:
+        """The job's tasks progressed: tell the policy (it resets its count of failing trainers)."""
+        self._decide(Progressed())
 
     def observe(self, event: WorkerEvent, now: float) -> PolicyAction | None:
         """Record what the backend reported about one worker.
@@ -517,6 +531,79 @@ class EtcdDesiredCount:
 ProgressSource = Callable[[], Mapping[str, float]]
 """Trainer name -> clock time (the manager's clock) of its last progress."""
 
+TaskProgressSource = Callable[[], bool]
+"""Whether the job's tasks progressed since the last call (see :func:`tasks_progressed`)."""
+
+TaskMark = tuple[int, int, int]
+
+
+def task_marks(records: Mapping[str, Mapping[str, object]]) -> dict[str, TaskMark]:
+    """How far each task of the ledger got: ``(pass, done, offset)`` by task key (pure).
+
+    Args:
+        records: the ledger's task records by key, as the master persists
+            them (:meth:`elasticps.master.taskqueue.TaskQueue.task_record`:
+            ``pass``, ``state``, ``offset``...); malformed ones are skipped.
+    """
+    marks: dict[str, TaskMark] = {}
+    for key, record in records.items():
+        pass_id, offset = record.get("pass"), record.get("offset")
+        if not isinstance(pass_id, int) or not isinstance(offset, int):
+            continue
+        marks[key] = (pass_id, int(record.get("state") == "done"), offset)
+    return marks
+
+
+def tasks_progressed(before: Mapping[str, TaskMark], after: Mapping[str, TaskMark]) -> bool:
+    """Whether some task got further: done, its offset advanced, or a later pass (pure).
+
+    A dispatch or a requeue changes no mark, so a trainer that takes a task
+    and dies is no progress: the supervision policy's count of trainers
+    failing in a row goes on (:data:`~elasticps.launcher.supervisor.MAX_TRAINER_FAILURES`).
+
+    Args:
+        before: the marks at the last look (:func:`task_marks`).
+        after: the marks now.
+    """
+    return any(mark > before.get(key, (0, 0, 0)) for key, mark in after.items())
+
+
+class LedgerTaskProgress:
+    """A :data:`TaskProgressSource` over the task ledger in etcd.
+
+    Each call reads the ``tasks/`` prefix (one etcd range read), at most once
+    per ``every_s`` seconds; the first read sets the baseline.
+
+    Args:
+        store: the job's etcd view.
+        every_s: the least time between two reads, seconds.
+        clock: monotonic clock, seconds.
+    """
+
+    def __init__(
+        self, store: JobStore, every_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store = store
+        self._every_s = every_s
+        self._clock = clock
+        self._marks: dict[str, TaskMark] | None = None
+        self._read_at = -math.inf
+
+    def __call__(self) -> bool:
+        """Whether a task progressed since the last read.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        now = self._clock()
+        if now - self._read_at < self._every_s:
+            return False
+        self._read_at = now
+        tasks, _ = self._store.get_prefix_json(self._store.keys.tasks_prefix)
+        marks = task_marks({k: v for k, v in tasks.items() if isinstance(v, Mapping)})
+        before, self._marks = self._marks, marks
+        return before is not None and tasks_progressed(before, marks)
+
 
 class LedgerProgress:
     """Each trainer's last progress, read from the task ledger in etcd.
@@ -613,6 +700,9 @@ class WorkerManager:
         trainer_spec: builds the spec of trainer ``index``.
         fixed: workers that must always exist (PS), restarted with the same spec.
         decide: the supervision policy (see :class:`ManagerCore`).
+        task_progress: whether the job's tasks progressed (read once per
+            tick), told to the policy; None where the shell tells it itself
+            (the local launcher).
         on_decision: called from the manager's thread with each worker end it
             did not cause and the policy's answer (the local launcher prints
             it and ends the job on a :class:`FailJob`; on Kubernetes the job
@@ -630,9 +720,11 @@ class WorkerManager:
         trainer_spec: Callable[[int], WorkerSpec],
         fixed: Sequence[WorkerSpec] = (),
         decide: Decide | None = None,
+        task_progress: TaskProgressSource | None = None,
         on_decision: Callable[[WorkerEvent, PolicyAction], None] | None = None,
     ) -> None:
         self.backend = backend
+        self._task_progress = task_progress
         self.config = config
         self.core = ManagerCore(config, trainer_spec, fixed, decide)
         self._on_decision = on_decision
@@ -730,6 +822,12 @@ class WorkerManager:
                         progress = self._progress()
                     except ElasticPSError as exc:
                         log.warning("could not read trainer progress: %s", exc)
+                if self._task_progress is not None:
+                    try:
+                        if self._task_progress():
+                            self.core.progressed()
+                    except ElasticPSError as exc:
+                        log.warning("could not read the task ledger: %s", exc)
             try:
                 self._apply(self.core.step(now, self._wanted, progress))
             except Exception:  # keep managing: one bad step must not end elasticity
