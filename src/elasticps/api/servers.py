@@ -50,10 +50,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, TypeVar
 
 import grpc
 
@@ -89,6 +90,8 @@ from elasticps.updater import ps_flags
 __all__ = ["LocalServers", "ServersConfig"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Seconds between two checks of the children while waiting for them.
 _POLL_S = 0.05
@@ -395,6 +398,42 @@ class LocalServers:
             self._tasks_done = status.tasks_done_all_passes
         if status.finished:
             self.decide(JobFinished())
+
+    def run_supervised(self, work: Callable[[], _T]) -> _T:
+        """Run ``work`` in a helper thread while this thread calls :meth:`check`.
+
+        For work that needs the servers up (the final pull, a checkpoint)
+        while one may die and be restarted. Call it from the thread that
+        started the servers: a restarted child is signalled when the thread
+        that started it exits (see the module docstring).
+
+        Returns:
+            What ``work`` returned.
+
+        Raises:
+            JobUserError, JobFailedError: as :meth:`check`.
+            Exception: what ``work`` raised.
+        """
+        done = threading.Event()
+        outcome: list[_T] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                outcome.append(work())
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name="servers-work", daemon=True)
+        thread.start()
+        while not done.wait(_POLL_S):
+            self.check()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return outcome[0]
 
     def fail(self, action: FailJob) -> None:
         """Raise the error of a :class:`FailJob` decision (see :meth:`decide`).

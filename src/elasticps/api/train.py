@@ -537,12 +537,17 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
         finally:
             if watch is not None:
                 watch.cancel()
-        result, version = _pull_final(spec, cluster, servers)
+        # A server may still die here: it is restarted meanwhile.
+        result, version = servers.run_supervised(lambda: _pull_final(spec, cluster, servers))
         if cluster.checkpoint_dir is not None:
             from elasticps.launcher.local import checkpoint_job
 
             out = Path(cluster.checkpoint_dir)
-            manifest = checkpoint_job(store, out, {"job": servers.job, "source": "elasticps.train"})
+            manifest = servers.run_supervised(
+                lambda: checkpoint_job(
+                    store, out, {"job": servers.job, "source": "elasticps.train"}
+                )
+            )
             checkpoint_version = manifest.get("version")
             hub.emit(
                 Checkpointed(

@@ -51,7 +51,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, TypeVar, cast
 
 import torch
 from tqdm import tqdm
@@ -122,6 +122,8 @@ from elasticps.snapshot import (
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _POLL_S = 0.25
 # "Wait as long as it takes", in seconds, for flags that need a number.
@@ -420,11 +422,15 @@ class LocalLauncher:
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
+
                 # A server may still die here: go on restarting it meanwhile.
-                with self._supervising():
-                    snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                def take_snapshot() -> dict[str, object]:
+                    manifest = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
                     # Read through etcd restarts, in one snapshot of the ledger.
                     self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
+                    return manifest
+
+                snapshot = self._while_supervising(take_snapshot)
                 tensors, versions = final_parameters(spec, cfg.output / "snapshot")
                 if self._passes_missing:
                     self._emit(
@@ -926,33 +932,41 @@ class LocalLauncher:
             self._bar = None
         return int(last.samples_done)
 
-    @contextlib.contextmanager
-    def _supervising(self) -> Iterator[None]:
-        """Run :meth:`_supervise` from a thread while the body runs (the end of a job).
+    def _while_supervising(self, work: Callable[[], _T]) -> _T:
+        """Run ``work`` in a helper thread while this thread goes on supervising (the job's end).
+
+        The restarts stay in this thread, the one that started the servers: a
+        child started with ``setpriv --pdeathsig`` is signalled when the
+        *thread* that started it exits, so a restart from a short-lived
+        thread would not outlive it.
+
+        Returns:
+            What ``work`` returned.
 
         Raises:
             JobFailedError: supervision found a failure the job cannot survive.
+            Exception: what ``work`` raised.
         """
         done = threading.Event()
-        failures: list[ElasticPSError] = []
+        outcome: list[_T] = []
+        errors: list[BaseException] = []
 
-        def loop() -> None:
-            while not done.wait(_POLL_S):
-                try:
-                    self._supervise()
-                except ElasticPSError as exc:
-                    failures.append(exc)
-                    return
+        def run() -> None:
+            try:
+                outcome.append(work())
+            except BaseException as exc:  # re-raised in the supervising thread
+                errors.append(exc)
+            finally:
+                done.set()
 
-        thread = threading.Thread(target=loop, name="supervise-end", daemon=True)
+        thread = threading.Thread(target=run, name="job-end", daemon=True)
         thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-        if failures:
-            raise failures[0]
+        while not done.wait(_POLL_S):
+            self._supervise()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return outcome[0]
 
     def _await_trainers(self) -> None:
         """Give the trainers left time to exit on their own, as get_task tells them.
