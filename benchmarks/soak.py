@@ -95,8 +95,11 @@ CHECKS: dict[str, PostCheck] = {"audit": audit_check}
 def prepare(model: str, work: Path, audit_records: int) -> Dataset:
     """The data set and model file of ``--model`` (built under ``work``)."""
     if model == "audit":
-        from elasticps.testing.audit import write_dataset
+        from elasticps.testing.audit import DEFAULT_RECORDS, write_dataset
 
+        if audit_records != DEFAULT_RECORDS:
+            # The model file builds Model() with its default number of counters.
+            raise SystemExit(f"soak: the audit model file holds {DEFAULT_RECORDS} counters")
         data = work / "audit"
         write_dataset(data, audit_records)
         return Dataset(
@@ -311,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=100)
     parser.add_argument("--lease-ttl-s", type=float, default=2.0)
     parser.add_argument("--records-per-task", type=int, default=200)
-    parser.add_argument("--audit-records", type=int, default=4000)
+    parser.add_argument(
+        "--audit-records", type=int, default=4000, help="the audit model file's 4000 only"
+    )
     parser.add_argument(
         "--every", type=_every, default=(0.75, 2.25), help="seconds between kills, LOW-HIGH"
     )
