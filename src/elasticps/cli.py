@@ -14,8 +14,10 @@ Exit statuses (see ``docs/errors.md``): 0 success; 2 a user mistake
 printed as one line ``elasticps: error: ...`` without a traceback; 1 an
 internal failure, printed as one line ``elasticps: internal error: ...``
 naming the log that holds the traceback (the traceback goes to the terminal
-only when there is no log file). A role process started by the local
-launcher (``ELASTICPS_LOG_FILE``) writes its full log to that file.
+only when there is no log file). A role command that cannot reach etcd, the
+master or a parameter server exits with 75 (``EX_TEMPFAIL``, see
+:func:`_run_role`). A role process started by the local launcher
+(``ELASTICPS_LOG_FILE``) writes its full log to that file.
 """
 
 from __future__ import annotations
@@ -49,9 +51,16 @@ from elasticps.config import (
     TrainerConfig,
     UpdateMode,
 )
-from elasticps.errors import ConfigError, ElasticPSError, UserError
-from elasticps.launcher.chaos import parse_chaos
+from elasticps.errors import (
+    ConfigError,
+    CoordinationError,
+    ElasticPSError,
+    ServiceUnavailableError,
+    UserError,
+)
+from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
 from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
+from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
@@ -279,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--chaos",
         default="",
-        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s"',
+        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s", or '
+        'random kills "random:every=0.75-2.25s,roles=trainer+ps+master+standby+etcd,seed=1"',
     )
     train.add_argument(
         "--checkpoint-every-s",
@@ -470,6 +480,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         standby_ps=args.standby_ps,
         max_restarts=args.max_restarts,
         chaos=parse_chaos(args.chaos),
+        random_chaos=parse_random_chaos(args.chaos),
         checkpoint_every_s=args.checkpoint_every_s,
         resume=args.resume,
         max_staleness=args.max_staleness,
@@ -694,6 +705,17 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _run_role(run: Callable[[threading.Event], None]) -> int:
+    """Run a role command until it stops; its exit status tells its supervisor why.
+
+    0: stopped or done. 75 (``EX_TEMPFAIL``, "try again"): etcd, the master
+    or a parameter server could not be reached
+    (:class:`~elasticps.errors.CoordinationError`,
+    :class:`~elasticps.errors.ServiceUnavailableError`), printed as one line
+    ``elasticps: unavailable: ...``. A user error propagates to :func:`main`
+    (one line, status 2), anything else too (a traceback, status 1). The
+    mapping is :func:`elasticps.launcher.supervisor.exit_status_for`; what a
+    launcher does with each status is :mod:`elasticps.launcher.supervisor`.
+    """
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -704,7 +726,13 @@ def _run_role(run: Callable[[threading.Event], None]) -> int:
     parent = os.environ.get("ELASTICPS_PARENT_PID")
     if parent and parent.isdigit():
         threading.Thread(target=_stop_when_orphaned, args=(int(parent), stop), daemon=True).start()
-    run(stop)
+    try:
+        run(stop)
+    except (CoordinationError, ServiceUnavailableError) as exc:
+        line = f"elasticps: unavailable: {' '.join(str(exc).split())}"
+        file_only(logging.ERROR, line, exc_info=exc)
+        print(line, file=sys.stderr)
+        return exit_status_for(exc)
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elasticps.errors import ConfigError
-from elasticps.launcher.chaos import ChaosEvent
+from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 from elasticps.schedules import schedule_from_json
@@ -435,6 +435,7 @@ class JobConfig:
         standby_ps: extra parameter servers waiting for a free slot, >= 0.
         max_restarts: restarts allowed per master, PS and etcd process, >= 0.
         chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
+        random_chaos: SIGKILLs of random roles at random moments, or None.
         spawn: how role processes start: ``fork`` from a fork server that
             has imported torch already (:mod:`elasticps.launcher.spawn`),
             or ``exec`` (each a new ``python -m elasticps``).
@@ -492,6 +493,7 @@ class JobConfig:
     stuck_after_s: float | None = None
     spawn: str = "fork"
     eval_each_pass: bool = False
+    random_chaos: RandomChaos | None = None
     bad_records: str = "fail"
     overwrite: bool = False
     checkpoint_failures_fatal_after_s: float = DEFAULT_FATAL_AFTER_S

@@ -99,9 +99,17 @@ __all__ = [
     "worker_pod",
 ]
 
+from elasticps.launcher.supervisor import FailJob
+
 if TYPE_CHECKING:
     from elasticps.coord.store import JobStore
-    from elasticps.launcher.manager import DesiredCountSource, ProgressSource, WorkerManager
+    from elasticps.launcher.manager import (
+        DesiredCountSource,
+        ProgressSource,
+        TaskProgressSource,
+        WorkerManager,
+    )
+    from elasticps.launcher.supervisor import Action as PolicyAction
 
 log = logging.getLogger(__name__)
 
@@ -753,8 +761,16 @@ def build_manager(
     progress: ProgressSource | None,
     *,
     clock: Callable[[], float] | None = None,
+    task_progress: TaskProgressSource | None = None,
+    on_decision: Callable[[WorkerEvent, PolicyAction], None] | None = None,
 ) -> WorkerManager:
     """The worker manager of a Kubernetes job (not started).
+
+    What a worker's end means is the job's supervision policy
+    (:mod:`elasticps.launcher.supervisor`, the one of every launcher), with
+    no restart limit for the PS (as Kubernetes restarts pods): a trainer is
+    replaced unless it stopped on a user error (exit status 2), or trainers
+    keep failing with internal errors while no task progresses.
 
     Args:
         backend: the job's backend.
@@ -763,6 +779,9 @@ def build_manager(
         desired: the wanted trainer count (:class:`ConfigMapDesiredCount` in a cluster).
         progress: each trainer's last progress (``LedgerProgress`` in a cluster), or None.
         clock: monotonic clock, seconds.
+        task_progress: whether the job's tasks progressed (``LedgerTaskProgress``
+            in a cluster), told to the policy; or None.
+        on_decision: called with each worker end and the policy's answer.
     """
     import time
 
@@ -776,6 +795,8 @@ def build_manager(
         clock or time.monotonic,
         trainer_spec=trainer_spec,
         fixed=ps_specs(ps),
+        task_progress=task_progress,
+        on_decision=on_decision,
     )
 
 
@@ -804,7 +825,7 @@ def in_cluster_manager(
         from kubernetes import client
         from kubernetes import config as kube_config
 
-        from elasticps.launcher.manager import LedgerProgress
+        from elasticps.launcher.manager import LedgerProgress, LedgerTaskProgress
 
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
         api_client = client.ApiClient()
@@ -817,7 +838,22 @@ def in_cluster_manager(
             store.set_ps_desired(ps)
         progress = LedgerProgress(store) if manager_config.stuck_after_s is not None else None
         desired = ConfigMapDesiredCount(backend.api, config.namespace, job)
-        manager = build_manager(backend, manager_config, ps, desired, progress)
+
+        def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
+            if isinstance(action, FailJob):
+                # Nothing more is created; the job's state says why it stopped.
+                log.error("job %s fails: %s", job, action.message)
+                store.set_job_state("failed")
+
+        manager = build_manager(
+            backend,
+            manager_config,
+            ps,
+            desired,
+            progress,
+            task_progress=LedgerTaskProgress(store),
+            on_decision=on_decision,
+        )
         manager.start()
         log.info(
             "worker manager of job %s: %d PS, trainers %d..%d, namespace %s",

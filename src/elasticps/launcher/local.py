@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import random
 import shutil
 import signal
 import subprocess
@@ -47,10 +48,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NoReturn, cast
+from typing import IO, NoReturn, TypeVar, cast
 
 import torch
 from tqdm import tqdm
@@ -58,7 +59,7 @@ from tqdm import tqdm
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
-from elasticps.coord.store import JobStore
+from elasticps.coord.store import JobStore, is_transient
 from elasticps.data.parquet import (
     check_columns,
     check_no_nulls,
@@ -79,9 +80,9 @@ from elasticps.errors import (
 )
 from elasticps.evaluate import evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
-from elasticps.launcher.chaos import ChaosEvent
+from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
-from elasticps.launcher.local_backend import LocalBackend, exit_status
+from elasticps.launcher.local_backend import LocalBackend
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.launcher.output import (
     OutputLock,
@@ -94,6 +95,23 @@ from elasticps.launcher.output import (
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
+from elasticps.launcher.supervisor import (
+    EXIT_USER_ERROR,
+    Action,
+    Event,
+    Exited,
+    FailJob,
+    Ignore,
+    JobFinished,
+    Kind,
+    Progressed,
+    Replace,
+    Restart,
+    RestartFailed,
+    Supervisor,
+    SupervisorConfig,
+    error_line,
+)
 from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
@@ -107,13 +125,13 @@ from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 _POLL_S = 0.25
 # Seconds between reads of the parameter servers' checkpoint health records.
 _HEALTH_POLL_S = 1.0
 # "Wait as long as it takes", in seconds, for flags that need a number.
 _FOREVER_S = 10.0 * 365 * 24 * 3600
-# Exit status of a role process for a user error (see elasticps.cli).
-EXIT_USER_ERROR = 2
 # After the master says the job is finished, how long trainers get to exit on their own.
 _TRAINER_EXIT_S = 30.0
 # A role process's last line when it stops on a user error (elasticps.cli.main).
@@ -130,6 +148,8 @@ class Child:
         proc: the running (or last) process.
         restarts: how many times it was restarted.
         ended: it exited and will not be restarted.
+        message: its last closing error line (see
+            :func:`~elasticps.launcher.supervisor.error_line`), if any.
     """
 
     role: str
@@ -138,6 +158,7 @@ class Child:
     pump: threading.Thread | None = None
     restarts: int = 0
     ended: bool = False
+    message: str = ""
 
     @property
     def pid(self) -> int:
@@ -158,8 +179,9 @@ class JobResult:
         output: directory holding ``model.safetensors`` and ``manifest.json``.
         wall_s: seconds from launch to checkpoint.
         samples: samples trained over all passes, from the ledger's pass
-            audits (``records_trained``), or as reported by trainers to the
-            current master if an audit is missing.
+            audits (``records_trained``), whichever master ran each pass; a
+            pass whose audit is missing counts nothing (``run.json`` names it
+            under ``passes_missing``).
         evaluation: ``accuracy`` / ``loss`` / ``samples`` on ``test.parquet``, if present.
         pids: pid of every child, by role.
         exactly_once: whether every pass's records were shown applied once on
@@ -201,20 +223,25 @@ class LocalLauncher:
         self._etcd: EtcdServer | None = None
         self._store: JobStore | None = None
         self._etcd_restarts = 0
+        self._etcd_pid: int | None = None
         self._passes: list[dict[str, object]] = []
+        self._passes_missing: list[int] = []
         self._pass_evaluations: list[PassEvaluation] = []
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
         self._pid_lock = threading.Lock()
         self._backend: LocalBackend | None = None
         self._manager: WorkerManager | None = None
-        # Trainer events from the backend, for _supervise (failures) on the main thread.
-        self._trainer_events: queue.SimpleQueue[WorkerEvent] = queue.SimpleQueue()
         self._trainer_pids: dict[str, int] = {}
+        # The supervision policy, shared by the main thread (servers) and the
+        # worker manager's thread (trainers); its decisions on trainers come
+        # back through _decisions, for _supervise on the main thread.
+        self._policy = Supervisor(SupervisorConfig(max_restarts=config.max_restarts))
+        self._policy_lock = threading.Lock()
+        self._decisions: queue.SimpleQueue[tuple[WorkerEvent, Action]] = queue.SimpleQueue()
+        self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
         self.run_id = uuid.uuid4().hex
-        # Role -> its one-line user error, as it printed it before exiting with status 2.
-        self._user_errors: dict[str, str] = {}
         self._lock: OutputLock | None = None
         self._records_skipped = 0
         self._num_parameters: int | None = None
@@ -378,6 +405,7 @@ class LocalLauncher:
             for name, pid in self._spawner.pids().items():
                 self._log_pid(name, pid)
             etcd.start()
+            self._etcd_pid = etcd.pid
             self._log_pid("etcd", etcd.pid)
             # Written at once, so that `elasticps scale` finds the running job.
             self._write_json(
@@ -403,21 +431,29 @@ class LocalLauncher:
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
+
                 # A server may still die here: go on restarting it meanwhile.
+                def take_snapshot() -> dict[str, object]:
+                    manifest = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                    # Read through etcd restarts, in one snapshot of the ledger.
+                    self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
+                    return manifest
+
                 try:
-                    with self._supervising():
-                        snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                    snapshot = self._while_supervising(take_snapshot)
                 except (OSError, RemoteError) as exc:
                     if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
                         raise
                     self._rescue(store, spec, f"the final checkpoint cannot be written: {exc}")
                 tensors, versions = final_parameters(spec, cfg.output / "snapshot")
-                self._passes = self._pass_audits(store)
-                if len(self._passes) == cfg.epochs:
-                    # A record is a sample (a Parquet row). The ledger's audits
-                    # cover every pass whichever master ran it; the master's own
-                    # count starts at zero after a failover.
-                    samples = sum(int(str(p["records_trained"])) for p in self._passes)
+                if self._passes_missing:
+                    self._emit(
+                        f"[launcher] the ledger has no audit of passes {self._passes_missing}"
+                    )
+                # A record is a sample (a Parquet row). The ledger's audits
+                # cover every pass whichever master ran it; the master's own
+                # count starts at zero after a failover.
+                samples = sum(int(str(p["records_trained"])) for p in self._passes)
                 self._records_skipped = sum(
                     int(str(p.get("records_skipped", 0))) for p in self._passes
                 )
@@ -516,12 +552,14 @@ class LocalLauncher:
         self._emit(f"{reason}; saving the trained parameters into {target}")
         try:
             target.mkdir(parents=True, exist_ok=True)
-            with self._supervising():
-                snapshot = checkpoint_job(
+            snapshot = self._while_supervising(
+                lambda: checkpoint_job(
                     store, target / "snapshot", {"job": cfg.job, "fallback_for": str(cfg.output)}
                 )
+            )
             tensors, versions = final_parameters(spec, target / "snapshot")
-            samples = sum(int(str(p.get("records_trained", 0))) for p in self._pass_audits(store))
+            passes, _ = read_pass_audits(store, cfg.epochs, retry_s=5.0)
+            samples = sum(int(str(p.get("records_trained", 0))) for p in passes)
         except (OSError, ElasticPSError) as exc:
             raise CheckpointFailureError(
                 f"{reason}; saving the parameters into {target} failed too ({exc}); the last "
@@ -665,6 +703,8 @@ class LocalLauncher:
             progress,
             time.monotonic,
             trainer_spec=self._trainer_spec,
+            decide=self._decide,
+            on_decision=lambda event, action: self._decisions.put((event, action)),
         )
         self._manager.start()
 
@@ -690,7 +730,6 @@ class LocalLauncher:
                         log.info("released the key of %s (pid %d)", event.name, pid)
                 except ElasticPSError as exc:
                     log.info("could not release the key of %s: %s", event.name, exc)
-        self._trainer_events.put(event)
 
     def _spawn(self, role: str, args: list[str]) -> Child:
         child = Child(role, args, self._start_process(role, args))
@@ -704,6 +743,7 @@ class LocalLauncher:
         if child.pump is not None:
             child.pump.join(timeout=2)
         child.proc = self._start_process(child.role, child.args)
+        child.message = ""
         child.restarts += 1
         self._log_pid(f"{child.role}.restart{child.restarts}", child.pid)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
@@ -730,34 +770,18 @@ class LocalLauncher:
         stdout = child.proc.stdout
         assert stdout is not None
         for raw in iter(stdout.readline, b""):
-            self._child_line(child.role, raw.decode(errors="replace").rstrip())
+            line = raw.decode(errors="replace").rstrip()
+            message = error_line(line)
+            if message is not None:
+                child.message = message  # its closing error, for the policy
+            self._child_line(child.role, line)
 
     def _child_line(self, role: str, line: str) -> None:
         """Show a child's line, except its closing user error: the job reports that one."""
         if line.startswith(_USER_ERROR_PREFIX):
-            with self._pid_lock:
-                self._user_errors[role] = line.removeprefix(_USER_ERROR_PREFIX)
             file_only(logging.INFO, f"[{role}] {line}", name=__name__)
             return
         self._emit(f"[{role}] {line}")
-
-    def _failure(self, role: str, pid: int | None, code: int, why: str = "") -> ElasticPSError:
-        """The error that ends the job when ``role`` exited with ``code``.
-
-        Status 2 is the process's user error: its own line, as the job's
-        (:class:`JobUserError`). Anything else is a failure of ours
-        (:class:`JobFailedError`), naming the process's log.
-        """
-        log_file = self._log_path(role)
-        if code == EXIT_USER_ERROR:
-            with self._pid_lock:
-                message = self._user_errors.get(role)
-            if message is not None:
-                return JobUserError(f"{role}: {message} (its log: {log_file})")
-            return JobUserError(f"{role} stopped on a user error; its log {log_file} says which")
-        return JobFailedError(
-            f"{role} (pid {pid}) exited with status {code}{why}; its log: {log_file}"
-        )
 
     def _emit(self, line: str) -> None:
         file_only(logging.INFO, line, name=__name__)
@@ -800,42 +824,38 @@ class LocalLauncher:
     def _supervise(self) -> list[str]:
         """One round of supervision; returns the names of the trainers still running.
 
-        - etcd that died is restarted on the same data directory.
-        - A master or PS that exited is restarted (as Kubernetes would),
-          up to ``max_restarts`` times each, unless it exited with status 2
-          (a user error, which a restart would repeat).
-        - Trainers belong to the worker manager, which replaces one killed by
-          a signal or stuck (with a new id). One that exited with an error
-          (an exception in the model code, say) fails the job; one deleted by
-          the manager (scale down) or exiting 0 does not.
+        What a death means is the job's supervision policy
+        (:mod:`elasticps.launcher.supervisor`, shared with every launcher);
+        this applies its answers:
+
+        - etcd that died is restarted on the same data directory, and a
+          master or PS that exited is restarted under the same name, up to
+          ``max_restarts`` times each, unless it exited with status 2;
+        - trainers belong to the worker manager, which asks the same policy
+          about each one that ends and replaces it (with a new id) unless the
+          policy fails the job: a trainer's user error (status 2), or
+          trainers that keep failing with internal errors.
 
         Raises:
+            JobUserError: a process stopped on a user error (status 2).
             JobFailedError: a failure the job cannot survive.
         """
-        cfg = self.config
         etcd = self._etcd
         if etcd is not None and not etcd.alive():
-            if self._etcd_restarts >= cfg.max_restarts:
-                raise JobFailedError(f"etcd died {self._etcd_restarts + 1} times; giving up")
-            self._etcd_restarts += 1
-            self._emit(f"[launcher] etcd (pid {etcd.pid}) died; restarting it on its data dir")
-            etcd.restart()
-            self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
+            self._restart_etcd(etcd)
         while True:
             try:
-                event = self._trainer_events.get_nowait()
+                event, action = self._decisions.get_nowait()
             except queue.Empty:
                 break
-            if event.state is not WorkerState.FAILED:
-                continue
-            code = exit_status(event)
             pid = self._trainer_pids.get(event.name)
-            if code is not None and code > 0:
-                raise self._failure(event.name, pid, code)
-            self._emit(
-                f"[launcher] {event.name} (pid {pid}) ended ({event.reason}); "
-                "the worker manager replaces it"
-            )
+            if isinstance(action, FailJob):
+                self._fail(action, event.name)
+            if isinstance(action, Replace):
+                self._emit(
+                    f"[launcher] {event.name} (pid {pid}) ended ({event.reason}); "
+                    "the worker manager replaces it"
+                )
         for child in self.children:
             if child.ended:
                 continue
@@ -845,14 +865,102 @@ class LocalLauncher:
             if child.pump is not None:
                 child.pump.join(timeout=2)  # flush its last lines (the traceback)
             self._release_keys(child)
-            if code == EXIT_USER_ERROR or child.restarts >= cfg.max_restarts:
-                raise self._failure(child.role, child.pid, code, " (no restarts left)")
-            self._emit(
-                f"[launcher] {child.role} (pid {child.pid}) exited with status {code}; "
-                f"restarting it ({child.restarts + 1}/{cfg.max_restarts})"
+            exited = Exited(
+                child.role,
+                Kind(child.kind),
+                status=code if code >= 0 else None,
+                signal=-code if code < 0 else None,
+                message=child.message,
             )
-            self._restart(child)
+            action = self._decide(exited)
+            if isinstance(action, FailJob):
+                self._fail(action, child.role)
+            if isinstance(action, Restart):
+                self._emit(
+                    f"[launcher] {child.role} (pid {child.pid}) {exited.describe()}; "
+                    f"restarting it ({action.attempt}/{action.limit})"
+                )
+                self._restart(child)
+            else:
+                child.ended = True
         return list(self._backend.pids(Role.TRAINER)) if self._backend is not None else []
+
+    def _decide(self, event: Event) -> Action:
+        """The policy's answer to ``event`` (from any thread)."""
+        with self._policy_lock:
+            action = self._policy.handle(event)
+        if not isinstance(action, Ignore):
+            log.info("supervisor: %s -> %s", event, action)
+        return action
+
+    def _restart_etcd(self, etcd: EtcdServer) -> None:
+        """Restart etcd on its data directory as the policy allows, until it is up.
+
+        Raises:
+            JobFailedError: no restarts left.
+        """
+        code = etcd.returncode
+        event: Event = Exited(
+            "etcd",
+            Kind.ETCD,
+            status=code if code is not None and code >= 0 else None,
+            signal=-code if code is not None and code < 0 else None,
+        )
+        while True:
+            action = self._decide(event)
+            if isinstance(action, FailJob):
+                self._fail(action)
+            if not isinstance(action, Restart):
+                return
+            self._etcd_restarts += 1
+            how = event.describe() if isinstance(event, Exited) else "did not start"
+            self._emit(
+                f"[launcher] etcd (pid {self._etcd_pid}) {how}; restarting it on its "
+                f"data dir ({action.attempt}/{action.limit})"
+            )
+            try:
+                etcd.restart()
+            except CoordinationError as exc:  # killed again while starting, say
+                event = RestartFailed("etcd", Kind.ETCD, " ".join(str(exc).split())[:200])
+                continue
+            self._etcd_pid = etcd.pid
+            self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
+            return
+
+    def _fail(self, action: FailJob, role: str | None = None) -> None:
+        """End the job as the policy decided: record it in ``run.json``, then raise.
+
+        The error's message is the policy's one line, naming the log of
+        ``role`` (the process whose end failed the job), if given; the
+        command prints it (see :func:`elasticps.cli.main`).
+
+        Raises:
+            JobUserError: ``action`` is a user error (exit status 2).
+            JobFailedError: otherwise.
+        """
+        file_only(logging.ERROR, f"[launcher] the job fails: {action.message}", name=__name__)
+        with contextlib.suppress(OSError):
+            self._write_json(
+                "run.json",
+                {
+                    "job": self.config.job,
+                    "state": "failed",
+                    "error": action.message,
+                    "exit_code": action.exit_code,
+                    "chaos": self.chaos_log,
+                    "restarts": self._restart_counts(),
+                    "etcd_restarts": self._etcd_restarts,
+                },
+            )
+        where = ""
+        if role is not None and role != "etcd":
+            where = f" (its log: {self._log_path(role)})"
+        if action.exit_code == EXIT_USER_ERROR:
+            raise JobUserError(action.message + where)
+        raise JobFailedError(action.message + where)
+
+    def _restart_counts(self) -> dict[str, int]:
+        return {c.role: c.restarts for c in self.children if c.restarts}
 
     def _release_keys(self, child: Child) -> None:
         """Delete the etcd keys a reaped child held under its lease.
@@ -901,6 +1009,7 @@ class LocalLauncher:
         rate_t0, rate_s0 = time.monotonic(), 0
         pending_chaos = list(cfg.chaos)
         training_started: float | None = None
+        done_seen = -1
         try:
             while True:
                 self._supervise()
@@ -910,6 +1019,10 @@ class LocalLauncher:
                     self.timeline.append(
                         (round(time.time(), 3), last.tasks_done_all_passes, last.samples_done)
                     )
+                    if last.tasks_done_all_passes > done_seen:
+                        if done_seen >= 0:
+                            self._decide(Progressed())
+                        done_seen = last.tasks_done_all_passes
                 if last is not None:
                     total = max(1, last.tasks_total * last.num_passes)
                     if training_started is None and (
@@ -926,12 +1039,15 @@ class LocalLauncher:
                         rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
                     if last.finished:
                         break
-                time.sleep(_POLL_S)
+                    if training_started is not None:
+                        self._random_kill(store, training_started, last.tasks_done_all_passes)
+                time.sleep(self._random_chaos.sleep_s(_POLL_S))
         finally:
             master.close()
         # The master says the job is finished: no more trainers. Every task
         # was reported after its pushes were acknowledged, so the snapshot
         # need not wait for the trainers to exit (see _await_trainers).
+        self._decide(JobFinished())
         if self._manager is not None:
             self._manager.finish()
         if self._bar is not None:
@@ -940,33 +1056,41 @@ class LocalLauncher:
             self._bar = None
         return int(last.samples_done)
 
-    @contextlib.contextmanager
-    def _supervising(self) -> Iterator[None]:
-        """Run :meth:`_supervise` from a thread while the body runs (the end of a job).
+    def _while_supervising(self, work: Callable[[], _T]) -> _T:
+        """Run ``work`` in a helper thread while this thread goes on supervising (the job's end).
+
+        The restarts stay in this thread, the one that started the servers: a
+        child started with ``setpriv --pdeathsig`` is signalled when the
+        *thread* that started it exits, so a restart from a short-lived
+        thread would not outlive it.
+
+        Returns:
+            What ``work`` returned.
 
         Raises:
             JobFailedError: supervision found a failure the job cannot survive.
+            Exception: what ``work`` raised.
         """
         done = threading.Event()
-        failures: list[JobFailedError] = []
+        outcome: list[_T] = []
+        errors: list[BaseException] = []
 
-        def loop() -> None:
-            while not done.wait(_POLL_S):
-                try:
-                    self._supervise()
-                except JobFailedError as exc:
-                    failures.append(exc)
-                    return
+        def run() -> None:
+            try:
+                outcome.append(work())
+            except BaseException as exc:  # re-raised in the supervising thread
+                errors.append(exc)
+            finally:
+                done.set()
 
-        thread = threading.Thread(target=loop, name="supervise-end", daemon=True)
+        thread = threading.Thread(target=run, name="job-end", daemon=True)
         thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-        if failures:
-            raise failures[0]
+        while not done.wait(_POLL_S):
+            self._supervise()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return outcome[0]
 
     def _await_trainers(self) -> None:
         """Give the trainers left time to exit on their own, as get_task tells them.
@@ -977,6 +1101,68 @@ class LocalLauncher:
         deadline = time.monotonic() + _TRAINER_EXIT_S
         while self._supervise() and time.monotonic() < deadline:
             time.sleep(_POLL_S)
+
+    def _random_kill(self, store: JobStore, training_started: float, done: int) -> None:
+        """One step of ``--chaos random:...``: SIGKILL a random role when one is due.
+
+        A kill is due a random delay after the job recovered from the
+        previous one: every server process runs again and a task was done
+        since (see :class:`~elasticps.launcher.chaos.RandomChaos`).
+        """
+        chaos = self._random_chaos
+        if not chaos.active:
+            return
+        now = time.monotonic()
+        servers_up = (self._etcd is not None and self._etcd.alive()) and all(
+            c.ended or c.proc.poll() is None for c in self.children
+        )
+        if not chaos.due(now, now - training_started, done, servers_up):
+            return
+        available = {
+            role: pid
+            for role in ("trainer", "ps", "master", "standby", "etcd")
+            if (pid := self._random_victim(role, store, chaos.rng)) is not None
+        }
+        role = chaos.choose(available)
+        if role is None:
+            return
+        pid = available[role]
+        elapsed = now - training_started
+        self.chaos_log.append(
+            {
+                "action": "kill",
+                "target": role,
+                "pid": pid,
+                "random": True,
+                "at_s": round(elapsed, 3),
+                "wall_clock_s": time.time(),
+            }
+        )
+        self._emit(f"[launcher] chaos: SIGKILL {role} (pid {pid}) at {elapsed:.1f} s (random)")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        chaos.killed(now, done)
+
+    def _random_victim(self, role: str, store: JobStore, rng: random.Random) -> int | None:
+        """A running process of ``role`` for a random kill, or None."""
+        if role == "etcd":
+            return self._etcd.pid if self._etcd is not None else None
+        if role == "trainer":
+            live = self._backend.pids(Role.TRAINER) if self._backend is not None else {}
+            return rng.choice(sorted(live.values())) if live else None
+        if role == "ps":
+            slots = [self._pid_in_key(store, store.keys.ps(i)) for i in range(self.config.ps)]
+            pids = [p for p in slots if p is not None]
+            return rng.choice(pids) if pids else None
+        active = self._pid_in_key(store, store.keys.master_lock)
+        if role == "master":
+            return active
+        standbys = [
+            c.pid
+            for c in self.children
+            if c.kind == "master" and c.proc.poll() is None and c.pid != active
+        ]
+        return rng.choice(standbys) if standbys and active is not None else None
 
     def _inject(
         self, event: ChaosEvent, store: JobStore, elapsed_s: float, fraction: float
@@ -1053,16 +1239,6 @@ class LocalLauncher:
         masters = [c for c in self.children if c.kind == "master" and c.proc.poll() is None]
         return masters[0].pid if masters else None
 
-    def _pass_audits(self, store: JobStore) -> list[dict[str, object]]:
-        """The master's per-pass ledger audits (``passes/<n>`` in etcd), if any."""
-        audits: list[dict[str, object]] = []
-        for n in range(self.config.epochs):
-            with contextlib.suppress(ElasticPSError):
-                audit = store.get_json(store.keys.pass_summary(n))
-                if audit is not None:
-                    audits.append(audit)
-        return audits
-
     def _update_bar(self, status: object, t0: float, s0: int) -> tuple[float, int]:
         total = int(status.tasks_total * status.num_passes)  # type: ignore[attr-defined]
         with self._out_lock:
@@ -1114,10 +1290,11 @@ class LocalLauncher:
             "evaluation": result.evaluation,
             "pids": result.pids,
             "chaos": self.chaos_log,
-            "restarts": {c.role: c.restarts for c in self.children if c.restarts},
+            "restarts": self._restart_counts(),
             "etcd_restarts": self._etcd_restarts,
             **exactly_once_summary(self._passes, self.config.epochs),
             "passes": self._passes,
+            "passes_missing": self._passes_missing,
             "pass_evaluations": [e.as_dict() for e in self._pass_evaluations],
             "timeline": self.timeline,
         }
@@ -1127,6 +1304,101 @@ class LocalLauncher:
         tmp = self.config.output / f"{name}.tmp"
         tmp.write_text(json.dumps(obj, indent=2) + "\n")
         tmp.replace(self.config.output / name)
+
+
+class _RandomKills:
+    """The state of ``--chaos random:...`` in one job (when the next kill is due)."""
+
+    def __init__(self, chaos: RandomChaos | None) -> None:
+        self.chaos = chaos
+        self.rng = random.Random(chaos.seed if chaos is not None else 0)
+        self.kills = 0
+        self._next_at: float | None = None  # monotonic time of the next kill, once recovered
+        self._done_at_kill: int | None = None  # tasks done when the last kill happened
+
+    @property
+    def active(self) -> bool:
+        """Whether more kills are to come."""
+        return self.chaos is not None and (
+            self.chaos.max_kills is None or self.kills < self.chaos.max_kills
+        )
+
+    def due(self, now: float, elapsed_s: float, done: int, servers_up: bool) -> bool:
+        """Whether to kill now: ``done`` tasks done so far, ``servers_up`` all running."""
+        assert self.chaos is not None
+        if elapsed_s < self.chaos.after_s:
+            return False
+        if self._next_at is None:
+            recovered = servers_up and (self._done_at_kill is None or done > self._done_at_kill)
+            if not recovered:
+                return False
+            self._next_at = now + self.chaos.delay_s(self.rng)
+        return now >= self._next_at
+
+    def choose(self, available: dict[str, int]) -> str | None:
+        """The role to kill among those with a running process."""
+        assert self.chaos is not None
+        return self.chaos.choose(self.rng, sorted(available))
+
+    def killed(self, now: float, done: int) -> None:
+        """Record a kill: the next waits for the job to recover."""
+        self.kills += 1
+        self._next_at = None
+        self._done_at_kill = done
+
+    def sleep_s(self, poll_s: float) -> float:
+        """How long the launcher's loop may sleep before the next check, seconds."""
+        if self._next_at is None or not self.active:
+            return poll_s
+        return max(0.01, min(poll_s, self._next_at - time.monotonic()))
+
+
+def read_pass_audits(
+    store: JobStore,
+    epochs: int,
+    *,
+    retry_s: float = 60.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[list[dict[str, object]], list[int]]:
+    """The master's audits of passes ``0 .. epochs-1`` (``passes/<n>`` in etcd).
+
+    One prefix read, so every audit comes from the same revision of the
+    ledger; retried while etcd does not answer (it may be restarting: the
+    caller keeps supervising it), for up to ``retry_s`` seconds. An audit
+    that cannot be read is never silently skipped: it is either returned or
+    named as missing (a pass the ledger holds no audit of).
+
+    Args:
+        store: the job's etcd view.
+        epochs: passes the job ran.
+        retry_s: how long to go on retrying an unreachable etcd, seconds.
+        clock: monotonic clock, seconds.
+        sleep: waits between attempts, seconds.
+
+    Returns:
+        ``(audits, missing)``: the audits in pass order, and the passes with none.
+
+    Raises:
+        CoordinationError: etcd did not answer for ``retry_s`` seconds, or an
+            audit is malformed.
+    """
+    deadline = clock() + retry_s
+    delay = 0.05
+    while True:
+        try:
+            found, _ = store.get_prefix_json(store.keys.passes_prefix)
+            break
+        except CoordinationError as exc:
+            if not is_transient(exc) or clock() >= deadline:
+                raise
+            log.info("reading the pass audits: %s; retrying", exc)
+            sleep(delay)
+            delay = min(2 * delay, 1.0)
+    by_pass = {int(k): v for k, v in found.items() if k.isdigit()}
+    audits = [by_pass[n] for n in range(epochs) if n in by_pass]
+    missing = [n for n in range(epochs) if n not in by_pass]
+    return audits, missing
 
 
 def exactly_once_summary(passes: list[dict[str, object]], epochs: int) -> dict[str, object]:
