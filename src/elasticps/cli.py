@@ -565,6 +565,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
         return 0
     if args.dataset != "mnist":
         return _cmd_sparse_data(args)
+    from elasticps.extras import require_extra
+
+    require_extra("examples", "elasticps data mnist")
     from elasticps.data.mnist import prepare_mnist
 
     train, test = prepare_mnist(args.out, seed=args.seed)
@@ -878,6 +881,9 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
 
 def _core_api(args: argparse.Namespace) -> Any:
     """A ``CoreV1Api`` from ``--kubeconfig`` (or the default kubeconfig, or in-cluster)."""
+    from elasticps.extras import require_extra
+
+    require_extra("kubernetes", f"elasticps {args.command}")
     from kubernetes import client
     from kubernetes import config as kube_config
 
@@ -946,7 +952,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         image_pull_policy=args.image_pull_policy,
     )
     if args.dry_run:
+        from elasticps.extras import require_extra
         from elasticps.launcher.kubernetes import job_objects, manifests_yaml
+
+        require_extra("kubernetes", "elasticps submit")
 
         print(manifests_yaml(job_objects(request, config)), end="")
         return 0
@@ -1011,7 +1020,10 @@ def _kubernetes_manager(args: argparse.Namespace) -> Any:
     if getattr(args, "backend", "none") != "kubernetes":
         return None
     from elasticps.config import KubernetesConfig, ManagerConfig, check_kubernetes_job_name
+    from elasticps.extras import require_extra
     from elasticps.launcher.kubernetes import in_cluster_manager
+
+    require_extra("kubernetes", "elasticps master --backend kubernetes")
 
     if not args.image:
         raise ConfigError("--backend kubernetes needs --image (or ELASTICPS_IMAGE)")
