@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, cast
@@ -181,12 +181,20 @@ class LocalLauncher:
         out: stream for prefixed child logs and the progress bar.
         spawner: starts the role processes (the caller closes it after
             :meth:`run`); by default each is a new interpreter.
+        files: text files to write in the output directory once the job holds
+            it (name -> text), e.g. the job file ``config.toml``.
     """
 
     def __init__(
-        self, config: JobConfig, *, out: IO[str] | None = None, spawner: Spawner | None = None
+        self,
+        config: JobConfig,
+        *,
+        out: IO[str] | None = None,
+        spawner: Spawner | None = None,
+        files: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
+        self._files = dict(files or {})
         self.out = out if out is not None else sys.stderr
         self._spawner: Spawner = spawner or ExecSpawner()
         self.children: list[Child] = []
@@ -363,6 +371,8 @@ class LocalLauncher:
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
         cfg.output.mkdir(parents=True, exist_ok=True)
+        for name, text in self._files.items():
+            self._write_text(name, text)
         etcd = EtcdServer(
             EtcdServerConfig(data_dir=workdir / "etcd", client_port=cfg.etcd_port),
             log_path=workdir / "etcd.log",
@@ -1001,8 +1011,11 @@ class LocalLauncher:
         self._write_json("run.json", record)
 
     def _write_json(self, name: str, obj: object) -> None:
+        self._write_text(name, json.dumps(obj, indent=2) + "\n")
+
+    def _write_text(self, name: str, text: str) -> None:
         tmp = self.config.output / f"{name}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(self.config.output / name)
 
 
