@@ -667,9 +667,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Started before the launcher imports torch (below, and to validate the
     # model file), so that the fork server's import of it runs alongside.
     with start_spawner(config.spawn) as spawner:
+        from elasticps.jobs import register_run
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
         launcher = LocalLauncher(config, spawner=spawner, files=files)
+        register_run(config.output, config.job)  # for elasticps list/status/logs/stop
         with sigterm_as_interrupt():
             try:
                 result = launcher.run()
@@ -680,6 +682,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 )
                 return 130
     line: dict[str, object] = {
+        **({"state": result.state} if result.state != "finished" else {}),
         "checkpoint": str(result.output),
         "wall_s": round(result.wall_s, 2),
         "samples_trained": result.samples,
@@ -939,19 +942,13 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
                        help="kubernetes: patch the job's <job>-scale ConfigMap")  # fmt: skip
     add_cluster(scale)
 
-    status = sub.add_parser("status", help="show the pods of a Kubernetes job")
-    status.add_argument("job")
-    add_cluster(status)
-    status.add_argument("--json", action="store_true", help="one JSON object")
+    from elasticps.cli_jobs import add_job_commands
 
-    logs = sub.add_parser("logs", help="print the logs of a Kubernetes job's pods")
-    logs.add_argument("job")
-    add_cluster(logs)
-    logs.add_argument("--role", choices=["master", "ps", "trainer", "etcd"], default="master")
-    logs.add_argument("--tail", type=int, default=None, help="last N lines of each pod")
+    add_job_commands(sub, add_cluster)
 
     delete = sub.add_parser("delete", help="delete everything a Kubernetes job created")
     delete.add_argument("job")
+    delete.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
     add_cluster(delete)
 
 
@@ -1037,7 +1034,9 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         return 0
     result = submit_job(_core_api(args), request, config)
     print(json.dumps(result))
-    ns = "" if args.namespace == "default" else f" --namespace {args.namespace}"
+    ns = " --backend kubernetes" + (
+        "" if args.namespace == "default" else f" --namespace {args.namespace}"
+    )
     print(f"job {job} submitted. Follow it with:", file=sys.stderr)
     print(f"  elasticps status {job}{ns}", file=sys.stderr)
     print(f"  elasticps logs {job} --role trainer{ns}", file=sys.stderr)
@@ -1047,28 +1046,27 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from elasticps.launcher.kubernetes import job_status
+    from elasticps.cli_jobs import cmd_status
 
-    status = job_status(_core_api(args), args.namespace, args.job)
-    if args.json:
-        print(json.dumps(status))
-        return 0
-    print(f"job {args.job} (namespace {args.namespace}), wanted trainers: "
-          f"{status['wanted_trainers']}")  # fmt: skip
-    if not status["pods"]:
-        print("no pods")
-    for pod in status["pods"]:
-        print(f"  {pod['name']:<40} {pod['phase']:<10} {pod['state']:<14} {pod['reason']}")
-    return 0
+    return cmd_status(args, _core_api)
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from elasticps.launcher.kubernetes import job_logs
+    from elasticps.cli_jobs import cmd_logs
 
-    for name, text in job_logs(_core_api(args), args.namespace, args.job, args.role, args.tail):
-        for line in text.splitlines():
-            print(f"[{name}] {line}")
-    return 0
+    return cmd_logs(args, _core_api)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from elasticps.cli_jobs import cmd_stop
+
+    return cmd_stop(args, _core_api)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from elasticps.cli_jobs import cmd_list
+
+    return cmd_list(args, _core_api)
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
@@ -1133,6 +1131,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "submit": _cmd_submit,
     "status": _cmd_status,
     "logs": _cmd_logs,
+    "stop": _cmd_stop,
+    "list": _cmd_list,
     "delete": _cmd_delete,
 }
 

@@ -82,6 +82,7 @@ from elasticps.launcher.chaos import ChaosEvent
 from elasticps.launcher.local_backend import LocalBackend, exit_status
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.launcher.output import (
+    STOP_FILE,
     OutputLock,
     check_free_space,
     check_output_location,
@@ -171,6 +172,9 @@ class JobResult:
     pids: dict[str, int] = field(default_factory=dict)
     exactly_once: bool | None = None
     records_skipped: int = 0
+    state: str = "finished"
+    """``finished``, or ``stopped`` when :meth:`LocalLauncher.request_stop` (or
+    ``elasticps stop``) ended it before its last pass."""
 
 
 class LocalLauncher:
@@ -220,6 +224,10 @@ class LocalLauncher:
         # Role -> its one-line user error, as it printed it before exiting with status 2.
         self._user_errors: dict[str, str] = {}
         self._lock: OutputLock | None = None
+        # Set by request_stop(), or by a STOP_FILE in the output directory (elasticps stop).
+        self._stop_requested = threading.Event()
+        self._final_state = "finished"
+        self._progress: dict[str, int] = {}
         self._records_skipped = 0
         self._num_parameters: int | None = None
 
@@ -363,14 +371,49 @@ class LocalLauncher:
         self._lock = self.claim_output(spec)
         try:
             return self._run(spec, train, test)
+        except BaseException as exc:
+            self._mark_ended("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
         finally:
             self._lock.release()
+
+    def request_stop(self) -> None:
+        """End the job cleanly, as soon as the launcher sees it (within a poll, 0.25 s).
+
+        The trainers are stopped (each pushes and reports what it trained),
+        then the launcher takes the final consistent checkpoint
+        (``OUTPUT/snapshot``, which ``--resume`` accepts), writes
+        ``model.safetensors``, evaluates it, and writes ``run.json`` with state
+        ``stopped``. Thread-safe; ``elasticps stop`` asks the same through the
+        file ``OUTPUT/.stop``. A request after the last pass changes nothing.
+        """
+        self._stop_requested.set()
+
+    def _stop_seen(self) -> bool:
+        request = self.config.output / STOP_FILE
+        if not self._stop_requested.is_set() and request.exists():
+            self._stop_requested.set()
+            request.unlink(missing_ok=True)
+        return self._stop_requested.is_set()
+
+    def _mark_ended(self, state: str) -> None:
+        """Record in ``run.json`` that a started job ended without its final record."""
+        path = self.config.output / "run.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(record, dict) and record.get("state") in ("running", "stopping"):
+            record["state"] = state
+            with contextlib.suppress(OSError):
+                self._write_json("run.json", record)
 
     def _run(self, spec: ModelSpec, train: Path, test: Path | None) -> JobResult:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
         cfg.output.mkdir(parents=True, exist_ok=True)
+        (cfg.output / STOP_FILE).unlink(missing_ok=True)  # a request for an earlier run
         for name, text in self._files.items():
             self._write_text(name, text)
         etcd = EtcdServer(
@@ -401,6 +444,9 @@ class LocalLauncher:
                 samples = self._watch_training(store)
                 if self._manager is not None:
                     self._manager.stop()  # the job is finished: nothing more to manage
+                if self._final_state == "stopped" and self._backend is not None:
+                    # Each trainer stops after its mini-batch, pushes and reports.
+                    self._backend.close()
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
@@ -447,6 +493,7 @@ class LocalLauncher:
                 dict(self._pid_log),
                 bool(exactly_once_summary(self._passes, cfg.epochs)["exactly_once"]),
                 records_skipped=self._records_skipped,
+                state=self._final_state,
             )
             self._write_run_record(result)
             return result
@@ -814,9 +861,23 @@ class LocalLauncher:
                         rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
                     if last.finished:
                         break
+                if self._stop_seen():
+                    self._final_state = "stopped"
+                    self._emit("[launcher] stop requested: stopping the trainers, then checkpoint")
+                    etcd = self._etcd.endpoint if self._etcd is not None else None
+                    record = {"job": cfg.job, "etcd": etcd, "state": "stopping"}
+                    self._write_json("run.json", record)
+                    break
                 time.sleep(_POLL_S)
         finally:
             master.close()
+        if last is not None:
+            self._progress = {
+                "pass": min(int(last.pass_id) + 1, int(last.num_passes)),
+                "passes": int(last.num_passes),
+                "tasks_done_all_passes": int(last.tasks_done_all_passes),
+                "tasks_all_passes": int(last.tasks_total * last.num_passes),
+            }
         # The master says the job is finished: no more trainers. Every task
         # was reported after its pushes were acknowledged, so the snapshot
         # need not wait for the trainers to exit (see _await_trainers).
@@ -826,7 +887,7 @@ class LocalLauncher:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
             self._bar = None
-        return int(last.samples_done)
+        return int(last.samples_done) if last is not None else 0
 
     @contextlib.contextmanager
     def _supervising(self) -> Iterator[None]:
@@ -989,7 +1050,9 @@ class LocalLauncher:
         record = {
             "job": self.config.job,
             "etcd": self._etcd.endpoint if self._etcd is not None else None,
-            "state": "finished",
+            "state": result.state,
+            "epochs": self.config.epochs,
+            "progress": self._progress,
             "trainers": {"initial": self.config.trainers, "min": low, "max": high},
             "scaling": [
                 dataclasses.asdict(r) for r in (self._manager.records() if self._manager else [])

@@ -43,6 +43,7 @@ __all__ = [
     "PREVIOUS_RUN_FILES",
     "RUN_FILES",
     "SPACE_MARGIN_BYTES",
+    "STOP_FILE",
     "OutputLock",
     "check_free_space",
     "check_output_location",
@@ -54,6 +55,10 @@ __all__ = [
 
 LOCK_FILE: Final = ".lock"
 """The lock file in the output directory; it holds the holder's host, pid and start time."""
+
+STOP_FILE: Final = ".stop"
+"""Created in a running job's output directory by ``elasticps stop``: the launcher then
+ends the job cleanly (a final checkpoint and ``run.json`` with state ``stopped``)."""
 
 PREVIOUS_RUN_FILES: Final = (
     "run.json",
