@@ -155,6 +155,10 @@ def _pid_alive(pid: object) -> bool:
         return False
     except PermissionError:
         return True
+    # An exited process its parent has not reaped yet (a zombie) has ended too.
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
@@ -512,7 +516,11 @@ def request_stop(run: LocalRun, timeout_s: float, *, poll_s: float = _POLL_S) ->
     deadline = time.monotonic() + timeout_s
     while True:
         now = read_run(run.output)
-        if now is not None and (not now.alive or now.lock.get("pid") != run.lock.get("pid")):
+        if now is not None and (
+            now.record.get("state") in ENDED_STATES
+            or not now.alive
+            or now.lock.get("pid") != run.lock.get("pid")
+        ):
             return now
         if time.monotonic() > deadline:
             raise ElasticPSError(
