@@ -23,7 +23,6 @@ class _Blocker(MetaPathFinder):
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
         if name.partition(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r} (blocked: core-only)", name=name)
-        return None
 
 
 sys.meta_path.insert(0, _Blocker())

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from elasticps import cli
 from elasticps.testing import pid_gone, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -49,6 +50,20 @@ def elasticps(
 def json_of(done: subprocess.CompletedProcess[str]) -> Any:
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+class InProcess:
+    """``elasticps`` commands run in the test's process (they start no process of their own)."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
+        self.capsys = capsys
+
+    def __call__(self, *args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+        self.capsys.readouterr()
+        with contextlib.chdir(cwd):
+            code = cli.main([str(a) for a in args])
+        out, err = self.capsys.readouterr()
+        return subprocess.CompletedProcess(list(map(str, args)), code, out, err)
 
 
 def write_job_file(path: Path, data: Path, **values: object) -> Path:
@@ -106,25 +121,28 @@ def running_job(mnist_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Po
 
 
 def test_status_logs_list_and_stop_a_running_local_job(
-    running_job: tuple[subprocess.Popen[str], Path], tmp_path: Path
+    running_job: tuple[subprocess.Popen[str], Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     proc, output = running_job
     stderr = tmp_path / "long.stderr"
+    command = InProcess(capsys)
 
     def training() -> bool:
         assert proc.poll() is None, stderr.read_text()[-4000:]
-        done = elasticps("status", "long", "--json", cwd=tmp_path)
+        done = command("status", "long", "--json", cwd=tmp_path)
         return done.returncode == 0 and json.loads(done.stdout).get("tasks_done_all_passes", 0) > 0
 
     wait_for(training, "the job to report a finished task", timeout_s=90, interval_s=0.5)
 
-    status = json_of(elasticps("status", "--output", output, "--json", cwd=tmp_path))
+    status = json_of(command("status", "--output", output, "--json", cwd=tmp_path))
     assert status["state"] == "running"
     assert status["passes"] == 200
     assert status["wanted_trainers"] == 1
     running = {p["name"] for p in status["processes"] if p["state"] == "running"}
     assert {"etcd", "master-0", "ps-0", "trainer-0"} <= running
-    text = elasticps("status", "long", cwd=tmp_path)
+    text = command("status", "long", cwd=tmp_path)
     assert text.returncode == 0, text.stderr
     first, *rows = text.stdout.splitlines()
     assert first.startswith(f"job long (output {output}): running, pass ")
@@ -132,15 +150,15 @@ def test_status_logs_list_and_stop_a_running_local_job(
 
     (listed,) = [
         json.loads(line)
-        for line in json_lines(elasticps("list", "--json", cwd=tmp_path))
+        for line in json_lines(command("list", "--json", cwd=tmp_path))
         if json.loads(line)["job"] == "long"
     ]
     assert listed["state"] == "running"
     assert listed["started"] and listed["output"] == str(output)
-    scanned = json_lines(elasticps("list", tmp_path / "runs", "--json", cwd=tmp_path))
+    scanned = json_lines(command("list", tmp_path / "runs", "--json", cwd=tmp_path))
     assert [json.loads(line)["job"] for line in scanned] == ["long"]
 
-    logs = elasticps("logs", "long", "--role", "master", "--tail", "3", cwd=tmp_path)
+    logs = command("logs", "long", "--role", "master", "--tail", "3", cwd=tmp_path)
     assert logs.returncode == 0, logs.stderr
     assert logs.stdout.splitlines() and all(
         line.startswith("[master-0] ") for line in logs.stdout.splitlines()
@@ -153,7 +171,7 @@ def test_status_logs_list_and_stop_a_running_local_job(
         text=True,
     )
     try:
-        stopped = json_of(elasticps("stop", "long", cwd=tmp_path))
+        stopped = json_of(command("stop", "long", cwd=tmp_path))
         # logs -f ends by itself once the job has ended.
         follow_out, _ = follow.communicate(timeout=COMMAND_TIMEOUT_S)
     finally:
@@ -182,12 +200,12 @@ def test_status_logs_list_and_stop_a_running_local_job(
     pids = json.loads((output / "pids.json").read_text())
     wait_for(lambda: all(pid_gone(p) for p in pids.values()), "every process gone", 10.0)
 
-    listed_after = json_lines(elasticps("list", output, "--json", cwd=tmp_path))
+    listed_after = json_lines(command("list", output, "--json", cwd=tmp_path))
     summary = json.loads(listed_after[0])
     assert summary["state"] == "stopped"
     assert summary["accuracy"] == line["accuracy"]
     assert summary["pass"] == f"{record['progress']['pass']}/200"
-    again = elasticps("stop", "--output", output, cwd=tmp_path)
+    again = command("stop", "--output", output, cwd=tmp_path)
     assert again.returncode == 2
     assert "not running (state stopped)" in again.stderr
 
