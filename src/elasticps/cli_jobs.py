@@ -72,9 +72,18 @@ def add_job_commands(sub: Any, add_cluster: Callable[[argparse.ArgumentParser], 
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
+def _check_local(args: argparse.Namespace) -> None:
+    if args.namespace != "default" or args.kubeconfig is not None:
+        raise ConfigError(
+            f"--namespace and --kubeconfig are for Kubernetes jobs: "
+            f"elasticps {args.command} --backend kubernetes"
+        )
+
+
 def _local_run(args: argparse.Namespace) -> Any:
     from elasticps.jobs import find_run
 
+    _check_local(args)
     return find_run(args.job, args.output)
 
 
@@ -214,6 +223,7 @@ def cmd_list(args: argparse.Namespace, core_api: Callable[[argparse.Namespace], 
     else:
         from elasticps.jobs import list_runs, run_summary
 
+        _check_local(args)
         rows = [run_summary(run) for run in list_runs(args.dirs)]
         columns = _LIST_COLUMNS
     if args.json:
