@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticps.errors import ConfigError
+from elasticps.jobs import ROLES
 
 __all__ = ["add_job_commands", "cmd_list", "cmd_logs", "cmd_status", "cmd_stop"]
 
@@ -46,8 +47,8 @@ def add_job_commands(sub: Any, add_cluster: Callable[[argparse.ArgumentParser], 
     status.add_argument("--json", action="store_true", help="one JSON object")
 
     logs = job_parser("logs", "print the logs of a job's processes (or pods) of one role")
-    logs.add_argument("--role", choices=["launcher", "master", "ps", "trainer", "etcd"],
-                      default="master", help="launcher: local jobs only")  # fmt: skip
+    logs.add_argument("--role", choices=ROLES, default="master",
+                      help="launcher: local jobs only")  # fmt: skip
     logs.add_argument("--tail", type=int, default=None, help="last N lines of each process")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="go on printing new lines until the job ends (or Ctrl-C)")  # fmt: skip

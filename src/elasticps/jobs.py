@@ -48,10 +48,12 @@ from elasticps.launcher.output import LOCK_FILE, STOP_FILE
 
 __all__ = [
     "ENDED_STATES",
+    "ROLES",
     "STATE_DIR_ENV",
     "LocalRun",
     "find_run",
     "follow_logs",
+    "iter_table",
     "list_runs",
     "log_files",
     "print_logs",
@@ -70,7 +72,8 @@ ENDED_STATES: Final = frozenset({"finished", "stopped", "failed", "interrupted"}
 """States of a run whose launcher has ended."""
 
 ROLES: Final = ("launcher", "master", "ps", "trainer", "etcd")
-"""Roles whose logs ``elasticps logs --role`` prints (``etcd`` has none locally)."""
+"""Roles whose logs ``elasticps logs --role`` prints (a local job's etcd keeps none; a
+Kubernetes job has no launcher)."""
 
 _POLL_S = 0.25
 # "trainer-3" -> "trainer", "master-0.restart1" -> "master" (after the split on ".").
