@@ -36,6 +36,13 @@ class ModelContractError(UserError):
     """A model file does not follow the contract documented in the README."""
 
 
+class MissingExtraError(UserError):
+    """A command needs an optional part of elasticps that is not installed.
+
+    The message names the extra to install, e.g. ``pip install 'elasticps[kubernetes]'``.
+    """
+
+
 class PortInUseError(UserError):
     """A port the user asked for is already bound by another process."""
 

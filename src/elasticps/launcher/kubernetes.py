@@ -1130,3 +1130,106 @@ def delete_job(api: Any, namespace: str, job: str) -> dict[str, int]:
             return delete_job(api, namespace, job)
         raise _api_error(exc, f"deleting job {job}") from exc
     return counts
+
+
+def follow_job_logs(
+    api: Any,
+    namespace: str,
+    job: str,
+    role: str,
+    *,
+    tail_lines: int | None,
+    emit: Callable[[str, str], None],
+) -> None:
+    """Stream the logs of the job's pods of one role until every stream ends.
+
+    One thread per pod reads ``read_namespaced_pod_log(follow=True)``; lines
+    reach ``emit(pod name, line)`` from the calling thread, in arrival order.
+
+    Raises:
+        KubernetesError: the API failed.
+    """
+    import queue
+
+    from kubernetes.client import ApiException
+
+    try:
+        pods = api.list_namespaced_pod(namespace, label_selector=job_selector(job, role)).items
+    except _request_errors() as exc:
+        raise _api_error(exc, "listing pods") from exc
+    lines: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+
+    def read(name: str) -> None:
+        try:
+            resp = api.read_namespaced_pod_log(
+                name, namespace, follow=True, tail_lines=tail_lines, _preload_content=False
+            )
+            pending = b""
+            for chunk in resp.stream(4096):
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for line in complete:
+                    lines.put((name, line.decode(errors="replace")))
+            if pending:
+                lines.put((name, pending.decode(errors="replace")))
+        except ApiException as exc:
+            if exc.status not in (400, 404):  # not started yet, or gone
+                lines.put((name, f"(cannot read the log: {_describe(exc)})"))
+        except _request_errors() as exc:
+            lines.put((name, f"(cannot read the log: {_describe(exc)})"))
+        finally:
+            lines.put(None)
+
+    names = sorted(pod.metadata.name for pod in pods)
+    for name in names:
+        threading.Thread(target=read, args=(name,), name=f"logs-{name}", daemon=True).start()
+    open_streams = len(names)
+    while open_streams:
+        item = lines.get()
+        if item is None:
+            open_streams -= 1
+        else:
+            emit(*item)
+
+
+_JOB_STATES = {"Pending": "starting", "Running": "running", "Succeeded": "finished"}
+
+
+def list_jobs(api: Any, namespace: str) -> list[dict[str, Any]]:
+    """The elasticps jobs of a namespace, one row per job, by their pods' labels.
+
+    Returns:
+        ``[{"job", "state", "pass", "accuracy", "started", "pods"}...]`` sorted
+        by start: ``state`` from the master pod's phase (``starting``,
+        ``running``, ``finished``, ``failed``), ``started`` its creation time;
+        ``pass`` and ``accuracy`` are not known from outside the cluster
+        (None), ``pods`` is the number of pods.
+
+    Raises:
+        KubernetesError: the API failed.
+    """
+    try:
+        resp = api.list_namespaced_pod(
+            namespace, label_selector=f"{LABEL_APP}={APP}", _preload_content=False
+        )
+        items = json.loads(resp.data).get("items") or []
+    except _request_errors() as exc:
+        raise _api_error(exc, "listing pods") from exc
+    jobs: dict[str, dict[str, Any]] = {}
+    for obj in items:
+        metadata = obj.get("metadata") or {}
+        labels = metadata.get("labels") or {}
+        job = labels.get(LABEL_JOB)
+        if not job:
+            continue
+        row = jobs.setdefault(
+            job,
+            {"job": job, "state": "starting", "pass": None, "accuracy": None,
+             "started": "", "pods": 0},
+        )  # fmt: skip
+        row["pods"] += 1
+        if labels.get(LABEL_ROLE) == "master":
+            phase = (obj.get("status") or {}).get("phase", "Pending")
+            row["state"] = _JOB_STATES.get(phase, "failed")
+            row["started"] = metadata.get("creationTimestamp", "")
+    return sorted(jobs.values(), key=lambda r: (r["started"], r["job"]))

@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NoReturn, TypeVar, cast
@@ -85,6 +85,7 @@ from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
 from elasticps.launcher.local_backend import LocalBackend
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.launcher.output import (
+    STOP_FILE,
     OutputLock,
     check_free_space,
     check_output_location,
@@ -197,6 +198,9 @@ class JobResult:
     pids: dict[str, int] = field(default_factory=dict)
     exactly_once: bool | None = None
     records_skipped: int = 0
+    state: str = "finished"
+    """``finished``, or ``stopped`` when :meth:`LocalLauncher.request_stop` (or
+    ``elasticps stop``) ended it before its last pass."""
 
 
 class LocalLauncher:
@@ -207,12 +211,20 @@ class LocalLauncher:
         out: stream for prefixed child logs and the progress bar.
         spawner: starts the role processes (the caller closes it after
             :meth:`run`); by default each is a new interpreter.
+        files: text files to write in the output directory once the job holds
+            it (name -> text), e.g. the job file ``config.toml``.
     """
 
     def __init__(
-        self, config: JobConfig, *, out: IO[str] | None = None, spawner: Spawner | None = None
+        self,
+        config: JobConfig,
+        *,
+        out: IO[str] | None = None,
+        spawner: Spawner | None = None,
+        files: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
+        self._files = dict(files or {})
         self.out = out if out is not None else sys.stderr
         self._spawner: Spawner = spawner or ExecSpawner()
         self.children: list[Child] = []
@@ -243,6 +255,10 @@ class LocalLauncher:
         # Names this run's checkpoint files: a PS never loads another run's.
         self.run_id = uuid.uuid4().hex
         self._lock: OutputLock | None = None
+        # Set by request_stop(), or by a STOP_FILE in the output directory (elasticps stop).
+        self._stop_requested = threading.Event()
+        self._final_state = "finished"
+        self._progress: dict[str, int] = {}
         self._records_skipped = 0
         self._num_parameters: int | None = None
         self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
@@ -388,14 +404,51 @@ class LocalLauncher:
         self._lock = self.claim_output(spec)
         try:
             return self._run(spec, train, test)
+        except BaseException as exc:
+            self._mark_ended("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
         finally:
             self._lock.release()
+
+    def request_stop(self) -> None:
+        """End the job cleanly, as soon as the launcher sees it (within a poll, 0.25 s).
+
+        The trainers are stopped (each pushes and reports what it trained),
+        then the launcher takes the final consistent checkpoint
+        (``OUTPUT/snapshot``, which ``--resume`` accepts), writes
+        ``model.safetensors``, evaluates it, and writes ``run.json`` with state
+        ``stopped``. Thread-safe; ``elasticps stop`` asks the same through the
+        file ``OUTPUT/.stop``. A request after the last pass changes nothing.
+        """
+        self._stop_requested.set()
+
+    def _stop_seen(self) -> bool:
+        request = self.config.output / STOP_FILE
+        if not self._stop_requested.is_set() and request.exists():
+            self._stop_requested.set()
+            request.unlink(missing_ok=True)
+        return self._stop_requested.is_set()
+
+    def _mark_ended(self, state: str) -> None:
+        """Record in ``run.json`` that a started job ended without its final record."""
+        path = self.config.output / "run.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(record, dict) and record.get("state") in ("running", "stopping"):
+            record["state"] = state
+            with contextlib.suppress(OSError):
+                self._write_json("run.json", record)
 
     def _run(self, spec: ModelSpec, train: Path, test: Path | None) -> JobResult:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
         cfg.output.mkdir(parents=True, exist_ok=True)
+        (cfg.output / STOP_FILE).unlink(missing_ok=True)  # a request for an earlier run
+        for name, text in self._files.items():
+            self._write_text(name, text)
         etcd = EtcdServer(
             EtcdServerConfig(data_dir=workdir / "etcd", client_port=cfg.etcd_port),
             log_path=workdir / "etcd.log",
@@ -428,6 +481,9 @@ class LocalLauncher:
                     self._rescue(store, spec, str(exc))
                 if self._manager is not None:
                     self._manager.stop()  # the job is finished: nothing more to manage
+                if self._final_state == "stopped" and self._backend is not None:
+                    # Each trainer stops after its mini-batch, pushes and reports.
+                    self._backend.close()
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
@@ -475,6 +531,7 @@ class LocalLauncher:
                 dict(self._pid_log),
                 bool(exactly_once_summary(self._passes, cfg.epochs)["exactly_once"]),
                 records_skipped=self._records_skipped,
+                state=self._final_state,
             )
             self._write_run_record(result)
             return result
@@ -1041,9 +1098,23 @@ class LocalLauncher:
                         break
                     if training_started is not None:
                         self._random_kill(store, training_started, last.tasks_done_all_passes)
+                if self._stop_seen():
+                    self._final_state = "stopped"
+                    self._emit("[launcher] stop requested: stopping the trainers, then checkpoint")
+                    etcd = self._etcd.endpoint if self._etcd is not None else None
+                    record = {"job": cfg.job, "etcd": etcd, "state": "stopping"}
+                    self._write_json("run.json", record)
+                    break
                 time.sleep(self._random_chaos.sleep_s(_POLL_S))
         finally:
             master.close()
+        if last is not None:
+            self._progress = {
+                "pass": min(int(last.pass_id) + 1, int(last.num_passes)),
+                "passes": int(last.num_passes),
+                "tasks_done_all_passes": int(last.tasks_done_all_passes),
+                "tasks_all_passes": int(last.tasks_total * last.num_passes),
+            }
         # The master says the job is finished: no more trainers. Every task
         # was reported after its pushes were acknowledged, so the snapshot
         # need not wait for the trainers to exit (see _await_trainers).
@@ -1054,7 +1125,7 @@ class LocalLauncher:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
             self._bar = None
-        return int(last.samples_done)
+        return int(last.samples_done) if last is not None else 0
 
     def _while_supervising(self, work: Callable[[], _T]) -> _T:
         """Run ``work`` in a helper thread while this thread goes on supervising (the job's end).
@@ -1277,7 +1348,9 @@ class LocalLauncher:
         record = {
             "job": self.config.job,
             "etcd": self._etcd.endpoint if self._etcd is not None else None,
-            "state": "finished",
+            "state": result.state,
+            "epochs": self.config.epochs,
+            "progress": self._progress,
             "trainers": {"initial": self.config.trainers, "min": low, "max": high},
             "scaling": [
                 dataclasses.asdict(r) for r in (self._manager.records() if self._manager else [])
@@ -1301,8 +1374,11 @@ class LocalLauncher:
         self._write_json("run.json", record)
 
     def _write_json(self, name: str, obj: object) -> None:
+        self._write_text(name, json.dumps(obj, indent=2) + "\n")
+
+    def _write_text(self, name: str, text: str) -> None:
         tmp = self.config.output / f"{name}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(self.config.output / name)
 
 
