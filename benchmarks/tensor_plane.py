@@ -730,7 +730,7 @@ def _report(
             "ms_median": medians,
             "cpu_s_per_gb": cpu,
             "ratios": ratios,
-            "issue4": {
+            "targets": {
                 "num_ps": int(top),
                 "within_1.25x_raw_tcp": _at_most(ratios[top].get("elasticps_over_raw_tcp"), 1.25),
                 "unix_within_1.25x_raw_unix": _at_most(

@@ -583,7 +583,7 @@ def summarize(runs: list[Run], tta: dict[str, Any] | None, models: Sequence[str]
                     "target_accuracy",
                 )
             },
-            "issue4": checks,
+            "targets": checks,
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         }
     )

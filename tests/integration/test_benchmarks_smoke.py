@@ -96,7 +96,7 @@ def test_tensor_plane_quick_prints_every_case_and_the_ratios() -> None:
 
     summary = lines[-1]
     assert summary.get("summary") is True
-    for key in ("ms_median", "cpu_s_per_gb", "ratios", "issue4", "server_pids"):
+    for key in ("ms_median", "cpu_s_per_gb", "ratios", "targets", "server_pids"):
         assert key in summary, key
     cases = [line for line in lines[:-1] if "ms_median" in line]
     seen = {(line["case"], line["num_ps"]) for line in cases}
@@ -188,7 +188,7 @@ def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:
     assert tta["elasticps_runs"][0]["accuracy_per_epoch"], tta
     summary = lines[-1]
     assert summary.get("summary") is True
-    for key in ("samples_per_s", "ratios", "time_to_accuracy", "issue4"):
+    for key in ("samples_per_s", "ratios", "time_to_accuracy", "targets"):
         assert key in summary, key
     leftovers = processes_matching([start["workdir"], start["job_prefix"]])
     assert leftovers == [], leftovers
