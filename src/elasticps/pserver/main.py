@@ -258,7 +258,7 @@ def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None
             )
     if config.resume_dir is not None:
         checkpoint = load_consistent_checkpoint(Path(config.resume_dir))
-        server.resume_from(checkpoint)
+        server.resume_from(checkpoint, Path(config.resume_dir))
         log.info(
             "parameter server %d: will resume from %s (version %s, %d parameters)",
             index, config.resume_dir, checkpoint.meta.get("version"), len(checkpoint.values),
