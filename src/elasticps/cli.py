@@ -624,6 +624,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         line["accuracy"] = result.evaluation["accuracy"]
         line["loss"] = result.evaluation["loss"]
         line["test_samples"] = int(result.evaluation["samples"])
+        if "auc" in result.evaluation:
+            line["auc"] = round(result.evaluation["auc"], 4)
     print(json.dumps(line))
     return 0
 

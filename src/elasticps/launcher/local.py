@@ -101,6 +101,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
+from elasticps.tables import TableSet, load_tables
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
@@ -325,11 +326,15 @@ class LocalLauncher:
         return lock
 
     def _evaluate(
-        self, spec: ModelSpec, tensors: dict[str, torch.Tensor], test: Path
+        self,
+        spec: ModelSpec,
+        tensors: dict[str, torch.Tensor],
+        test: Path,
+        tables: TableSet | None = None,
     ) -> dict[str, float]:
         """The final evaluation; what the model file raises on the test data is a user error."""
         try:
-            return evaluate(spec, tensors, test)
+            return evaluate(spec, tensors, test, tables=tables)
         except BadRecordError as exc:
             raise BadRecordError(
                 f"evaluating the trained model: {exc} (the model is saved in {self.config.output})"
@@ -428,7 +433,11 @@ class LocalLauncher:
                 "wall_s": round(wall_s, 3),
             }
             save_checkpoint(cfg.output, tensors, manifest)
-            evaluation = self._evaluate(spec, tensors, test) if test is not None else None
+            evaluation = (
+                self._evaluate(spec, tensors, test, sparse_tables(spec, cfg.output / "snapshot"))
+                if test is not None
+                else None
+            )
             result = JobResult(
                 cfg.output,
                 wall_s,
@@ -1028,6 +1037,19 @@ def _continue(pid: int) -> None:
     """SIGCONT a process paused by the chaos schedule (if it still exists)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
+
+
+def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
+    """The trained sparse tables of a model that has any, read from a consistent checkpoint.
+
+    Raises:
+        DataError: the tables' files are corrupt.
+    """
+    from elasticps.nn import table_specs
+
+    if not table_specs(spec.instantiate(0)):
+        return None
+    return load_tables(snapshot_dir)
 
 
 def final_parameters(
