@@ -211,6 +211,18 @@ def test_encode_header_rejects_invalid_fields(header: FrameHeader, match: str) -
         (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=8), "unknown flags"),
         (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=0x80), "unknown flags"),
         (raw_header(flags=int(Flags.WANT_PARAMS)), "only on PUSH"),
+        (
+            raw_header(msg_type=int(MsgType.ROW_PULL), dtype=1, body_nbytes=16),
+            "must have dtype INT64",
+        ),
+        (raw_header(msg_type=int(MsgType.ROW_PULL), dtype=4, body_nbytes=12), "multiple of 8"),
+        (raw_header(msg_type=int(MsgType.ROW_GRADS), dtype=4, body_nbytes=16), "float dtype"),
+        (raw_header(msg_type=int(MsgType.ROWS), dtype=0, body_nbytes=16), "float dtype"),
+        (
+            raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=int(Flags.EMPTY | Flags.ROWS)),
+            "EMPTY cannot carry ROWS",
+        ),
+        (raw_header(msg_type=int(MsgType.PULL), flags=int(Flags.ROWS)), "only on PUSH"),
         (raw_header(model_version=-1), "model_version -1 is negative"),
         (raw_header(step=-(1 << 63)), "step .* is negative"),
         (raw_header(msg_type=int(MsgType.PUSH_OK), body_nbytes=1), "PUSH_OK frame must have no"),

@@ -77,6 +77,7 @@ from elasticps.errors import (
     ProtocolError,
     RemoteError,
     ServiceUnavailableError,
+    SparseTableError,
 )
 from elasticps.placement import Placement, ShardLayout
 from elasticps.pserver.coverage import PushKey
@@ -971,6 +972,7 @@ class ParameterClient:
 
         Raises:
             ConfigError: a table the client was not given.
+            SparseTableError: an id out of a fixed table's range.
         """
         n = len(self.tables)
         parts: dict[int, tuple[np.ndarray, list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
@@ -980,6 +982,12 @@ class ParameterClient:
                 raise ConfigError(f"no sparse table named {name!r} on the parameter servers")
             ids_t, grads_t = value if isinstance(value, tuple) else (value, None)
             ids = np.ascontiguousarray(ids_t.detach().reshape(-1).to(torch.int64).numpy())
+            size = self.tables[t].spec.num_embeddings
+            if size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
+                bad = ids[(ids < 0) | (ids >= size)][0]
+                raise SparseTableError(
+                    f"sparse table {name}: id {int(bad)} is out of range [0, {size})"
+                )
             grads = None
             if with_grads and grads_t is not None:
                 grads = np.ascontiguousarray(
@@ -1021,7 +1029,8 @@ class ParameterClient:
 
         Raises:
             ConfigError: a table the client was not given.
-            RemoteError: a server refused (an id out of range, ...).
+            SparseTableError: an id out of a fixed table's range.
+            RemoteError: a server refused.
             ServiceUnavailableError: a server did not come back in time.
         """
         self.flush()

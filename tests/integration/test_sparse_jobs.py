@@ -1,0 +1,264 @@
+"""Sparse embedding tables in whole jobs: equivalence with dense tables, and recovery.
+
+Every test runs ``elasticps train`` as real local processes (etcd, master,
+parameter servers, trainers). The recovery tests use the audit model's
+sparse variant (:class:`elasticps.testing.audit.SparseModel`): one row of a
+sparse table per record, pulled and pushed by id, so that every applied
+gradient adds exactly +1 to a record's row; after P passes every row must
+read exactly P, on whichever server holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from elasticps.checkpoint import load_checkpoint
+from elasticps.testing.audit import AuditResult, check_counters, sparse_counters, write_dataset
+from elasticps.tables import load_tables
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RECORDS = 4000
+JOB_TIMEOUT_S = 200.0
+
+
+def _kill_leftovers(pids_file: Path) -> list[str]:
+    """SIGKILL whatever of ``pids.json`` still runs; return those (should be none)."""
+    alive: list[str] = []
+    if not pids_file.exists():
+        return alive
+    deadline = time.monotonic() + 5.0
+    for role, pid in json.loads(pids_file.read_text()).items():
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                alive.append(f"{role}:{pid}")
+    return alive
+
+
+def run_job(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, object]:
+    """Run ``elasticps train`` to the end; return its run.json with the final line and stderr."""
+    cmd = [sys.executable, "-m", "elasticps", "train", "--output", str(out), "--no-progress",
+           "--lease-ttl-s", "2", *args]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT_S,
+            env={**os.environ, **(env or {})},
+        )
+    finally:
+        leftovers = _kill_leftovers(out / "pids.json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not leftovers, f"processes left behind: {leftovers}"
+    record: dict[str, object] = json.loads((out / "run.json").read_text())
+    record["line"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    record["stderr"] = proc.stderr
+    return record
+
+
+# --- sparse and dense tables train the same parameters ------------------------------------
+
+EQUIVALENCE_MODEL = textwrap.dedent(
+    '''
+    import torch
+    from torch import nn
+
+    import elasticps.nn as enn
+    from elasticps.pserver.sparse import initial_rows
+
+    COLUMNS = ("ids", "y")
+    ROWS, DIM = 50, 4
+
+
+    class SparseModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(2 * DIM, 1)
+            self.emb = enn.Embedding(ROWS, DIM, name="emb", feature="ids", init_scale=0.5)
+
+        def forward(self, x):
+            return self.head(self.emb(x["ids"]).flatten(1))[:, 0]
+
+
+    class DenseModel(nn.Module):
+        """The same model with a torch.nn.Embedding that starts from the same rows."""
+
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(2 * DIM, 1)
+            self.emb = nn.Embedding(ROWS, DIM)
+            spec = enn.Embedding(ROWS, DIM, name="emb", init_scale=0.5).spec
+            with torch.no_grad():
+                self.emb.weight.copy_(torch.from_numpy(initial_rows(spec, torch.arange(ROWS).numpy())))
+
+        def forward(self, x):
+            return self.head(self.emb(x["ids"]).flatten(1))[:, 0]
+
+
+    def loss(outputs, targets):
+        return nn.functional.mse_loss(outputs, targets)
+
+
+    def batch_to_tensors(batch):
+        ids = torch.from_numpy(batch.column("ids").combine_chunks().flatten().to_numpy().copy())
+        y = torch.from_numpy(batch.column("y").to_numpy().copy())
+        return {"ids": ids.reshape(-1, 2)}, y
+    '''
+)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(
+    tmp_path: Path, optimizer: str
+) -> None:
+    """One model with a torch.nn.Embedding, one with an elasticps sparse table
+    starting from the same rows: the same job (sync, 2 servers) leaves the same
+    parameters, within 1e-5. Lazy SGD and AdaGrad equal the dense rules on the
+    rows pushed, and leave the others as the dense rules do (a zero gradient)."""
+    model_file = tmp_path / "model.py"
+    model_file.write_text(EQUIVALENCE_MODEL)
+    rng = np.random.default_rng(0)
+    rows = 600
+    ids = rng.zipf(1.5, size=(rows, 2)) % 40  # skewed; rows 40..49 never seen
+    y = rng.normal(size=rows).astype(np.float32)
+    data = tmp_path / "data"
+    data.mkdir()
+    table = pa.table({"ids": pa.array(ids.tolist(), pa.list_(pa.int64())), "y": y})
+    pq.write_table(table, data / "train.parquet", row_group_size=50)
+    common = ("--model", str(model_file), "--data", str(data), "--trainers", "1", "--ps", "2",
+              "--mode", "sync", "--epochs", "2", "--batch-size", "20", "--records-per-task", "100",
+              "--optimizer", optimizer, "--lr", "0.05",
+              # The dense table (200 floats) is sliced over both servers.
+              "--big-array-bound", "100")  # fmt: skip
+    run_job(tmp_path / "dense", *common, "--model-class", "DenseModel")
+    run_job(tmp_path / "sparse", *common, "--model-class", "SparseModel")
+    dense, _ = load_checkpoint(tmp_path / "dense")
+    sparse, _ = load_checkpoint(tmp_path / "sparse")
+    assert set(sparse) == {"head.weight", "head.bias"}  # the table is not a dense parameter
+    for name in sparse:
+        torch.testing.assert_close(sparse[name], dense[name], atol=1e-5, rtol=0)
+    tables = load_tables(tmp_path / "sparse" / "snapshot")
+    every_row = torch.arange(50)
+    torch.testing.assert_close(
+        tables.rows("emb", every_row), dense["emb.weight"], atol=1e-5, rtol=0
+    )
+    touched = tables.ids("emb")
+    assert 0 < len(touched) < 50  # rows never seen are not stored
+    assert torch.equal(touched, torch.from_numpy(np.unique(ids)))
+
+
+# --- exactly-once with sparse rows, through failures -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("audit")
+    write_dataset(out, RECORDS)
+    return out
+
+
+def run_audit(
+    audit_dir: Path,
+    out: Path,
+    mode: str,
+    *,
+    epochs: int = 3,
+    ps: int = 2,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> tuple[dict[str, object], AuditResult]:
+    record = run_job(
+        out,
+        "--model", str(audit_dir / "audit_model.py"), "--model-class", "SparseModel",
+        "--data", str(audit_dir), "--optimizer", "sgd", "--lr", "1",
+        "--sync-reduction", "sum", "--push-every", "1", "--trainers", "3", "--ps", str(ps),
+        "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
+        "--checkpoint-every-s", "1", *extra,
+        env=env,
+    )  # fmt: skip
+    return record, check_counters(sparse_counters(out / "snapshot", RECORDS), epochs)
+
+
+def assert_exact(record: dict[str, object], audit: AuditResult, out: Path, epochs: int) -> None:
+    assert audit.exactly_once, audit.as_dict()
+    passes = record["passes"]
+    assert isinstance(passes, list) and len(passes) == epochs
+    assert all(p["exactly_once"] and p["shards_checked"] for p in passes), passes
+    assert record["exactly_once"] is True
+    # The dense part of the same pushes: one count per record and pass.
+    seen, _ = load_checkpoint(out)
+    assert seen["seen"].item() == RECORDS * epochs
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sparse_rows_survive_a_killed_parameter_server_exactly_once(
+    audit_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    out = tmp_path / "run"
+    record, audit = run_audit(audit_dir, out, mode, extra=("--chaos", "kill:ps@45%"))
+    assert_exact(record, audit, out, 3)
+    assert record["restarts"], "the parameter server was not restarted"
+
+
+def test_sparse_rows_survive_a_killed_trainer_exactly_once(audit_dir: Path, tmp_path: Path) -> None:
+    """Trainer 0 dies right after its 5th push is acknowledged and before it reports
+    it: the next attempt pushes the same rows again, and every server drops them
+    as a duplicate; another trainer is killed by the chaos schedule mid-pass."""
+    out = tmp_path / "run"
+    record, audit = run_audit(
+        audit_dir,
+        out,
+        "sync",
+        extra=("--chaos", "kill:trainer@60%"),
+        env={"ELASTICPS_TEST_KILL_AFTER_ACK": "0:5"},
+    )
+    assert_exact(record, audit, out, 3)
+    assert "test hook: SIGKILL after push 5" in str(record["stderr"])
+
+
+def test_resume_onto_three_servers_from_two_repartitions_every_row(
+    audit_dir: Path, tmp_path: Path
+) -> None:
+    """A job on 2 servers, then a job resumed from its checkpoint on 3: every row
+    moves to the server the new partitioning gives it, intact, and goes on
+    counting."""
+    first = tmp_path / "first"
+    run_audit(audit_dir, first, "async", epochs=1)
+    before = sparse_counters(first / "snapshot", RECORDS)
+    assert bool((before == 1).all())
+    second = tmp_path / "second"
+    record, _ = run_audit(
+        audit_dir, second, "sync", epochs=1, ps=3, extra=("--resume", str(first / "snapshot"))
+    )
+    after = check_counters(sparse_counters(second / "snapshot", RECORDS), 2)
+    assert after.exactly_once, after.as_dict()
+    # Every server holds a third of the rows or so, each row exactly once.
+    held = [
+        len(load_tables(d).ids("audit_rows"))
+        for d in sorted((second / "snapshot").glob("shard-*.tables"))
+    ]
+    assert len(held) == 3 and sum(held) == RECORDS and min(held) > RECORDS // 5, held
+    assert record["exactly_once"] is True
