@@ -85,10 +85,9 @@ def grads(
 ) -> RowGrads:
     """Row gradients: every element of row ``id`` equal to the value given."""
     ids = (np.array(list(emb), np.int64), np.array(list(tags or {}), np.int64))
-    flat = np.concatenate(
-        [np.repeat(np.array(list(emb.values()), np.float32), DIM)]
-        + [np.repeat(np.array(list((tags or {}).values()), np.float32), 2)]
-    ).astype(np.float32)
+    emb_rows = np.repeat(np.array(list(emb.values()), np.float32), DIM)
+    tag_rows = np.repeat(np.array(list((tags or {}).values()), np.float32), 2)
+    flat = np.concatenate([emb_rows, tag_rows]).astype(np.float32)
     counts = np.array([len(ids[0]), len(ids[1])], np.int64)
     per = tables.split_ids(counts, np.concatenate(ids), unique=True)
     return tables.split_rows(per, flat)
@@ -259,8 +258,8 @@ def test_state_round_trips_through_the_shard_files_as_row_chunks(
     parts = list((tables_dir_of(saved.path) / "sparse" / "emb").glob("v*.safetensors"))
     assert parts, "the table is saved as part files beside the shard file"
     tensors, meta = files.load_version(saved.version)
-    restored = ParameterShard.from_state(tensors, meta, optimizer=OptimizerConfig(name="adam", lr=0.1),
-                                         mode=UpdateMode.ASYNC)  # fmt: skip
+    adam = OptimizerConfig(name="adam", lr=0.1)
+    restored = ParameterShard.from_state(tensors, meta, optimizer=adam, mode=UpdateMode.ASYNC)
     shards.append(restored)
     assert restored.tables is not None
     for name in ("emb", "tags"):
