@@ -301,3 +301,15 @@ def test_a_state_saved_under_another_partitioning_keeps_only_this_servers_rows(
 def test_entries_describe_what_the_trainer_sends() -> None:
     entry = TableEntry(SPEC, "range", 2)
     assert parse_tables({"tables": [entry.describe()]}) == [entry]
+
+
+def test_the_eviction_flag_is_a_json_object_of_counts() -> None:
+    from elasticps.config import check_sparse_eviction
+    from elasticps.errors import ConfigError
+
+    assert check_sparse_eviction("") == {}
+    assert check_sparse_eviction('{"expire_versions": 5}') == {"expire_versions": 5}
+    assert EvictionPolicy(**check_sparse_eviction('{"min_count": 2, "count_window_versions": 9}'))
+    for bad in ('{"expire": 5}', '{"expire_versions": -1}', "[1]", "{", '{"min_count": 2}'):
+        with pytest.raises(ConfigError, match="sparse-eviction"):
+            check_sparse_eviction(bad)

@@ -483,6 +483,8 @@ class LocalLauncher:
         staleness = (
             ["--max-staleness", str(cfg.max_staleness)] if cfg.max_staleness is not None else []
         )
+        if cfg.sparse_eviction:
+            staleness += ["--sparse-eviction", cfg.sparse_eviction]
         for i in range(cfg.ps + cfg.standby_ps):
             resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
             self._spawn(
