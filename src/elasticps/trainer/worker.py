@@ -245,16 +245,13 @@ class Trainer:
         self.name = str(config.trainer_id)
         model = spec.instantiate(config.seed)
         self._tables = enn.table_specs(model)
-        partitions = enn.partitions(model)
-        self._table_entries = tuple(
-            TableEntry(s, partitions[name], config.num_ps) for name, s in self._tables.items()
-        )
+        self._table_entries = table_entries(model, config.num_ps)
         self._frozen_tables = frozenset(
             name for name in self._tables if any(fnmatch.fnmatchcase(name, p) for p in frozen)
         )
         self._sparse_grads: list[dict[str, enn.SparseGrad]] = []
         self.flat: FlatModel = bind_flat_buffers(model, config.num_ps, config.big_array_bound)
-        self._frozen = frozen_ranges(self.flat.placement, _dense_patterns(model, frozen))
+        self._frozen = frozen_ranges(self.flat.placement, dense_frozen_patterns(model, frozen))
         self._batch_reader = reader
         self._on_event = on_event
         self._pass_id = -1
@@ -868,8 +865,29 @@ class Trainer:
         client.flush()
 
 
-def _dense_patterns(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
-    """The frozen patterns that are about dense parameters (those naming only tables are not)."""
+def table_entries(model: torch.nn.Module, num_ps: int) -> tuple[TableEntry, ...]:
+    """The model's sparse tables as the parameter servers hold them (the HELLO's ``tables``).
+
+    Raises:
+        ModelContractError: two modules declare one table name differently.
+    """
+    partitions = enn.partitions(model)
+    return tuple(
+        TableEntry(spec, partitions[name], num_ps) for name, spec in enn.table_specs(model).items()
+    )
+
+
+def dense_frozen_patterns(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The frozen patterns that are about dense parameters (those naming only tables are not).
+
+    Args:
+        model: the model.
+        patterns: ``fnmatch`` patterns over parameter and sparse-table names.
+
+    Returns:
+        The patterns that match a dense parameter, or match no sparse table
+        (so that a pattern matching nothing is still reported as a typo).
+    """
     tables = list(enn.table_specs(model))
     params = [name for name, _ in model.named_parameters()]
     return [
