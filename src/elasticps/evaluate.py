@@ -90,7 +90,7 @@ def evaluate(
         rows where ``argmax(outputs, dim=1) == targets``; the sample-weighted
         mean of ``spec.loss`` over the batches; and the row count (a float).
         A model whose outputs are one logit per row (``[B]``, binary
-        classification against 0/1 targets) is right where ``(logit > 0) ==
+        classification against float 0/1 targets) is right where ``(logit > 0) ==
         target``, and gets ``"auc"`` too (ROC AUC, scikit-learn's
         ``roc_auc_score``; absent when the targets hold one class only).
 
@@ -134,7 +134,11 @@ def evaluate(
                 inputs, targets = spec.batch_to_tensors(batch)
                 called = "forward"
                 outputs = model(inputs)
-                binary = outputs.dim() == 1 and outputs.shape == targets.shape
+                binary = (
+                    outputs.dim() == 1
+                    and outputs.shape == targets.shape
+                    and targets.is_floating_point()
+                )
                 if not binary and (outputs.dim() != 2 or targets.shape != (end - start,)):
                     raise ModelContractError(
                         f"{what}: evaluation needs outputs [B, classes] and targets [B] "
