@@ -82,7 +82,7 @@ def run_job(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[st
 # --- sparse and dense tables train the same parameters ------------------------------------
 
 EQUIVALENCE_MODEL = textwrap.dedent(
-    '''
+    """
     import torch
     from torch import nn
 
@@ -93,52 +93,58 @@ EQUIVALENCE_MODEL = textwrap.dedent(
     ROWS, DIM = 50, 4
 
 
-    class SparseModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.head = nn.Linear(2 * DIM, 1)
-            self.emb = enn.Embedding(ROWS, DIM, name="emb", feature="ids", init_scale=0.5)
+    class Model(nn.Module):
+        \"\"\"Twins: one branch with a torch.nn.Embedding, one with a sparse table, same start.
 
-        def forward(self, x):
-            return self.head(self.emb(x["ids"]).flatten(1))[:, 0]
-
-
-    class DenseModel(nn.Module):
-        """The same model with a torch.nn.Embedding that starts from the same rows."""
+        The loss is the sum of the branches' losses, so each trains on the same
+        mini-batches in the same steps, independently of the other.
+        \"\"\"
 
         def __init__(self):
             super().__init__()
-            self.head = nn.Linear(2 * DIM, 1)
-            self.emb = nn.Embedding(ROWS, DIM)
-            spec = enn.Embedding(ROWS, DIM, name="emb", init_scale=0.5).spec
-            start = initial_rows(spec, torch.arange(ROWS).numpy())
+            self.dense_head = nn.Linear(2 * DIM, 1)
+            self.sparse_head = nn.Linear(2 * DIM, 1)
+            self.dense_emb = nn.Embedding(ROWS, DIM)
+            self.sparse_emb = enn.Embedding(ROWS, DIM, name="emb", feature="ids", init_scale=0.5)
+            start = initial_rows(self.sparse_emb.spec, torch.arange(ROWS).numpy())
             with torch.no_grad():
-                self.emb.weight.copy_(torch.from_numpy(start))
+                self.dense_emb.weight.copy_(torch.from_numpy(start))
+                self.sparse_head.load_state_dict(self.dense_head.state_dict())
 
         def forward(self, x):
-            return self.head(self.emb(x["ids"]).flatten(1))[:, 0]
+            dense = self.dense_head(self.dense_emb(x["ids"]).flatten(1))[:, 0]
+            sparse = self.sparse_head(self.sparse_emb(x["ids"]).flatten(1))[:, 0]
+            return torch.stack([dense, sparse], 1)
 
 
     def loss(outputs, targets):
-        return nn.functional.mse_loss(outputs, targets)
+        return sum(nn.functional.mse_loss(outputs[:, i], targets) for i in range(2))
 
 
     def batch_to_tensors(batch):
         ids = torch.from_numpy(batch.column("ids").combine_chunks().flatten().to_numpy().copy())
         y = torch.from_numpy(batch.column("y").to_numpy().copy())
         return {"ids": ids.reshape(-1, 2)}, y
-    '''
+    """
 )
 
 
 def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(tmp_path: Path) -> None:
-    """One model with a torch.nn.Embedding, one with an elasticps sparse table
-    starting from the same rows: the same job (sync SGD, 2 servers) leaves the
-    same parameters, within 1e-5. Lazy SGD equals the dense rule on the rows
-    pushed, and leaves the others as the dense rule does (a zero gradient).
-    (AdaGrad and Adam normalise each element by its history, so gradients
-    that differ in their last bit, as the two backward passes' sums do, can
-    drift further apart than 1e-5 on elements whose gradient is near zero.)"""
+    """A model with twin branches, one with a torch.nn.Embedding and one with an
+    elasticps sparse table starting from the same rows: after a sync job (SGD, 2
+    trainers) both branches hold the same parameters, within 1e-5. Lazy SGD
+    equals the dense rule on the rows pushed and leaves the others as the dense
+    rule does (a zero gradient), and a sync step weights each trainer's rows by
+    its samples as it weights the dense gradient.
+
+    One server: with two, a step that one server applies and the other answers
+    stale (its generation changed under it) is computed again on fresh
+    parameters for the second server only, and the branches' elements are
+    spread over the servers differently (a dense table by element range, a
+    sparse one by a hash of the id), so such a step moves them differently.
+    (AdaGrad and Adam normalise each element by its history, so gradients that
+    differ in their last bit, as the two backward passes' sums do, can drift
+    further apart than 1e-5; SGD cannot.)"""
     model_file = tmp_path / "model.py"
     model_file.write_text(EQUIVALENCE_MODEL)
     rng = np.random.default_rng(0)
@@ -149,26 +155,24 @@ def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(tmp_path
     data.mkdir()
     table = pa.table({"ids": pa.array(ids.tolist(), pa.list_(pa.int64())), "y": y})
     pq.write_table(table, data / "train.parquet", row_group_size=50)
-    common = ("--model", str(model_file), "--data", str(data), "--trainers", "1", "--ps", "2",
-              "--mode", "sync", "--epochs", "2", "--batch-size", "20", "--records-per-task", "100",
-              "--optimizer", "sgd", "--lr", "0.05",
-              # The dense table (200 floats) is sliced over both servers.
-              "--big-array-bound", "100")  # fmt: skip
-    run_job(tmp_path / "dense", *common, "--model-class", "DenseModel")
-    run_job(tmp_path / "sparse", *common, "--model-class", "SparseModel")
-    dense, _ = load_checkpoint(tmp_path / "dense")
-    sparse, _ = load_checkpoint(tmp_path / "sparse")
-    assert set(sparse) == {"head.weight", "head.bias"}  # the table is not a dense parameter
-    for name in sparse:
-        torch.testing.assert_close(sparse[name], dense[name], atol=1e-5, rtol=0)
-    tables = load_tables(tmp_path / "sparse" / "snapshot")
-    every_row = torch.arange(50)
+    run_job(tmp_path / "run", "--model", str(model_file), "--data", str(data),
+            "--trainers", "2", "--ps", "1", "--mode", "sync", "--epochs", "2",
+            "--batch-size", "20", "--records-per-task", "100", "--optimizer", "sgd",
+            "--lr", "0.05")  # fmt: skip
+    params, _ = load_checkpoint(tmp_path / "run")
+    assert set(params) == {"dense_head.weight", "dense_head.bias", "sparse_head.weight",
+                           "sparse_head.bias", "dense_emb.weight"}  # fmt: skip
+    for name in ("weight", "bias"):
+        assert not torch.equal(params[f"dense_head.{name}"], torch.zeros(1))
+        torch.testing.assert_close(
+            params[f"sparse_head.{name}"], params[f"dense_head.{name}"], atol=1e-5, rtol=0
+        )
+    tables = load_tables(tmp_path / "run" / "snapshot")
     torch.testing.assert_close(
-        tables.rows("emb", every_row), dense["emb.weight"], atol=1e-5, rtol=0
+        tables.rows("emb", torch.arange(50)), params["dense_emb.weight"], atol=1e-5, rtol=0
     )
     touched = tables.ids("emb")
-    assert 0 < len(touched) < 50  # rows never seen are not stored
-    assert torch.equal(touched, torch.from_numpy(np.unique(ids)))
+    assert torch.equal(touched, torch.from_numpy(np.unique(ids)))  # never-seen rows not stored
 
 
 # --- exactly-once with sparse rows, through failures -----------------------------------------
