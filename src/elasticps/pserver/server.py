@@ -717,12 +717,8 @@ class ParameterServer:
         self._pass_gate(shard)
         generation = shard.generation
         with shard.reading() as version:
-            # Under the read lock: no step changes a table meanwhile.
-            rows = tables.lookup(per_table) if shard.tables is tables else None
-            if rows is None:  # restored meanwhile: read the new tables
-                current = shard.tables
-                assert current is not None
-                rows = current.lookup(per_table)
+            # Under the read lock: no step (nor a restore) changes a table meanwhile.
+            rows = tables.lookup(per_table)
         send_frame(
             state.conn,
             FrameHeader(

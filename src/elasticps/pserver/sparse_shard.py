@@ -210,7 +210,7 @@ def split_counts(counts: IdArray, dims: Sequence[int], body_nbytes: int, row_ite
         raise SparseTableError(f"a row frame has {len(counts)} counts for {len(dims)} tables")
     if len(counts) and int(counts.min()) < 0:
         raise SparseTableError("a row frame has a negative count")
-    total = int(counts.sum()) if len(counts) else 0
+    total: int = sum(int(c) for c in counts.tolist())  # Python ints: no overflow
     elements = int(sum(int(c) * d for c, d in zip(counts.tolist(), dims, strict=True)))
     expected = 8 * len(dims) + 8 * total + row_itemsize * elements
     if expected != body_nbytes:
