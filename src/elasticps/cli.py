@@ -51,6 +51,7 @@ from elasticps.config import (
 )
 from elasticps.errors import ConfigError, ElasticPSError, UserError
 from elasticps.launcher.chaos import parse_chaos
+from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
@@ -307,6 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="if --output holds a previous run (run.json, ps-checkpoints/, snapshot/, "
         "model.safetensors), remove it first instead of refusing to start",
     )
+    train.add_argument(
+        "--checkpoint-failures-fatal-after-s",
+        type=float,
+        default=DEFAULT_FATAL_AFTER_S,
+        help="stop the job (exit 2) when a PS's checkpoint writes have failed "
+        "(a full disk, say) for this many seconds (default: %(default)s)",
+    )
+    train.add_argument(
+        "--fallback-output",
+        type=Path,
+        default=None,
+        help="where the trained parameters go if --output cannot be written "
+        "(default: <temp dir>/elasticps-fallback/<job>-<run id>)",
+    )
 
     scale = sub.add_parser("scale", help="change the wanted number of trainers of a running job")
     scale.add_argument("job", help="the job name (train --job)")
@@ -470,6 +485,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
         overwrite=args.overwrite,
+        checkpoint_failures_fatal_after_s=args.checkpoint_failures_fatal_after_s,
+        fallback_output=args.fallback_output,
     )
 
 

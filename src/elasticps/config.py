@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from elasticps.errors import ConfigError
 from elasticps.launcher.chaos import ChaosEvent
+from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 from elasticps.schedules import schedule_from_json
 
@@ -496,6 +497,10 @@ class JobConfig:
             ``skip``, nulls in the data's columns are no error before launch.
         overwrite: an ``output`` that holds a previous run's files is cleaned
             first instead of refused.
+        checkpoint_failures_fatal_after_s: seconds a PS's checkpoint writes may
+            fail (a full disk, say) before the job stops, > 0.
+        fallback_output: where the trained parameters go when ``output`` cannot
+            be written; None picks ``<temp dir>/elasticps-fallback/<job>-<run id>``.
         sparse_eviction: passed to every PS (see :class:`PSConfig`).
     """
 
@@ -537,11 +542,18 @@ class JobConfig:
     eval_each_pass: bool = False
     bad_records: str = "fail"
     overwrite: bool = False
+    checkpoint_failures_fatal_after_s: float = DEFAULT_FATAL_AFTER_S
+    fallback_output: Path | None = None
     sparse_eviction: str = ""
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
         check_sparse_eviction(self.sparse_eviction)
+        if not self.checkpoint_failures_fatal_after_s > 0:
+            raise ConfigError(
+                "--checkpoint-failures-fatal-after-s must be > 0, "
+                f"got {self.checkpoint_failures_fatal_after_s}"
+            )
         _check_bad_records(self.bad_records)
         if self.spawn not in SPAWN_METHODS:
             raise ConfigError(

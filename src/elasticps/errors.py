@@ -54,6 +54,14 @@ class OutputInUseError(UserError):
     """Another job holds the lock of the output directory (``OUTPUT/.lock``)."""
 
 
+class CheckpointFailureError(UserError):
+    """Checkpoints could not be written for longer than the job allows (a full disk, say).
+
+    The message says where the trained parameters were saved instead, or, if
+    that failed too, where the last checkpoints are.
+    """
+
+
 class JobUserError(UserError):
     """A process of the job stopped on a user error (exit status 2).
 

@@ -50,7 +50,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, NoReturn, cast
 
 import torch
 from tqdm import tqdm
@@ -67,6 +67,7 @@ from elasticps.data.parquet import (
 )
 from elasticps.errors import (
     BadRecordError,
+    CheckpointFailureError,
     ConfigError,
     CoordinationError,
     DataError,
@@ -79,6 +80,7 @@ from elasticps.errors import (
 from elasticps.evaluate import evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent
+from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
 from elasticps.launcher.local_backend import LocalBackend, exit_status
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.launcher.output import (
@@ -107,6 +109,8 @@ from elasticps.updater import ps_flags
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.25
+# Seconds between reads of the parameter servers' checkpoint health records.
+_HEALTH_POLL_S = 1.0
 # "Wait as long as it takes", in seconds, for flags that need a number.
 _FOREVER_S = 10.0 * 365 * 24 * 3600
 # Exit status of a role process for a user error (see elasticps.cli).
@@ -215,6 +219,8 @@ class LocalLauncher:
         self._lock: OutputLock | None = None
         self._records_skipped = 0
         self._num_parameters: int | None = None
+        self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
+        self._health_due = 0.0
 
     # --- public ---------------------------------------------------------------
 
@@ -393,15 +399,23 @@ class LocalLauncher:
                     evaluator.start()
                 self._start_trainers(store)
                 self._wait_for_master(store, timeout_s=60)
-                samples = self._watch_training(store)
+                try:
+                    samples = self._watch_training(store)
+                except CheckpointFailureError as exc:
+                    self._rescue(store, spec, str(exc))
                 if self._manager is not None:
                     self._manager.stop()  # the job is finished: nothing more to manage
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
                 # A server may still die here: go on restarting it meanwhile.
-                with self._supervising():
-                    snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                try:
+                    with self._supervising():
+                        snapshot = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                except (OSError, RemoteError) as exc:
+                    if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
+                        raise
+                    self._rescue(store, spec, f"the final checkpoint cannot be written: {exc}")
                 tensors, versions = final_parameters(spec, cfg.output / "snapshot")
                 self._passes = self._pass_audits(store)
                 if len(self._passes) == cfg.epochs:
@@ -415,24 +429,12 @@ class LocalLauncher:
                 self._await_trainers()
                 self._store = None  # closed below; late reaper events must not use it
             wall_s = time.monotonic() - started
-            manifest = {
-                "job": cfg.job,
-                "model_file": str(cfg.model_path),
-                "model_class": cfg.model_class,
-                "mode": cfg.mode.value,
-                "epochs": cfg.epochs,
-                "trainers": cfg.trainers,
-                "ps": cfg.ps,
-                "optimizer": cfg.optimizer.name,
-                "lr": cfg.optimizer.lr,
-                "batch_size": cfg.batch_size,
-                "model_versions": versions,
-                "snapshot": "snapshot/manifest.json",
-                "snapshot_version": snapshot["version"],
-                "samples": samples,
-                "wall_s": round(wall_s, 3),
-            }
-            save_checkpoint(cfg.output, tensors, manifest)
+            manifest = self._model_manifest(versions, snapshot["version"], samples, wall_s)
+            try:
+                save_checkpoint(cfg.output, tensors, manifest)
+            except OSError as exc:
+                why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
+                self._save_fallback(tensors, manifest, why)
             evaluation = (
                 self._evaluate(spec, tensors, test, sparse_tables(spec, cfg.output / "snapshot"))
                 if test is not None
@@ -453,6 +455,125 @@ class LocalLauncher:
             self.stop_all()
             etcd.stop()
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _model_manifest(
+        self, versions: list[int], snapshot_version: object, samples: int, wall_s: float
+    ) -> dict[str, object]:
+        """The ``manifest.json`` next to ``model.safetensors``."""
+        cfg = self.config
+        return {
+            "job": cfg.job,
+            "model_file": str(cfg.model_path),
+            "model_class": cfg.model_class,
+            "mode": cfg.mode.value,
+            "epochs": cfg.epochs,
+            "trainers": cfg.trainers,
+            "ps": cfg.ps,
+            "optimizer": cfg.optimizer.name,
+            "lr": cfg.optimizer.lr,
+            "batch_size": cfg.batch_size,
+            "model_versions": versions,
+            "snapshot": "snapshot/manifest.json",
+            "snapshot_version": snapshot_version,
+            "samples": samples,
+            "wall_s": round(wall_s, 3),
+        }
+
+    # --- checkpoint failures ------------------------------------------------------
+
+    def fallback_dir(self) -> Path:
+        """Where the trained parameters go when ``output`` cannot be written."""
+        cfg = self.config
+        if cfg.fallback_output is not None:
+            return cfg.fallback_output.resolve()
+        base = Path(tempfile.gettempdir()) / "elasticps-fallback"
+        return base / f"{cfg.job}-{self.run_id[:12]}"
+
+    def _check_checkpoint_health(self, store: JobStore) -> None:
+        """Read the PS checkpoint health records; warn once per failure spell.
+
+        Raises:
+            CheckpointFailureError: a PS's writes have failed for longer than
+                ``checkpoint_failures_fatal_after_s``.
+        """
+        now = time.monotonic()
+        if now < self._health_due:
+            return
+        self._health_due = now + _HEALTH_POLL_S
+        try:
+            records, _ = store.get_prefix_json(store.keys.root + "health/")
+        except CoordinationError:
+            return  # etcd is restarting: read them next time
+        verdict = self._health.update(records, time.time())
+        grace = self.config.checkpoint_failures_fatal_after_s
+        for line in verdict.warnings:
+            log.warning("%s", line)
+            self._emit(f"WARNING: {line}; the job stops if this lasts {grace:g} s")
+        for name in verdict.recovered:
+            self._emit(f"{name} writes its checkpoints again")
+        if verdict.fatal is not None:
+            raise CheckpointFailureError(verdict.fatal)
+
+    def _rescue(self, store: JobStore, spec: ModelSpec, reason: str) -> NoReturn:
+        """Save the live parameters into the fallback directory, then stop the job.
+
+        Raises:
+            CheckpointFailureError: always; it says where the parameters are.
+        """
+        cfg = self.config
+        target = self.fallback_dir()
+        self._emit(f"{reason}; saving the trained parameters into {target}")
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            with self._supervising():
+                snapshot = checkpoint_job(
+                    store, target / "snapshot", {"job": cfg.job, "fallback_for": str(cfg.output)}
+                )
+            tensors, versions = final_parameters(spec, target / "snapshot")
+            samples = sum(int(str(p.get("records_trained", 0))) for p in self._pass_audits(store))
+        except (OSError, ElasticPSError) as exc:
+            raise CheckpointFailureError(
+                f"{reason}; saving the parameters into {target} failed too ({exc}); the last "
+                f"shard checkpoints written are in {cfg.output / 'ps-checkpoints'}"
+            ) from exc
+        manifest = self._model_manifest(versions, snapshot["version"], samples, 0.0)
+        self._save_fallback(tensors, manifest, reason)
+
+    def _save_fallback(
+        self, tensors: dict[str, torch.Tensor], manifest: dict[str, object], reason: str
+    ) -> NoReturn:
+        """Write ``model.safetensors`` and ``run.json`` into the fallback directory.
+
+        Raises:
+            CheckpointFailureError: always; it says where the parameters are.
+        """
+        target = self.fallback_dir()
+        snapshot = target / "snapshot"
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            save_checkpoint(target, tensors, manifest)
+            record = {
+                "job": self.config.job,
+                "state": "failed",
+                "reason": reason,
+                "output": str(self.config.output),
+                "checkpoint_health": self._health.summary(),
+                "samples": manifest.get("samples"),
+            }
+            (target / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+        except OSError as exc:
+            raise CheckpointFailureError(
+                f"{reason}; saving the parameters into {target} failed too ({exc})"
+            ) from exc
+        resume = (
+            f", and snapshot/ to go on with --resume {snapshot}"
+            if (snapshot / "manifest.json").exists()
+            else ""
+        )
+        raise CheckpointFailureError(
+            f"{reason}. The job stopped; its trained parameters are in {target}: "
+            f"model.safetensors{resume}"
+        )
 
     # --- children ---------------------------------------------------------------
 
@@ -794,6 +915,7 @@ class LocalLauncher:
         try:
             while True:
                 self._supervise()
+                self._check_checkpoint_health(store)
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
                     self.timeline.append(
@@ -999,6 +1121,7 @@ class LocalLauncher:
             "samples": result.samples,
             "bad_records": self.config.bad_records,
             "records_skipped": self._records_skipped,
+            "checkpoint_health": self._health.summary(),
             "evaluation": result.evaluation,
             "pids": result.pids,
             "chaos": self.chaos_log,

@@ -10,7 +10,7 @@ A parameter server's sparse table ``NAME`` is saved under
   ``[r, dim]``), ``c<c>.optim.<key>`` (float32 ``[r, dim]``) and
   ``c<c>.count`` / ``.created_version`` / ``.last_version`` (int64), with
   a CRC-32 of the content in the safetensors metadata
-  (:func:`elasticps.pserver.checkpoint.content_crc32`);
+  (:func:`elasticps.pserver.atomic.content_crc32`);
 - ``index.json``: the table's metadata (:meth:`SparseTable.meta`) and the
   list of part files with their rows, sizes and CRC-32 of their bytes.
 
