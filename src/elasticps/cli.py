@@ -176,6 +176,12 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
         default=_int_or_none(_env("max-staleness", None)),
         help="async: drop gradients more than N model versions behind (default: accept any)",
     )
+    p.add_argument(
+        "--sparse-eviction",
+        default=_env("sparse-eviction", ""),
+        help="evict rows of sparse tables, a JSON object such as "
+        '{"expire_versions": 100000} or {"min_count": 2, "count_window_versions": 10000}',
+    )
 
 
 def _int_or_none(value: object) -> int | None:
@@ -547,6 +553,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         resume=args.resume,
         max_staleness=args.max_staleness,
         sync_reduction=args.sync_reduction,
+        sparse_eviction=args.sparse_eviction,
         spawn=args.spawn,
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
@@ -722,6 +729,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         line["accuracy"] = result.evaluation["accuracy"]
         line["loss"] = result.evaluation["loss"]
         line["test_samples"] = int(result.evaluation["samples"])
+        if "auc" in result.evaluation:
+            line["auc"] = round(result.evaluation["auc"], 4)
     print(json.dumps(line))
     return 0
 
@@ -864,6 +873,7 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         max_staleness=args.max_staleness,
         run_id=args.run_id,
         sync_reduction=args.sync_reduction,
+        sparse_eviction=args.sparse_eviction,
     )
     return _run_role(lambda stop: run_ps(config, stop))
 

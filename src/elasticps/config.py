@@ -263,6 +263,8 @@ class PSConfig:
             another run are never loaded. Empty: any run (tools, tests).
         sync_reduction: sync mode: ``"mean"`` (the trainers' gradients
             averaged by samples) or ``"sum"`` (summed).
+        sparse_eviction: rows of sparse tables to evict, a JSON object
+            (``--sparse-eviction``, see :func:`check_sparse_eviction`); empty: none.
     """
 
     common: CommonConfig
@@ -280,9 +282,11 @@ class PSConfig:
     max_staleness: int | None = None
     run_id: str = ""
     sync_reduction: str = "mean"
+    sparse_eviction: str = ""
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--ps-port")
+        check_sparse_eviction(self.sparse_eviction)
         if self.sync_reduction not in ("mean", "sum"):
             raise ConfigError(f"--sync-reduction must be mean or sum, got {self.sync_reduction!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -297,6 +301,49 @@ class PSConfig:
             )
         if not self.claim_timeout_s >= 0:
             raise ConfigError(f"claim timeout must be >= 0 s, got {self.claim_timeout_s}")
+
+
+SPARSE_EVICTION_KEYS = ("expire_versions", "min_count", "count_window_versions")
+"""Keys of ``--sparse-eviction`` (:class:`elasticps.pserver.sparse.EvictionPolicy`)."""
+
+
+def check_sparse_eviction(text: str) -> dict[str, int]:
+    """Parse ``--sparse-eviction``: a JSON object of non-negative integers.
+
+    ``{"expire_versions": N}`` evicts rows of sparse tables not updated for
+    N versions; ``{"min_count": F, "count_window_versions": W}`` rows
+    updated fewer than F times in their first W versions (Monolith's
+    expiry and frequency filter). Empty text: no eviction.
+
+    Returns:
+        The options (empty for none).
+
+    Raises:
+        ConfigError: not such an object, an unknown key, or ``min_count``
+            without a window.
+    """
+    if not text:
+        return {}
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--sparse-eviction must be a JSON object: {exc}") from exc
+    if (
+        not isinstance(value, dict)
+        or not set(value) <= set(SPARSE_EVICTION_KEYS)
+        or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
+        )
+    ):
+        raise ConfigError(
+            f"--sparse-eviction takes non-negative integers {', '.join(SPARSE_EVICTION_KEYS)}, "
+            f"got {text!r}"
+        )
+    if value.get("min_count", 0) and value.get("count_window_versions", 0) < 1:
+        raise ConfigError("--sparse-eviction: min_count needs count_window_versions >= 1")
+    return dict(value)
 
 
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
@@ -455,6 +502,7 @@ class JobConfig:
             fail (a full disk, say) before the job stops, > 0.
         fallback_output: where the trained parameters go when ``output`` cannot
             be written; None picks ``<temp dir>/elasticps-fallback/<job>-<run id>``.
+        sparse_eviction: passed to every PS (see :class:`PSConfig`).
     """
 
     job: str
@@ -498,9 +546,11 @@ class JobConfig:
     overwrite: bool = False
     checkpoint_failures_fatal_after_s: float = DEFAULT_FATAL_AFTER_S
     fallback_output: Path | None = None
+    sparse_eviction: str = ""
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        check_sparse_eviction(self.sparse_eviction)
         if not self.checkpoint_failures_fatal_after_s > 0:
             raise ConfigError(
                 "--checkpoint-failures-fatal-after-s must be > 0, "

@@ -66,6 +66,7 @@ def evaluate(
     data_path: Path,
     *,
     batch_size: int = 500,
+    tables: Mapping[str, object] | None = None,
 ) -> dict[str, float]:
     """Compute the accuracy and mean loss of a model on a Parquet file.
 
@@ -80,11 +81,18 @@ def evaluate(
             :func:`elasticps.checkpoint.load_checkpoint`).
         data_path: a Parquet file with the columns ``spec.columns``.
         batch_size: rows per forward pass (>= 1).
+        tables: the trained sparse tables of a model with :mod:`elasticps.nn`
+            modules (a :class:`~elasticps.tables.TableSet`), bound to it before
+            the first batch.
 
     Returns:
         ``{"accuracy": ..., "loss": ..., "samples": ...}``: the fraction of
         rows where ``argmax(outputs, dim=1) == targets``; the sample-weighted
         mean of ``spec.loss`` over the batches; and the row count (a float).
+        A model whose outputs are one logit per row (``[B]``, binary
+        classification against float 0/1 targets) is right where ``(logit > 0) ==
+        target``, and gets ``"auc"`` too (ROC AUC, scikit-learn's
+        ``roc_auc_score``; absent when the targets hold one class only).
 
     Raises:
         ConfigError: ``batch_size`` < 1.
@@ -105,10 +113,18 @@ def evaluate(
 
     model = spec.build()
     load_parameters(model, tensors, what=what)
+    if tables is not None:
+        from elasticps.tables import TableSet
+
+        if not isinstance(tables, TableSet):
+            raise ModelContractError(f"{what}: tables must be a TableSet")
+        tables.bind(model)
     model.eval()
 
     correct = 0
     loss_sum = 0.0
+    logits: list[Tensor] = []
+    labels: list[Tensor] = []
     with RangeReader() as reader, torch.no_grad():
         for start in range(0, total_rows, batch_size):
             end = min(start + batch_size, total_rows)
@@ -118,7 +134,12 @@ def evaluate(
                 inputs, targets = spec.batch_to_tensors(batch)
                 called = "forward"
                 outputs = model(inputs)
-                if outputs.dim() != 2 or targets.shape != (end - start,):
+                binary = (
+                    outputs.dim() == 1
+                    and outputs.shape == targets.shape
+                    and targets.is_floating_point()
+                )
+                if not binary and (outputs.dim() != 2 or targets.shape != (end - start,)):
                     raise ModelContractError(
                         f"{what}: evaluation needs outputs [B, classes] and targets [B] "
                         f"with B={end - start}; got outputs {_shape(outputs.shape)}, "
@@ -133,9 +154,21 @@ def evaluate(
                     f"{describe_model_error(exc, spec.path, str(spec.path), called)}; on rows "
                     f"[{start}, {end}) of {data_path}"
                 ) from exc
-            correct += int((outputs.argmax(dim=1) == targets).sum())
-    return {
+            if binary:
+                correct += int(((outputs > 0).to(targets.dtype) == targets).sum())
+                logits.append(outputs.detach().reshape(-1))
+                labels.append(targets.detach().reshape(-1))
+            else:
+                correct += int((outputs.argmax(dim=1) == targets).sum())
+    result = {
         "accuracy": correct / total_rows,
         "loss": loss_sum / total_rows,
         "samples": float(total_rows),
     }
+    if logits:
+        y = torch.cat(labels).numpy()
+        if len(set(y.tolist())) == 2:
+            from sklearn.metrics import roc_auc_score  # type: ignore[import-untyped]
+
+            result["auc"] = float(roc_auc_score(y, torch.cat(logits).numpy()))
+    return result

@@ -75,6 +75,7 @@ __all__ = [
     "SparseOptimizer",
     "batch_ids",
     "merge_gradients",
+    "partitions",
     "sparse_modules",
     "table_specs",
 ]
@@ -298,7 +299,8 @@ class SparseBatch:
         Raises:
             ModelContractError: two different modules use the same table name.
         """
-        modules = list(sparse_modules(model).values())
+        sparse_modules(model)  # checks shared names
+        modules = _all_sparse_modules(model)
         previous = [m._source for m in modules]
         for m in modules:
             m._source = self
@@ -315,17 +317,22 @@ class SparseModule(nn.Module):
     Args:
         num_embeddings: ids in ``[0, num_embeddings)``; None for any int64 key.
         embedding_dim: floats per row.
-        name: the table's name (unique in the model; two modules share a
-            table only by being the same module object).
+        name: the table's name. Modules of a model that declare the same
+            name and the same table (dimensions, initialiser, seed) share
+            one table, as one module object used twice does; the same name
+            with another table is an error.
         feature: the key of the model's input mapping holding this module's
             ids, if the model takes a mapping; lets the trainer find the ids
             of a batch before the forward pass (:func:`batch_ids`).
         init: ``normal``, ``uniform`` or ``zeros``.
         init_scale: standard deviation or bound of the initialiser.
         seed: seed of the initial values.
+        partition: how the parameter servers split the table's rows:
+            ``hash`` (a hash of the id; balances skewed ids) or ``range``
+            (contiguous id ranges; fixed tables only).
 
     Raises:
-        ConfigError: an invalid table spec.
+        ConfigError: an invalid table spec or partition.
     """
 
     def __init__(
@@ -338,8 +345,17 @@ class SparseModule(nn.Module):
         init: str = "normal",
         init_scale: float = 1.0,
         seed: int = 0,
+        partition: str = "hash",
     ) -> None:
         super().__init__()
+        if partition not in ("hash", "range") or (partition == "range" and num_embeddings is None):
+            from elasticps.errors import ConfigError
+
+            raise ConfigError(
+                f"sparse table {name}: partition must be 'hash', or 'range' for a table with "
+                f"num_embeddings, got {partition!r}"
+            )
+        self.partition = partition
         self.spec = TableSpec(
             name=name,
             dim=embedding_dim,
@@ -509,21 +525,49 @@ class HashEmbeddingBag(EmbeddingBag):
 def sparse_modules(model: nn.Module) -> dict[str, SparseModule]:
     """The sparse modules of ``model`` by table name, in ``named_modules`` order.
 
+    Modules that declare the same table name and spec share one table: the
+    first one found stands for it, and the others are made to use its
+    in-process table (so that single-process training updates it once).
+
     Raises:
-        ModelContractError: two different module objects use the same table name.
+        ModelContractError: two modules use the same table name for
+            different tables (another dimension, size, initialiser, seed or
+            partition).
     """
     found: dict[str, SparseModule] = {}
-    for path, module in model.named_modules():
+    for path, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, SparseModule):
             other = found.get(module.spec.name)
-            if other is not None and other is not module:
-                raise ModelContractError(
-                    f"two sparse modules use the table name {module.spec.name!r} "
-                    f"(the second at {path or 'the root'}); give each its own name, or reuse "
-                    f"one module object to share a table"
-                )
-            found[module.spec.name] = module
+            if other is None:
+                found[module.spec.name] = module
+            elif other is not module:
+                if other.spec != module.spec or other.partition != module.partition:
+                    raise ModelContractError(
+                        f"two sparse modules use the table name {module.spec.name!r} for "
+                        f"different tables (the second at {path or 'the root'}: "
+                        f"{module.spec.describe()} vs {other.spec.describe()}); give each its "
+                        "own name, or declare the same table to share it"
+                    )
+                module.local = other.local
     return found
+
+
+def _all_sparse_modules(model: nn.Module) -> list[SparseModule]:
+    """Every sparse module object of ``model`` (shared tables included), once each."""
+    seen: dict[int, SparseModule] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, SparseModule):
+            seen.setdefault(id(module), module)
+    return list(seen.values())
+
+
+def partitions(model: nn.Module) -> dict[str, str]:
+    """Table name -> how its rows are partitioned (``hash`` or ``range``).
+
+    Raises:
+        ModelContractError: see :func:`sparse_modules`.
+    """
+    return {name: m.partition for name, m in sparse_modules(model).items()}
 
 
 def table_specs(model: nn.Module) -> dict[str, TableSpec]:
@@ -556,8 +600,10 @@ def batch_ids(model: nn.Module, inputs: object) -> dict[str, Tensor]:
     """
     if not isinstance(inputs, Mapping):
         return {}
-    out: dict[str, Tensor] = {}
-    for name, module in sparse_modules(model).items():
+    sparse_modules(model)  # checks shared names
+    found: dict[str, list[Tensor]] = {}
+    for module in _all_sparse_modules(model):
+        name = module.spec.name
         if module.feature is None:
             continue
         if module.feature not in inputs:
@@ -567,8 +613,8 @@ def batch_ids(model: nn.Module, inputs: object) -> dict[str, Tensor]:
             )
         value = inputs[module.feature]
         ids = value[0] if isinstance(value, (tuple, list)) else value
-        out[name] = torch.unique(torch.as_tensor(ids).reshape(-1).to(torch.int64))
-    return out
+        found.setdefault(name, []).append(torch.as_tensor(ids).reshape(-1).to(torch.int64))
+    return {name: torch.unique(torch.cat(parts)) for name, parts in found.items()}
 
 
 def merge_gradients(

@@ -17,6 +17,13 @@ entries.
 
 Sets save and load as safetensors (no pickle), see :meth:`ParameterSet.save`
 and :func:`load`.
+
+Sparse tables (:mod:`elasticps.nn`) are not tensors of the mapping: a set
+trained with them carries them in :attr:`ParameterSet.tables` (a
+:class:`~elasticps.tables.TableSet`), where a row is looked up by id
+(:meth:`ParameterSet.rows`) and a table exported as ``(ids, rows)``
+(:meth:`ParameterSet.export_table`); :meth:`ParameterSet.save` writes them as
+row-chunked part files in a ``.tables`` directory beside the file.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -31,6 +39,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from elasticps.errors import ConfigError, DataError, MissingParameterError
+
+if TYPE_CHECKING:
+    from elasticps.tables import TableSet
 
 __all__ = ["ParameterSet", "create", "load"]
 
@@ -46,12 +57,22 @@ class ParameterSet(Mapping[str, torch.Tensor]):
 
     Args:
         tensors: name -> tensor; copied.
+        tables: the sparse tables trained with them (a
+            :class:`~elasticps.tables.TableSet`, kept, not copied), or None.
 
     Raises:
-        ConfigError: a name is empty or not a string, or a value is not a tensor.
+        ConfigError: a name is empty or not a string, a value is not a
+            tensor, or ``tables`` is not a TableSet.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], tables: Mapping[str, object] | None = None
+    ) -> None:
+        from elasticps.tables import TableSet
+
+        if tables is not None and not isinstance(tables, TableSet):
+            raise ConfigError("tables must be an elasticps.tables.TableSet")
+        self._tables = tables if tables is not None else TableSet({})
         own: dict[str, torch.Tensor] = {}
         for name, value in tensors.items():
             if not isinstance(name, str) or not name:
@@ -76,6 +97,30 @@ class ParameterSet(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+    # --- sparse tables ---------------------------------------------------------------
+
+    @property
+    def tables(self) -> TableSet:
+        """The sparse tables trained with the parameters (empty if none)."""
+        return self._tables
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of sparse table ``table`` by id: float32 ``[k, dim]`` for int64 ``[k]``.
+
+        Raises:
+            MissingParameterError: no such table.
+            SparseTableError: an id out of a fixed table's range.
+        """
+        return self._tables.rows(table, ids)
+
+    def export_table(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored row of ``table``: ``(ids int64 [n] ascending, rows float32 [n, dim])``.
+
+        Raises:
+            MissingParameterError: no such table.
+        """
+        return self._tables.export(table)
 
     # --- inspection ----------------------------------------------------------------
 
@@ -110,7 +155,8 @@ class ParameterSet(Mapping[str, torch.Tensor]):
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"ParameterSet({len(self)} parameters, {self.numel()} elements)"
+        tables = f", {len(self._tables)} sparse tables" if len(self._tables) else ""
+        return f"ParameterSet({len(self)} parameters, {self.numel()} elements{tables})"
 
     def equal(self, other: Mapping[str, torch.Tensor]) -> bool:
         """True if ``other`` has the same names, shapes, dtypes and bit-identical values."""
@@ -168,6 +214,9 @@ class ParameterSet(Mapping[str, torch.Tensor]):
             model: the module to fill.
             strict: if True, every model parameter must be in the set.
 
+        Sparse tables of the set are bound to the model's sparse modules of
+        the same name (the modules read them from then on).
+
         Returns:
             The names of the model's parameters that were not in the set (only
             possible with ``strict=False``; they keep their values).
@@ -190,12 +239,17 @@ class ParameterSet(Mapping[str, torch.Tensor]):
                         f"{tuple(p.shape)} in {type(model).__name__}"
                     )
                 p.copy_(t)
+        if len(self._tables):
+            self._tables.bind(model, strict=False)
         return missing
 
     # --- files -------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
         """Write the set to one safetensors file (written to a temporary name, then renamed).
+
+        Sparse tables, if any, go to ``<stem>.tables/`` beside the file, as
+        row-chunked part files (:meth:`~elasticps.tables.TableSet.save`).
 
         Args:
             path: the file, e.g. ``gan.safetensors``; parent directories are created.
@@ -207,6 +261,8 @@ class ParameterSet(Mapping[str, torch.Tensor]):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         order = json.dumps(self.names())
+        if len(self._tables):
+            self._tables.save(_tables_dir(target))
         save_file(dict(self._tensors), str(tmp), metadata={"format": _FORMAT, "names": order})
         tmp.replace(target)
         return target
@@ -248,8 +304,14 @@ def create(models: nn.Module | Iterable[nn.Module]) -> ParameterSet:
     return ParameterSet(out)
 
 
+def _tables_dir(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".safetensors") + ".tables")
+
+
 def load(path: str | Path) -> ParameterSet:
     """Read a set written by :meth:`ParameterSet.save` (or any safetensors file).
+
+    Sparse tables saved beside the file are read too (all of each table).
 
     Raises:
         DataError: the file is missing or not a valid safetensors file.
@@ -268,6 +330,11 @@ def load(path: str | Path) -> ParameterSet:
         order = json.loads(meta.get("names", "[]"))
     except json.JSONDecodeError:
         order = []
+    tables = None
+    if _tables_dir(p).is_dir():
+        from elasticps.tables import load_tables
+
+        tables = load_tables(_tables_dir(p))
     if isinstance(order, list) and sorted(order) == sorted(names):
-        return ParameterSet({n: tensors[n] for n in order})
-    return ParameterSet(tensors)
+        return ParameterSet({n: tensors[n] for n in order}, tables)
+    return ParameterSet(tensors, tables)

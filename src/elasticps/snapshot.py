@@ -40,7 +40,8 @@ import torch
 
 from elasticps.errors import DataError, ProtocolError, RemoteError, ServiceUnavailableError
 from elasticps.placement import even_split
-from elasticps.pserver.checkpoint import decode_shard, write_atomic
+from elasticps.pserver.atomic import write_atomic
+from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
 from elasticps.wire.frame import (
     HEADER_SIZE,

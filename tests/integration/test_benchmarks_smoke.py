@@ -205,3 +205,18 @@ def test_recovery_quick_kills_a_trainer_and_reports_its_recovery() -> None:
             assert key in run, key
         assert run["exactly_once"] is True
     assert "summary" in lines[-1]
+
+
+def test_sparse_quick_compares_traffic_ddp_and_trainer_memory() -> None:
+    lines = run_quick("sparse.py")
+    traffic = [line for line in lines if line.get("part") == "traffic"]
+    assert {line["case"] for line in traffic} == {"dense", "sparse"}
+    assert all(line["bytes_per_step"] > 0 and line["samples_per_s"] > 0 for line in traffic)
+    large = [line for line in lines if line.get("part") == "large"]
+    assert len(large) == 2 and all(line["trainer_peak_rss_bytes"] for line in large)
+    summary = lines[-1]
+    assert summary["summary"] is True
+    assert summary["traffic_ratio"] > 1  # rows only: fewer bytes than whole tables
+    assert {"trainer_rss_growth", "large_keys"} <= set(summary)
+    if not any(line.get("skipped") for line in lines):
+        assert {"elasticps_samples_per_s", "ddp_samples_per_s", "vs_ddp"} <= set(summary)

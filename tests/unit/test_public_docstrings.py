@@ -50,6 +50,7 @@ PUBLIC_MODULES = (
     "elasticps.kvstore",
     "elasticps.dist",
     "elasticps.nn",
+    "elasticps.tables",
 )
 # Modules checked for docstrings only, not yet for their "Raises:" sections:
 # the config dataclasses raise ConfigError from __post_init__ without saying

@@ -133,10 +133,27 @@ def test_invalid_ids_and_modes_are_refused() -> None:
         enn.Embedding(5, DIM, name="bad/name")
 
 
-def test_two_modules_may_not_claim_one_table_name() -> None:
-    model = nn.Sequential(enn.Embedding(5, DIM, name="x"), enn.Embedding(5, DIM, name="x"))
+def test_two_modules_may_not_claim_one_table_name_for_different_tables() -> None:
+    model = nn.Sequential(enn.Embedding(5, DIM, name="x"), enn.Embedding(6, DIM, name="x"))
     with pytest.raises(ModelContractError, match="table name 'x'"):
         enn.sparse_modules(model)
+
+
+def test_two_modules_declaring_one_table_share_it_by_name() -> None:
+    """Two features (a query's and a document's words) look up one table by its name."""
+    query = enn.Embedding(5, DIM, name="words", feature="query")
+    doc = enn.Embedding(5, DIM, name="words", feature="doc")
+    model = nn.ModuleDict({"q": query, "d": doc})
+    assert list(enn.sparse_modules(model)) == ["words"]
+    assert doc.local is query.local
+    inputs = {"query": torch.tensor([1, 2]), "doc": torch.tensor([2, 3])}
+    assert enn.batch_ids(model, inputs)["words"].tolist() == [1, 2, 3]
+    batch = enn.SparseBatch(enn.table_specs(model), pull=lambda s, i: query.local.table.lookup(i))
+    with batch.bind(model):
+        (query(inputs["query"]).sum() + doc(inputs["doc"]).sum()).backward()
+    grads = batch.gradients()["words"]
+    assert grads.ids.tolist() == [1, 2, 3]
+    assert grads.grads[:, 0].tolist() == [1.0, 2.0, 1.0]  # id 2 is used by both features
     shared = enn.Embedding(5, DIM, name="x")
     assert list(enn.table_specs(nn.Sequential(shared, shared))) == ["x"]
 

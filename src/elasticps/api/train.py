@@ -21,15 +21,18 @@ import dataclasses
 import logging
 import math
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+import elasticps.nn as enn
 from elasticps import updater as updater_mod
 from elasticps.api.cluster import Local, Parquet
 from elasticps.api.servers import LocalServers, ServersConfig
@@ -61,9 +64,19 @@ from elasticps.master.taskqueue import split_into_tasks
 from elasticps.model_file import ModelSpec, in_process_spec
 from elasticps.parameters import ParameterSet
 from elasticps.pserver.shard import ParameterShard
+from elasticps.pserver.sparse import TableSpec
+from elasticps.pserver.sparse_shard import TABLES_KEY, RowGrads, ShardTables, tables_layout
+from elasticps.snapshot import take_consistent_checkpoint
+from elasticps.tables import TableSet, load_tables
 from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
-from elasticps.trainer.worker import Batch, Reader, Trainer
+from elasticps.trainer.worker import (
+    Batch,
+    Reader,
+    Trainer,
+    dense_frozen_patterns,
+    table_entries,
+)
 
 __all__ = ["infer", "train"]
 
@@ -190,20 +203,40 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
 
     Raises:
         MissingParameterError: ``parameters`` lacks some of the model's
-            parameters; the message names them.
+            parameters or sparse tables; the message names them.
         ConfigError: a shape differs from the model's.
     """
-    values = (
-        parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
-    ).tensors_for(model)
+    params = parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
+    values = params.tensors_for(model)
     was_training = model.training
     model.eval()
+    with _tables_bound(model, params):
+        try:
+            with torch.no_grad():
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+                return torch.func.functional_call(model, dict(values), args)
+        finally:
+            model.train(was_training)
+
+
+@contextlib.contextmanager
+def _tables_bound(model: nn.Module, params: ParameterSet) -> Iterator[None]:
+    """Let ``model``'s sparse modules read the set's trained tables, then restore theirs.
+
+    Raises:
+        MissingParameterError: the model has a sparse table the set lacks.
+    """
+    modules = enn.sparse_modules(model)
+    if not modules:
+        yield
+        return
+    saved = {name: m.local.table for name, m in modules.items()}
+    params.tables.bind(model)
     try:
-        with torch.no_grad():
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            return torch.func.functional_call(model, dict(values), args)
+        yield
     finally:
-        model.train(was_training)
+        for name, m in modules.items():
+            m.local.set_table(saved[name])
 
 
 # --- events -----------------------------------------------------------------------
@@ -408,12 +441,18 @@ def _train_in_process(job: _Job) -> ParameterSet:
         job.hub,
         job.num_passes,
     )
-    flat = bind_flat_buffers(spec.instantiate(0), num_shards=1)
-    ranges = frozen_ranges(flat.placement, frozen)
+    model = spec.instantiate(0)
+    specs = enn.table_specs(model)
+    flat = bind_flat_buffers(model, num_shards=1)
+    ranges = frozen_ranges(flat.placement, dense_frozen_patterns(model, frozen))
     layout = flat.placement.shards[0]
+    described = layout.describe()
+    if specs:  # the same tables as on a server that holds every row
+        described[TABLES_KEY] = tables_layout(list(specs.values()), enn.partitions(model), 1)
     shard = ParameterShard(
-        layout.describe(), layout.fingerprint, job.optimizer, UpdateMode.SYNC, frozen=frozen
+        described, layout.fingerprint, job.optimizer, UpdateMode.SYNC, frozen=frozen
     )
+    tables = shard.tables
     shard.values.copy_(flat.params)  # what a trainer's INIT_VALUES does
     shard.set_live_trainers({0})
     hub.begin(_metrics(flat, num_passes, 1), shard.version)
@@ -428,7 +467,13 @@ def _train_in_process(job: _Job) -> ParameterSet:
                             pass_id=pass_id, batch_id=batch_id, model_version=shard.version
                         )
                     )
-                loss = spec.loss(flat.model(inputs), targets)
+                rows_batch = _rows_batch(tables, specs)
+                with (
+                    rows_batch.bind(flat.model)
+                    if rows_batch is not None
+                    else contextlib.nullcontext()
+                ):
+                    loss = spec.loss(flat.model(inputs), targets)
                 if loss.dim() != 0:
                     raise ModelContractError(
                         f"loss must return a scalar, got shape {tuple(loss.shape)}"
@@ -441,7 +486,12 @@ def _train_in_process(job: _Job) -> ParameterSet:
                     )
                 for lo, hi in ranges:
                     flat.grads[lo:hi].zero_()
-                shard.push(0, flat.grads, shard.version, len(targets))
+                rows = (
+                    _row_grads(tables, rows_batch.gradients())
+                    if tables is not None and rows_batch is not None
+                    else None
+                )
+                shard.push(0, flat.grads, shard.version, len(targets), rows=rows)
                 flat.params.copy_(shard.values)  # the pull
                 flat.zero_grad()
                 if on_event is not None:
@@ -457,7 +507,39 @@ def _train_in_process(job: _Job) -> ParameterSet:
     finally:
         shard.close()
     hub.end(shard.version)
-    return _result(flat)
+    result = _result(flat)
+    if tables is not None:
+        result = ParameterSet(dict(result), TableSet(tables.tables))
+    return result
+
+
+def _rows_batch(
+    tables: ShardTables | None, specs: Mapping[str, TableSpec]
+) -> enn.SparseBatch | None:
+    """A mini-batch's rows, read from the in-process shard's tables as a trainer pulls them."""
+    if tables is None:
+        return None
+
+    def pull(spec: TableSpec, ids: Tensor) -> Tensor:
+        return tables.tables[spec.name].lookup(ids)
+
+    return enn.SparseBatch(specs, pull=pull)
+
+
+def _row_grads(tables: ShardTables, grads: Mapping[str, enn.SparseGrad]) -> RowGrads:
+    """One mini-batch's row gradients as the shard takes them (frozen tables left out)."""
+    ids, rows = [], []
+    for entry in tables.entries:
+        g = grads.get(entry.spec.name)
+        if g is None or entry.spec.name in tables.frozen:
+            ids.append(np.zeros(0, np.int64))
+            rows.append(np.zeros(0, np.float32))
+        else:
+            ids.append(g.ids.numpy().astype(np.int64))
+            rows.append(g.grads.reshape(-1).numpy().astype(np.float32))
+    counts = np.array([len(i) for i in ids], dtype=np.int64)
+    per_table = tables.split_ids(counts, np.concatenate(ids), unique=True)
+    return tables.split_rows(per_table, np.concatenate(rows))
 
 
 # --- local cluster ------------------------------------------------------------------
@@ -474,8 +556,9 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
     )
     mode = cluster.update_mode
     # Checked before any server starts: bad frozen patterns, files or readers.
-    probe = bind_flat_buffers(spec.instantiate(0), cluster.ps, cluster.big_array_bound)
-    frozen_ranges(probe.placement, frozen)
+    probe_model = spec.instantiate(0)
+    probe = bind_flat_buffers(probe_model, cluster.ps, cluster.big_array_bound)
+    frozen_ranges(probe.placement, dense_frozen_patterns(probe_model, frozen))
     data_files: tuple[Path, ...] = ()
     virtual_records = 0
     batch_reader: Reader | None = None
@@ -539,6 +622,8 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
                 watch.cancel()
         # A server may still die here: it is restarted meanwhile.
         result, version = servers.run_supervised(lambda: _pull_final(spec, cluster, servers))
+        if enn.table_specs(probe_model):
+            result = ParameterSet(dict(result), _final_tables(servers))
         if cluster.checkpoint_dir is not None:
             from elasticps.launcher.local import checkpoint_job
 
@@ -676,10 +761,24 @@ def _run_trainer_threads(
                 store.close()
 
 
+def _final_tables(servers: LocalServers) -> TableSet:
+    """Every sparse table of the job, read from a consistent checkpoint of the servers."""
+    with tempfile.TemporaryDirectory(prefix="elasticps-tables-") as tmp:
+        addresses = [slot.address for slot in servers.ps_slots()]
+        take_consistent_checkpoint(addresses, Path(tmp), ledger_revision=None, extra={})
+        return load_tables(tmp)
+
+
 def _pull_final(spec: ModelSpec, cluster: Local, servers: LocalServers) -> tuple[ParameterSet, int]:
-    flat = bind_flat_buffers(spec.instantiate(0), cluster.ps, cluster.big_array_bound)
+    model = spec.instantiate(0)
+    flat = bind_flat_buffers(model, cluster.ps, cluster.big_array_bound)
     client = ParameterClient(
-        flat.placement, servers.ps_slots(), flat.params, flat.grads, _FINAL_PULL_ID
+        flat.placement,
+        servers.ps_slots(),
+        flat.params,
+        flat.grads,
+        _FINAL_PULL_ID,
+        tables=table_entries(model, cluster.ps),
     )
     try:
         client.hello(initialize=False)

@@ -122,6 +122,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
+from elasticps.tables import TableSet, load_tables
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
@@ -374,11 +375,15 @@ class LocalLauncher:
         return lock
 
     def _evaluate(
-        self, spec: ModelSpec, tensors: dict[str, torch.Tensor], test: Path
+        self,
+        spec: ModelSpec,
+        tensors: dict[str, torch.Tensor],
+        test: Path,
+        tables: TableSet | None = None,
     ) -> dict[str, float]:
         """The final evaluation; what the model file raises on the test data is a user error."""
         try:
-            return evaluate(spec, tensors, test)
+            return evaluate(spec, tensors, test, tables=tables)
         except BadRecordError as exc:
             raise BadRecordError(
                 f"evaluating the trained model: {exc} (the model is saved in {self.config.output})"
@@ -522,7 +527,11 @@ class LocalLauncher:
             except OSError as exc:
                 why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
                 self._save_fallback(tensors, manifest, why)
-            evaluation = self._evaluate(spec, tensors, test) if test is not None else None
+            evaluation = (
+                self._evaluate(spec, tensors, test, sparse_tables(spec, cfg.output / "snapshot"))
+                if test is not None
+                else None
+            )
             result = JobResult(
                 cfg.output,
                 wall_s,
@@ -690,6 +699,8 @@ class LocalLauncher:
         staleness = (
             ["--max-staleness", str(cfg.max_staleness)] if cfg.max_staleness is not None else []
         )
+        if cfg.sparse_eviction:
+            staleness += ["--sparse-eviction", cfg.sparse_eviction]
         for i in range(cfg.ps + cfg.standby_ps):
             resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
             self._spawn(
@@ -1499,6 +1510,19 @@ def _continue(pid: int) -> None:
     """SIGCONT a process paused by the chaos schedule (if it still exists)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
+
+
+def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
+    """The trained sparse tables of a model that has any, read from a consistent checkpoint.
+
+    Raises:
+        DataError: the tables' files are corrupt.
+    """
+    from elasticps.nn import table_specs
+
+    if not table_specs(spec.instantiate(0)):
+        return None
+    return load_tables(snapshot_dir)
 
 
 def final_parameters(

@@ -25,6 +25,14 @@ This module also keeps a parameter server's own checkpoint files
 (:class:`ShardFiles`) and runs its periodic checkpoints
 (:class:`ShardCheckpointer`).
 
+Sparse tables. A shard that holds sparse embedding tables keeps them beside
+its file, in a directory of the same name with ``.tables`` for
+``.safetensors`` (:func:`tables_dir_of`), as row-chunked part files
+(:mod:`elasticps.pserver.sparse_checkpoint`), never as one tensor. They are
+written first and the shard file last, so the shard file stays the one
+commit point; its metadata lists the tables (``sparse_tables``), and a load
+reads them back into the state it returns.
+
 Fencing and lineage. A server's files are named after the slot epoch it
 holds and the version they save, ``ps-<index>/shard-e<epoch>-v<version>.safetensors``,
 and are never overwritten. A server that restarts (a new epoch) loads the
@@ -43,7 +51,7 @@ import json
 import logging
 import os
 import re
-import tempfile
+import shutil
 import threading
 import time
 import zlib
@@ -58,7 +66,10 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from elasticps.errors import DataError
-from elasticps.pserver.shard import COVERAGE_KEY, VALUES_KEY, ParameterShard
+from elasticps.pserver.atomic import content_crc32, write_atomic
+from elasticps.pserver.shard import COVERAGE_KEY, SPARSE_STATE_KEY, VALUES_KEY, ParameterShard
+from elasticps.pserver.sparse_checkpoint import load_tables_state, save_tables_state
+from elasticps.pserver.sparse_shard import TablesState
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +105,33 @@ def shard_checkpoint_path(checkpoint_dir: Path, index: int) -> Path:
     return Path(checkpoint_dir) / f"ps-{index}" / SHARD_FILE
 
 
-def content_crc32(meta_json: str, tensors: Mapping[str, torch.Tensor]) -> int:
-    """CRC-32 of ``meta_json`` (UTF-8) then each tensor's bytes, tensors in name order."""
-    crc = zlib.crc32(meta_json.encode("utf-8"))
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().cpu()
-        crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().data, crc)
-    return crc
+def tables_dir_of(path: Path) -> Path:
+    """Where the sparse tables of shard file ``path`` live: ``<stem>.tables`` beside it."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".safetensors") + ".tables")
+
+
+def _save_tables(path: Path, meta: Mapping[str, object]) -> None:
+    """Write the tables of a shard state beside its file ``path`` (before the file itself)."""
+    state = meta.get(SPARSE_STATE_KEY)
+    if isinstance(state, TablesState):
+        save_tables_state(tables_dir_of(path), state)
+
+
+def _load_tables(path: Path, meta: dict[str, object]) -> None:
+    """Read back the tables the shard file ``path`` names into ``meta``.
+
+    Raises:
+        DataError: a table the file names is missing or corrupt.
+    """
+    names = meta.get("sparse_tables")
+    if not isinstance(names, dict) or not names:
+        return
+    state = load_tables_state([tables_dir_of(path)], [str(n) for n in names])
+    missing = sorted(set(map(str, names)) - set(state.metas))
+    if missing:
+        raise DataError(f"{path}: its sparse tables {', '.join(missing)} are missing")
+    meta[SPARSE_STATE_KEY] = state
 
 
 def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> bytes:
@@ -115,41 +146,13 @@ def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]
         TypeError: ``meta`` holds a value JSON cannot encode.
     """
     record = dict(meta)
+    record.pop(SPARSE_STATE_KEY, None)  # written apart, as row chunks
     record["format"] = SHARD_FORMAT
     record.setdefault("created_unix_s", time.time())
     meta_json = json.dumps(record, sort_keys=True, separators=(",", ":"))
     cpu = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
     crc = content_crc32(meta_json, cpu)
     return bytes(save_safetensors(cpu, metadata={_META_KEY: meta_json, _CRC_KEY: str(crc)}))
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` durably: temp file, fsync, ``os.replace``, fsync dir.
-
-    A reader sees the old file or the new one, never a mix. The directory
-    is created if missing.
-
-    Raises:
-        OSError: the directory cannot be written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def save_shard(
@@ -161,6 +164,7 @@ def save_shard(
         path: the file to (re)place; its directory is created if missing.
         tensors: as from ``ParameterShard.state()``.
         meta: as from ``ParameterShard.state()``; must hold ``version``.
+            Sparse tables in it are written to :func:`tables_dir_of` first.
 
     Returns:
         The path, CRC-32 and size of the file, and the version saved.
@@ -169,6 +173,7 @@ def save_shard(
         TypeError: ``meta`` is not JSON-serialisable.
         OSError: the file cannot be written.
     """
+    _save_tables(Path(path), meta)
     data = encode_shard(tensors, meta)
     write_atomic(Path(path), data)
     version = meta.get("version")
@@ -220,18 +225,22 @@ def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """Read and verify a shard file written by :func:`save_shard`.
 
     Returns:
-        ``(tensors, meta)`` as accepted by ``ParameterShard.from_state``.
+        ``(tensors, meta)`` as accepted by ``ParameterShard.from_state``
+        (with the sparse tables saved beside the file, if it names any).
 
     Raises:
         DataError: the file is missing or unreadable, or fails verification
-            (see :func:`decode_shard`). The message is one line.
+            (see :func:`decode_shard`), or its sparse tables are missing or
+            corrupt. The message is one line.
     """
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise DataError(f"cannot read shard checkpoint {path}: {exc.strerror or exc}") from exc
-    return decode_shard(data, str(path))
+    tensors, meta = decode_shard(data, str(path))
+    _load_tables(path, meta)
+    return tensors, meta
 
 
 def _read_metadata(data: bytes) -> tuple[str | None, str | None]:
@@ -379,6 +388,7 @@ class ShardFiles:
             if not self._may_write():
                 return None
             path = self.path_of(version)
+            _save_tables(path, meta)
             write_atomic(path, data)
             self._prune()
         return SavedShard(path, zlib.crc32(data), len(data), version)
@@ -397,6 +407,13 @@ class ShardFiles:
                 if e < self.epoch:
                     with contextlib.suppress(OSError):
                         path.unlink()
+        # Tables directories whose shard file is gone (pruned, or a save that died).
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.directory):
+                if entry.name.endswith(".tables") and not os.path.exists(
+                    self.directory / (entry.name.removesuffix(".tables") + ".safetensors")
+                ):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
     def load_version(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         """Load this epoch's checkpoint of ``version``.
@@ -453,6 +470,7 @@ class ShardFiles:
             if self.epoch:
                 target = self.path_of(version)
                 if not target.exists():
+                    _adopt_tables(tables_dir_of(path), tables_dir_of(target))
                     try:
                         os.link(path, target)
                     except OSError:
@@ -468,6 +486,21 @@ class ShardFiles:
     def skipped_files(self) -> list[str]:
         """Why each file passed over by the last :meth:`restore` was skipped."""
         return list(getattr(self, "_skipped", []))
+
+
+def _adopt_tables(source: Path, target: Path) -> None:
+    """Hard-link (or copy) a shard file's tables directory under a new name, before the file."""
+    if not source.is_dir():
+        return
+    shutil.rmtree(target, ignore_errors=True)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, target, copy_function=link)
 
 
 # --- periodic checkpoints ------------------------------------------------------------

@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
-from elasticps.config import PSConfig, UpdateMode, ledger_only
+from elasticps.config import PSConfig, UpdateMode, check_sparse_eviction, ledger_only
 from elasticps.coord.store import JobStore, KeptLease
 from elasticps.errors import CoordinationError, ElasticPSError
 from elasticps.pserver.checkpoint import CheckpointHealth, ShardCheckpointer, ShardFiles
 from elasticps.pserver.rules import make_update_rule
 from elasticps.pserver.server import ParameterServer
 from elasticps.pserver.shard import ParameterShard, ShardClosedError
+from elasticps.pserver.sparse import EvictionPolicy
 from elasticps.snapshot import load_consistent_checkpoint
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         unix_path=os.path.join(runtime_dir, "ps.sock"),
         gate=lambda: _wait_lease_valid(lease, stop),
         reduction=config.sync_reduction,
+        eviction=_eviction(config),
     )
     watch = None
     checkpointer: ShardCheckpointer | None = None
@@ -235,6 +237,7 @@ def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None
                 frozen=config.frozen,
                 max_staleness=config.max_staleness,
                 reduction=config.sync_reduction,
+                eviction=_eviction(config),
             )
             if config.mode is UpdateMode.SYNC and not ledger_only():
                 # The other shards may be past this version: wait until the
@@ -258,12 +261,18 @@ def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None
             )
     if config.resume_dir is not None:
         checkpoint = load_consistent_checkpoint(Path(config.resume_dir))
-        server.resume_from(checkpoint)
+        server.resume_from(checkpoint, Path(config.resume_dir))
         log.info(
             "parameter server %d: will resume from %s (version %s, %d parameters)",
             index, config.resume_dir, checkpoint.meta.get("version"), len(checkpoint.values),
         )  # fmt: skip
     return None
+
+
+def _eviction(config: PSConfig) -> EvictionPolicy | None:
+    """The sparse-row eviction of ``--sparse-eviction``, or None."""
+    options = check_sparse_eviction(config.sparse_eviction)
+    return EvictionPolicy(**options) if options else None
 
 
 def _ids(live: dict[str, dict[str, object]]) -> set[int]:

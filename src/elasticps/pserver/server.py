@@ -27,6 +27,14 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
   partly gets ERROR ``misaligned_push`` and nothing is applied.
 - ``PULL`` -> ``PARAMS``. Parameters are sent under the shard's read lock,
   so a reply never carries half a step.
+- Sparse tables (a layout with ``tables``): ``ROW_PULL`` (ids per table) ->
+  ``ROWS`` (the rows, under the same read lock, with the version they
+  belong to); a ``PUSH`` with ``Flags.ROWS`` is followed by a ``ROW_GRADS``
+  frame, and both are one push (one key, one step). The counts, ids and
+  row dtype are checked before anything is read into a table or applied:
+  an id out of range, of another server, or repeated in a push gets ERROR
+  ``bad_rows`` (non-zero rows of a frozen table ``frozen_parameter``) and
+  changes nothing; the connection stays usable.
 - ``CONTROL`` (JSON ``{"op": ...}``) -> ``CONTROL_OK``, with ops:
 
   - ``stats``: the shard's counters.
@@ -95,6 +103,7 @@ gradient buffer (one ``copy_``), so the shard always sees float32.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -106,6 +115,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
@@ -116,15 +126,20 @@ from elasticps.errors import (
     FrozenParameterError,
     LayoutMismatchError,
     ProtocolError,
+    SparseTableError,
 )
-from elasticps.pserver.checkpoint import ShardFiles, save_shard
+from elasticps.pserver.checkpoint import ShardFiles, save_shard, tables_dir_of
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.shard import (
+    SPARSE_STATE_KEY,
     FreezeTimeoutError,
     MisalignedPushError,
     ParameterShard,
     ShardClosedError,
 )
+from elasticps.pserver.sparse import EvictionPolicy
+from elasticps.pserver.sparse_checkpoint import load_tables_state
+from elasticps.pserver.sparse_shard import RowGrads, ShardTables, split_counts
 from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
 from elasticps.wire.frame import (
     HEADER_SIZE,
@@ -137,6 +152,7 @@ from elasticps.wire.frame import (
     discard_body,
     local_host_id,
     recv_body_into,
+    recv_exact_into,
     recv_header,
     recv_json,
     send_error,
@@ -154,6 +170,8 @@ FREEZE_TIMEOUT_S = 60.0
 MAX_FREEZE_TIMEOUT_S = 3600.0
 # Gradient dtypes a PUSH may carry; 16-bit ones are widened to float32 on arrival.
 PUSH_DTYPES = frozenset({DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16})
+# Largest ROW_PULL or ROW_GRADS body, bytes (ids and rows of one request).
+MAX_ROW_BODY_BYTES = 1 << 30
 
 
 class ParameterServer:
@@ -180,6 +198,7 @@ class ParameterServer:
             successor may hold the slot) and raises
             :class:`~elasticps.pserver.shard.ShardClosedError` once it never
             may again. None: always may.
+        eviction: which rows of sparse tables to evict, or None.
 
     Attributes:
         epoch: the slot epoch this server holds (set after its claim; 0
@@ -207,11 +226,13 @@ class ParameterServer:
         max_staleness: int | None = None,
         gate: Callable[[], None] | None = None,
         reduction: str = "mean",
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self._shard_options: dict[str, Any] = {
             "frozen": frozen,
             "max_staleness": max_staleness,
             "reduction": reduction,
+            "eviction": eviction,
         }
         self.shard_index = shard_index
         self.epoch = 0
@@ -243,6 +264,7 @@ class ParameterServer:
         self._updated_any = False
         self._freezers: set[socket.socket] = set()
         self._resume: ConsistentCheckpoint | None = None
+        self._resume_dir: Path | None = None
         self._save_thread: threading.Thread | None = None
 
     @property
@@ -278,14 +300,20 @@ class ParameterServer:
         with self._cond:
             self._install(shard)
 
-    def resume_from(self, checkpoint: ConsistentCheckpoint | None) -> None:
+    def resume_from(
+        self, checkpoint: ConsistentCheckpoint | None, directory: Path | None = None
+    ) -> None:
         """Fill the shard from ``checkpoint`` when the first trainer says hello.
 
         The first HELLO's layout picks the pieces (by parameter name) and the
         trainer is not asked for values. The checkpoint is dropped once used.
+        ``directory`` is where it was read from: sparse tables are read from
+        there, keeping the rows this server holds under the layout's
+        partitioning (any number of servers).
         """
         with self._cond:
             self._resume = checkpoint
+            self._resume_dir = None if directory is None else Path(directory)
 
     def _install(self, shard: ParameterShard) -> None:
         # Caller holds self._cond.
@@ -371,6 +399,9 @@ class ParameterServer:
                 except MisalignedPushError as exc:
                     log.error("ps %d: %s", self.shard_index, exc)
                     send_error(conn, "misaligned_push", str(exc))
+                except SparseTableError as exc:
+                    # The frames were read in full and nothing was applied.
+                    send_error(conn, "bad_rows", str(exc))
         except ConnectionClosedError:
             pass
         except FrameError as exc:
@@ -400,7 +431,8 @@ class ParameterServer:
             if self._shard is not None:
                 # Also before HELLO: a full-size PUSH sent too early is well-formed,
                 # so it is discarded and answered "no_hello" on a usable connection.
-                return self._shard.numel * 4
+                rows = MAX_ROW_BODY_BYTES if self._shard.tables is not None else 0
+                return max(self._shard.numel * 4, rows)
         return 0
 
     def _dispatch(self, state: _Connection, header: FrameHeader) -> None:
@@ -422,6 +454,8 @@ class ParameterServer:
             shard = self._require_shard(state)
             self._pass_gate(shard)
             self._send_params(state.conn, shard)
+        elif kind is MsgType.ROW_PULL:
+            self._on_row_pull(state, header)
         elif kind is MsgType.CONTROL:
             if header.epoch not in (0, self.epoch):
                 discard_body(state.conn, header, state.scratch)
@@ -527,6 +561,7 @@ class ParameterServer:
             shard = self._require_shard(state)
         except _RequestError:
             discard_body(state.conn, header, state.scratch)
+            self._skip_rows_frame(state, header)
             raise
         assert state.trainer_id is not None  # set by HELLO
         grad: torch.Tensor | None = None
@@ -534,6 +569,7 @@ class ParameterServer:
             dtype = header.dtype
             if dtype not in PUSH_DTYPES or header.body_nbytes != shard.numel * dtype.itemsize:
                 discard_body(state.conn, header, state.scratch)
+                self._skip_rows_frame(state, header)
                 raise _RequestError(
                     "bad_push",
                     f"PUSH must carry {shard.numel} float32, float16 or bfloat16 values, "
@@ -548,6 +584,7 @@ class ParameterServer:
                 recv_body_into(state.conn, header, [tensor_view(wire)])
                 state.grad_buffer.copy_(wire)  # widened to float32
             grad = state.grad_buffer
+        rows = self._recv_push_rows(state, header, shard) if header.flags & Flags.ROWS else None
         key = (
             PushKey(header.pass_id, header.task_id, header.key_lo, header.key_hi)
             if header.keyed
@@ -562,6 +599,7 @@ class ParameterServer:
             header.num_samples,
             key=key,
             generation=header.generation if self.mode is UpdateMode.SYNC else None,
+            rows=rows,
         )
         if result.accepted and not self._updated_any:
             # Marks the end of a recovery in logs (benchmarks/recovery.py reads it).
@@ -580,6 +618,119 @@ class ParameterServer:
                     status=result.status,
                 ),
             )
+
+    # --- sparse rows ------------------------------------------------------------
+
+    def _skip_rows_frame(self, state: _Connection, header: FrameHeader) -> None:
+        """Read and drop the ROW_GRADS frame that follows a PUSH with ROWS (a refused push).
+
+        Raises:
+            FrameError: the next frame is not ROW_GRADS (the stream cannot be trusted).
+        """
+        if not header.flags & Flags.ROWS:
+            return
+        rows_header = recv_header(
+            state.conn, state.scratch, max_body_bytes=max(MAX_ROW_BODY_BYTES, header.body_nbytes)
+        )
+        if rows_header.msg_type is not MsgType.ROW_GRADS:
+            raise FrameError(
+                f"a PUSH with ROWS must be followed by ROW_GRADS, not {rows_header.msg_type.name}"
+            )
+        discard_body(state.conn, rows_header, state.scratch)
+
+    def _recv_counts_and_ids(
+        self, state: _Connection, header: FrameHeader, tables: ShardTables, row_itemsize: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Receive a row frame's counts and ids; the rest of the body (rows) stays unread.
+
+        Raises:
+            SparseTableError: the counts do not fit the body (the body is then
+                read to its end, so the connection stays usable).
+        """
+        head = 8 * len(tables)
+        if header.body_nbytes < head:
+            discard_body(state.conn, header, state.scratch)
+            raise SparseTableError(
+                f"a {header.msg_type.name} body needs {len(tables)} counts, got "
+                f"{header.body_nbytes} bytes"
+            )
+        counts = np.empty(len(tables), dtype=np.int64)
+        recv_exact_into(state.conn, counts.data.cast("B"))
+        try:
+            total = split_counts(counts, tables.dims, header.body_nbytes, row_itemsize)
+        except SparseTableError:
+            rest = dataclasses.replace(header, body_nbytes=header.body_nbytes - head)
+            discard_body(state.conn, rest, state.scratch)
+            raise
+        ids = np.empty(total, dtype=np.int64)
+        recv_exact_into(state.conn, ids.data.cast("B"))
+        return counts, ids
+
+    def _recv_push_rows(
+        self, state: _Connection, header: FrameHeader, shard: ParameterShard
+    ) -> RowGrads:
+        """Receive and check the ROW_GRADS frame of a PUSH with ROWS.
+
+        Raises:
+            FrameError: the next frame is not ROW_GRADS.
+            SparseTableError / FrozenParameterError: the rows are refused
+                (read to their end; nothing applied).
+        """
+        rows_header = recv_header(
+            state.conn, state.scratch, max_body_bytes=self._max_body_bytes(state)
+        )
+        if rows_header.msg_type is not MsgType.ROW_GRADS:
+            raise FrameError(
+                f"a PUSH with ROWS must be followed by ROW_GRADS, not {rows_header.msg_type.name}"
+            )
+        tables = shard.tables
+        if tables is None or rows_header.dtype not in PUSH_DTYPES:
+            discard_body(state.conn, rows_header, state.scratch)
+            raise SparseTableError(
+                "this parameter server holds no sparse tables"
+                if tables is None
+                else f"gradient rows must be float32, float16 or bfloat16, not "
+                f"{rows_header.dtype.name}"
+            )
+        counts, ids = self._recv_counts_and_ids(
+            state, rows_header, tables, rows_header.dtype.itemsize
+        )
+        elements = int(sum(int(c) * d for c, d in zip(counts.tolist(), tables.dims, strict=True)))
+        wire = torch.empty(elements, dtype=rows_header.dtype.to_torch())
+        recv_exact_into(state.conn, tensor_view(wire))
+        flat = wire.to(torch.float32).numpy()
+        per_table = tables.split_ids(counts, ids, unique=True)
+        return tables.split_rows(per_table, flat)
+
+    def _on_row_pull(self, state: _Connection, header: FrameHeader) -> None:
+        try:
+            shard = self._require_shard(state)
+        except _RequestError:
+            discard_body(state.conn, header, state.scratch)
+            raise
+        tables = shard.tables
+        if tables is None:
+            discard_body(state.conn, header, state.scratch)
+            raise SparseTableError("this parameter server holds no sparse tables")
+        counts, ids = self._recv_counts_and_ids(state, header, tables, 0)
+        per_table = tables.split_ids(counts, ids, unique=False)
+        self._pass_gate(shard)
+        generation = shard.generation
+        with shard.reading() as version:
+            # Under the read lock: no step (nor a restore) changes a table meanwhile.
+            rows = tables.lookup(per_table)
+        send_frame(
+            state.conn,
+            FrameHeader(
+                MsgType.ROWS,
+                dtype=DType.FLOAT32,
+                model_version=version,
+                body_nbytes=rows.nbytes,
+                epoch=self.epoch,
+                generation=generation,
+            ),
+            [rows.data.cast("B")],
+        )
 
     def _send_params(
         self,
@@ -614,6 +765,10 @@ class ParameterServer:
                 "initialized": shard is not None,
                 "stats": None if stats is None else stats.__dict__,
             }
+            if shard is not None and shard.tables is not None:
+                with shard.reading():
+                    body["sparse_rows"] = shard.tables.rows_held()
+                body["sparse_evicted"] = shard.tables.evicted
             send_json(state.conn, MsgType.CONTROL_OK, body, epoch=self.epoch)
         elif op == "endpoints":
             send_json(
@@ -872,6 +1027,7 @@ class ParameterServer:
             "layout": shard.layout,
             "mode": self.mode.value,
             "optimizer": asdict(self._optimizer),
+            "sparse_tables": meta.get("sparse_tables"),
         }
 
     def _shard_from_resume(self, layout: dict[str, object], fingerprint: str) -> ParameterShard:
@@ -882,6 +1038,8 @@ class ParameterServer:
         )
         try:
             tensors, meta = shard_state_for_layout(layout, self._resume)
+            if shard.tables is not None and self._resume_dir is not None:
+                meta[SPARSE_STATE_KEY] = self._resume_tables(shard.tables)
             with_optimizer = shard.load_state(tensors, meta)
         except (DataError, ValueError) as exc:
             log.error("ps %d: cannot resume from the checkpoint: %s", self.shard_index, exc)
@@ -893,6 +1051,31 @@ class ParameterServer:
             "" if with_optimizer else " (values only: it was saved for another optimizer)",
         )  # fmt: skip
         return shard
+
+    def _resume_tables(self, tables: ShardTables) -> object:
+        """This server's rows of every table, read from every shard of the resume checkpoint.
+
+        Raises:
+            DataError: a table's files are corrupt.
+        """
+        assert self._resume is not None and self._resume_dir is not None
+        entries = self._resume.meta.get("shards")
+        dirs = [
+            tables_dir_of(self._resume_dir / str(e["file"]))
+            for e in (entries if isinstance(entries, list) else [])
+            if isinstance(e, dict) and e.get("initialized") and isinstance(e.get("file"), str)
+        ]
+        state = load_tables_state(
+            dirs,
+            tables.names,
+            partitioners={e.spec.name: e.partitioner for e in tables.entries},
+            shard=self.shard_index,
+        )
+        log.info(
+            "ps %d: resumed sparse tables %s (rows held here)",
+            self.shard_index, state.rows(),
+        )  # fmt: skip
+        return state
 
 
 _RECOVERY_OPS = frozenset({"coverage", "seal", "save", "checkpoints", "rollback", "serve"})

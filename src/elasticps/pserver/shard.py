@@ -48,6 +48,13 @@ by the master when it realigns them (:meth:`ParameterShard.set_generation`,
 after rolling every shard back to one checkpointed version). A push of
 another generation is stale.
 
+Sparse tables: a layout may declare sparse embedding tables
+(:mod:`elasticps.pserver.sparse_shard`); the shard then holds its rows of
+each (:attr:`ParameterShard.tables`). A push may carry row gradients with its
+dense gradient: both are one push under one push key (applied together, or
+found duplicate together), summed in a sync round with the same weights, and
+applied in one step. Row lookups read under the same read lock as replies.
+
 Frozen parameters: parameters whose names match the shard's ``frozen`` glob
 patterns are pulled like any other but never change. A push whose gradient
 is non-zero anywhere in a frozen range is refused with
@@ -62,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -69,9 +77,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
-from elasticps.errors import ElasticPSError, FrozenParameterError, LayoutMismatchError
+from elasticps.errors import (
+    ConfigError,
+    ElasticPSError,
+    FrozenParameterError,
+    LayoutMismatchError,
+    SparseTableError,
+)
 from elasticps.pserver.coverage import Coverage, KeyStatus, PushKey
 from elasticps.pserver.rules import StateValue, make_update_rule
+from elasticps.pserver.sparse import EvictionPolicy, sparse_rule_from_config
+from elasticps.pserver.sparse_shard import RowGrads, ShardTables, TablesState, parse_tables
 from elasticps.updater import schedule_from_json
 from elasticps.wire.frame import PushStatus
 
@@ -80,6 +96,11 @@ VALUES_KEY = "values"
 
 COVERAGE_KEY = "coverage"
 """Name of the coverage tensor (int64 ``[n, 4]``) in :meth:`ParameterShard.state`."""
+
+SPARSE_STATE_KEY = "sparse_state"
+"""Key of the sparse tables' copy (a :class:`~elasticps.pserver.sparse_shard.TablesState`)
+in the ``meta`` of :meth:`ParameterShard.state`. It lives in memory only: checkpoint
+writers take it out and store the tables as row-chunked part files."""
 
 OPTIM_PREFIX = "optim."
 """Prefix of the element-wise optimizer-state tensors in :meth:`ParameterShard.state`
@@ -250,9 +271,12 @@ class ParameterShard:
             gradients more than this many versions behind); None accepts any.
         reduction: sync only: ``"mean"`` applies the trainers' gradients
             averaged by samples, ``"sum"`` their sum.
+        eviction: which rows of sparse tables to evict (checked every
+            ``max(1, window // 8)`` steps), or None.
 
     Raises:
-        LayoutMismatchError: the layout is malformed.
+        LayoutMismatchError: the layout is malformed, or declares sparse
+            tables the optimizer cannot train.
         ConfigError: the optimizer config does not build.
     """
 
@@ -266,6 +290,7 @@ class ParameterShard:
         frozen: Sequence[str] = (),
         max_staleness: int | None = None,
         reduction: str = "mean",
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be mean or sum, got {reduction!r}")
@@ -284,6 +309,10 @@ class ParameterShard:
         self._schedule = schedule_from_json(optimizer.schedule)
         self._values = torch.zeros(numel, dtype=torch.float32)
         self._rule = make_update_rule(self._values, optimizer)
+        self.eviction = eviction
+        self.tables: ShardTables | None = _make_tables(
+            layout, optimizer, self.frozen_patterns, eviction
+        )
         self._acc = torch.zeros(numel, dtype=torch.float32)
         self._acc_samples = 0
         self._cond = threading.Condition()
@@ -488,7 +517,9 @@ class ParameterShard:
             ``mode``, ``optimizer`` (the config), ``optimizer_scalars``
             (``{key: {"value": number, "dtype": "float32" | None}}``, e.g.
             Adam's ``step``; dtype None for a plain Python number) and
-            ``sealed_through`` (the last sealed pass, -1 if none).
+            ``sealed_through`` (the last sealed pass, -1 if none). With
+            sparse tables, ``sparse_tables`` (rows held per table) and, in
+            memory only, :data:`SPARSE_STATE_KEY`: a copy of every table.
 
         Raises:
             ValueError: the optimizer holds state of another shape (not one
@@ -518,6 +549,12 @@ class ParameterShard:
                 "optimizer_scalars": scalars,
                 "sealed_through": self._coverage.sealed_through,
             }
+            if self.tables is not None:
+                # A copy taken between two steps, with the dense values.
+                with self._values_lock.read():
+                    tables = self.tables.state()
+                meta["sparse_tables"] = tables.rows()
+                meta[SPARSE_STATE_KEY] = tables
         return tensors, meta
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> bool:
@@ -530,6 +567,10 @@ class ParameterShard:
         (its pushes are answered STALE). A state without coverage (an older
         checkpoint, or a consistent checkpoint to resume from) restores an
         empty coverage: no push key applied yet.
+
+        Sparse tables are restored from ``meta[SPARSE_STATE_KEY]`` (rows of
+        other servers dropped); without it they restart empty (every row at
+        its initial value).
 
         Args:
             tensors: as returned by :meth:`state`; values float32 ``[numel]``.
@@ -586,7 +627,18 @@ class ParameterShard:
                 raise ValueError("saved optimizer_scalars must be an object")
             for key, entry in scalars.items():
                 restored[str(key)] = _scalar_from_json(str(key), entry)
+        tables = None
+        if self.tables is not None:
+            saved = meta.get(SPARSE_STATE_KEY)
+            try:
+                tables = self.tables.check_state(
+                    saved if isinstance(saved, TablesState) else TablesState({}, {})
+                )
+            except (SparseTableError, ConfigError) as exc:
+                raise ValueError(f"saved sparse tables do not fit: {exc}") from exc
         with self._cond, self._values_lock.write():
+            if self.tables is not None and tables is not None:
+                self.tables.install(tables)
             self._rule.load_state(restored)
             self._values.copy_(values.detach().reshape(-1))
             self._version = version
@@ -609,6 +661,7 @@ class ParameterShard:
         frozen: Sequence[str] = (),
         max_staleness: int | None = None,
         reduction: str = "mean",
+        eviction: EvictionPolicy | None = None,
     ) -> ParameterShard:
         """A shard rebuilt from :meth:`state`'s output, layout and fingerprint included.
 
@@ -621,6 +674,7 @@ class ParameterShard:
             frozen: frozen-parameter patterns to run with from now on.
             max_staleness: async staleness bound from now on.
             reduction: sync reduction from now on.
+            eviction: sparse-row eviction from now on.
 
         Raises:
             LayoutMismatchError: the layout or a tensor size is invalid.
@@ -638,6 +692,7 @@ class ParameterShard:
             frozen=frozen,
             max_staleness=max_staleness,
             reduction=reduction,
+            eviction=eviction,
         )
         shard.load_state(tensors, meta)
         return shard
@@ -761,6 +816,7 @@ class ParameterShard:
         max_staleness: int | None = None,
         key: PushKey | None = None,
         generation: int | None = None,
+        rows: RowGrads | None = None,
     ) -> PushResult:
         """Apply, or join the sync step with, one gradient.
 
@@ -779,6 +835,11 @@ class ParameterShard:
             generation: sync only: the generation the gradient was computed
                 in; another than the shard's makes the push stale. None: not
                 checked.
+            rows: row gradients of the shard's sparse tables, checked by
+                :meth:`ShardTables.split_rows
+                <elasticps.pserver.sparse_shard.ShardTables.split_rows>`;
+                part of the same push (same key, same weight). Needs a
+                gradient (not an empty push).
 
         Returns:
             What became of the push, and the version after it.
@@ -797,11 +858,16 @@ class ParameterShard:
             )
         if grad is not None and self._frozen_pieces:
             self._check_frozen(grad)
+        if rows is not None and (self.tables is None or grad is None):
+            raise SparseTableError(
+                "a push carries sparse rows, but "
+                + ("this shard holds no sparse tables" if grad is not None else "no gradient")
+            )
         if max_staleness is None:
             max_staleness = self.max_staleness
         if self.mode is UpdateMode.ASYNC:
-            return self._push_async(grad, model_version, max_staleness, key)
-        return self._push_sync(trainer_id, grad, model_version, num_samples, key, generation)
+            return self._push_async(grad, model_version, max_staleness, key, rows)
+        return self._push_sync(trainer_id, grad, model_version, num_samples, key, generation, rows)
 
     def _check_frozen(self, grad: torch.Tensor) -> None:
         touched = sorted({name for name, lo, hi in self._frozen_pieces if grad[lo:hi].any()})
@@ -829,8 +895,14 @@ class ParameterShard:
             )
         return status
 
-    def _step(self, grad: torch.Tensor) -> None:
+    def _step(
+        self, grad: torch.Tensor, rows: RowGrads | None = None, *, round_rows: bool = False
+    ) -> None:
         """One optimizer step with ``grad``, at the scheduled lr; frozen values kept.
+
+        With sparse tables, every table takes the same step: with ``rows``
+        (async), or with the sync round's rows (``round_rows``, divided as
+        the dense accumulator was).
 
         Caller holds self._cond; the version is bumped by the caller afterwards.
         """
@@ -843,6 +915,12 @@ class ParameterShard:
             finally:
                 for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
                     values[lo:hi].copy_(old)
+            if self.tables is not None:
+                if round_rows:
+                    divisor = float(self._acc_samples) if self.reduction == "mean" else 1.0
+                    self.tables.apply_round(lr, max(divisor, 1.0))
+                else:
+                    self.tables.apply(rows, lr)
             self._version += 1
             self._steps += 1
 
@@ -852,6 +930,7 @@ class ParameterShard:
         model_version: int,
         max_staleness: int | None,
         key: PushKey | None,
+        rows: RowGrads | None = None,
     ) -> PushResult:
         with self._cond:
             self._wait_while_frozen()
@@ -871,10 +950,10 @@ class ParameterShard:
                 if self._key_status(key) is KeyStatus.HELD:
                     self._duplicates += 1
                     return PushResult(False, self._version, PushStatus.DUPLICATE)
-                self._step(grad)
+                self._step(grad, rows)
                 self._coverage.add(key)
             else:
-                self._step(grad)
+                self._step(grad, rows)
             self._after_step()
             return PushResult(True, self._version)
 
@@ -886,6 +965,7 @@ class ParameterShard:
         num_samples: int,
         key: PushKey | None,
         generation: int | None,
+        rows: RowGrads | None = None,
     ) -> PushResult:
         with self._cond:
             self._wait_while_frozen()
@@ -922,6 +1002,8 @@ class ParameterShard:
                 weight = float(num_samples) if self.reduction == "mean" else 1.0
                 self._acc.add_(grad, alpha=weight)
                 self._acc_samples += num_samples
+                if rows is not None and self.tables is not None:
+                    self.tables.accumulate(rows, weight)
             if key is not None and status is PushStatus.APPLIED:
                 # Held once the round completes (an empty push's key too: its
                 # records were skipped, there is nothing to apply).
@@ -951,12 +1033,14 @@ class ParameterShard:
         if self._acc_samples > 0:
             if self.reduction == "mean":
                 self._acc.div_(float(self._acc_samples))
-            self._step(self._acc)
+            self._step(self._acc, round_rows=True)
         elif self._round_has_gradient:
             # Every gradient of the round was a duplicate here (another shard
             # applies it): the version moves as on the shards that apply, so
             # that the shards of a sync job stay at the same versions.
             with self._values_lock.write():
+                if self.tables is not None:
+                    self.tables.apply(None, 1.0)  # every table ages one step too
                 self._version += 1
         for key in self._round_keys:
             self._coverage.add(key)
@@ -968,12 +1052,49 @@ class ParameterShard:
         # Caller holds self._cond.
         self._acc.zero_()
         self._acc_samples = 0
+        if self.tables is not None:
+            self.tables.clear_round()
         self._contributors.clear()
         self._expected = set()
         self._round_keys = []
         self._round_cov = Coverage()
         self._round_cov.seal(self._coverage.sealed_through)
         self._round_has_gradient = False
+
+
+def _make_tables(
+    layout: Mapping[str, object],
+    optimizer: OptimizerConfig,
+    frozen: Sequence[str],
+    eviction: EvictionPolicy | None,
+) -> ShardTables | None:
+    """The shard's sparse tables, if the layout declares any.
+
+    Raises:
+        LayoutMismatchError: the tables are malformed, or the optimizer has
+            no lazy counterpart (only sgd, momentum, adagrad and adam do).
+    """
+    entries = parse_tables(layout)
+    if not entries:
+        return None
+    shard = layout.get("shard")
+    if not isinstance(shard, int) or isinstance(shard, bool):
+        raise LayoutMismatchError("a layout with sparse tables needs an integer 'shard'")
+    try:
+        options = json.loads(optimizer.options) if optimizer.options else {}
+        rule = sparse_rule_from_config(
+            optimizer.name, options, optimizer.weight_decay, optimizer.momentum
+        )
+    except (ConfigError, ValueError) as exc:
+        raise LayoutMismatchError(f"the model's sparse tables cannot be trained: {exc}") from exc
+    window = 0
+    if eviction is not None:
+        window = min(
+            v for v in (eviction.expire_versions, eviction.count_window_versions, 1 << 30) if v
+        )
+    return ShardTables(
+        entries, shard, rule, frozen=frozen, eviction=eviction, evict_every=max(1, window // 8)
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -10,7 +10,7 @@ A parameter server's sparse table ``NAME`` is saved under
   ``[r, dim]``), ``c<c>.optim.<key>`` (float32 ``[r, dim]``) and
   ``c<c>.count`` / ``.created_version`` / ``.last_version`` (int64), with
   a CRC-32 of the content in the safetensors metadata
-  (:func:`elasticps.pserver.checkpoint.content_crc32`);
+  (:func:`elasticps.pserver.atomic.content_crc32`);
 - ``index.json``: the table's metadata (:meth:`SparseTable.meta`) and the
   list of part files with their rows, sizes and CRC-32 of their bytes.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -44,7 +44,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from elasticps.errors import DataError, SparseTableError
-from elasticps.pserver.checkpoint import content_crc32, write_atomic
+from elasticps.pserver.atomic import content_crc32, write_atomic
 from elasticps.pserver.sparse import (
     TABLE_FORMAT,
     Partitioner,
@@ -53,6 +53,7 @@ from elasticps.pserver.sparse import (
     TableSpec,
     select_shard,
 )
+from elasticps.pserver.sparse_shard import TablesState
 
 INDEX_FILE: Final = "index.json"
 """Name of a table's index under ``<dir>/sparse/<name>/``."""
@@ -112,9 +113,35 @@ def save_table(
     Raises:
         OSError: a file cannot be written.
     """
-    out = table_dir(directory, table.spec.name)
+    return save_table_chunks(
+        directory, table.meta(), table.state_chunks(), max_file_bytes=max_file_bytes
+    )
+
+
+def save_table_chunks(
+    directory: Path,
+    meta: Mapping[str, Any],
+    chunks: Iterable[RowChunk],
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> SavedTable:
+    """Save a table given as its metadata and row chunks (e.g. a copy taken earlier).
+
+    As :func:`save_table`, for a table's :meth:`SparseTable.meta` and
+    :meth:`SparseTable.state_chunks` (or copies of them).
+
+    Raises:
+        OSError: a file cannot be written.
+        SparseTableError: ``meta`` has no valid spec or version.
+    """
+    spec = TableSpec.from_json(meta.get("spec"))
+    version = meta.get("version")
+    if not isinstance(version, int):
+        raise SparseTableError(f"sparse table {spec.name}: metadata has no integer version")
+    out = table_dir(directory, spec.name)
     out.mkdir(parents=True, exist_ok=True)
-    meta = table.meta()
+    meta = dict(meta)
+    rows_total = 0
     parts: list[dict[str, Any]] = []
     pending: list[tuple[int, RowChunk]] = []
     pending_bytes = 0
@@ -124,11 +151,9 @@ def save_table(
         nonlocal pending, pending_bytes, total
         if not pending:
             return
-        name = f"v{table.version}-{len(parts):05d}.safetensors"
+        name = f"v{version}-{len(parts):05d}.safetensors"
         rows = sum(len(c) for _, c in pending)
-        data = _encode_part(
-            pending, {"table": table.spec.name, "version": table.version, "rows": rows}
-        )
+        data = _encode_part(pending, {"table": spec.name, "version": version, "rows": rows})
         write_atomic(out / name, data)
         parts.append(
             {
@@ -142,12 +167,14 @@ def save_table(
         total += len(data)
         pending, pending_bytes = [], 0
 
-    for c, chunk in enumerate(table.state_chunks()):
+    for c, chunk in enumerate(chunks):
+        rows_total += len(chunk)
         pending.append((c, chunk))
         pending_bytes += sum(t.nbytes for t in chunk.tensors("").values())
         if pending_bytes >= max_file_bytes:
             flush()
     flush()
+    meta["rows"] = rows_total
     index = {"format": TABLE_FORMAT, "meta": meta, "parts": parts}
     index_path = out / INDEX_FILE
     write_atomic(index_path, json.dumps(index, sort_keys=True, indent=1).encode())
@@ -155,7 +182,7 @@ def save_table(
     for stale in out.glob("v*.safetensors"):
         if stale.name not in keep:
             stale.unlink(missing_ok=True)
-    return SavedTable(index_path, table.version, len(table), total)
+    return SavedTable(index_path, version, rows_total, total)
 
 
 def read_index(directory: Path, name: str) -> dict[str, Any]:
@@ -249,3 +276,73 @@ def load_table(
         return SparseTable.from_state(meta, chunks)
     except (SparseTableError, ValueError) as exc:
         raise DataError(f"sparse table {name} in {directory}: {exc}") from exc
+
+
+# --- every table of a shard -------------------------------------------------------------------
+
+
+def save_tables_state(
+    directory: Path, state: TablesState, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> dict[str, SavedTable]:
+    """Save a shard's tables (a copy from ``ParameterShard.state()``) under ``directory``.
+
+    Each table goes to ``<directory>/sparse/<name>/`` as :func:`save_table` writes it.
+
+    Returns:
+        Per table name, what was written.
+
+    Raises:
+        OSError: a file cannot be written.
+    """
+    return {
+        name: save_table_chunks(
+            directory, state.metas[name], state.chunks.get(name, ()), max_file_bytes=max_file_bytes
+        )
+        for name in state.metas
+    }
+
+
+def load_tables_state(
+    directories: Iterable[Path],
+    names: Iterable[str],
+    *,
+    partitioners: Mapping[str, Partitioner] | None = None,
+    shard: int = 0,
+) -> TablesState:
+    """Read tables saved by :func:`save_tables_state`, from one or more directories.
+
+    With several directories (the shards of a consistent checkpoint) the
+    rows of each are merged, and the version is the largest saved. With
+    ``partitioners`` only the rows ``shard`` holds under them are kept, one
+    part file at a time (a restore onto another number of servers).
+
+    Args:
+        directories: where the tables were saved; a directory without a
+            table is skipped.
+        names: the tables to read.
+        partitioners: table name -> the new partitioning (tables missing
+            from it keep every row).
+        shard: the server whose rows to keep, with ``partitioners``.
+
+    Returns:
+        The tables' metadata and row chunks (tables found nowhere are absent).
+
+    Raises:
+        DataError: an index or part file is corrupt or inconsistent.
+    """
+    metas: dict[str, dict[str, Any]] = {}
+    chunks: dict[str, list[RowChunk]] = {}
+    dirs = list(directories)
+    for name in names:
+        for directory in dirs:
+            if not (table_dir(directory, name) / INDEX_FILE).exists():
+                continue
+            meta, found = iter_chunks(directory, name)
+            part = None if partitioners is None else partitioners.get(name)
+            if part is not None:
+                found = select_shard(found, part, shard)
+            chunks.setdefault(name, []).extend(found)
+            old = metas.get(name)
+            if old is None or int(meta.get("version", 0)) > int(old.get("version", 0)):
+                metas[name] = dict(meta)
+    return TablesState(metas, chunks)

@@ -24,6 +24,13 @@ accumulates); and in sync mode ``--sync-reduction sum`` (a sync step sums the
 trainers' gradients instead of averaging them by samples). A
 ``--big-array-bound`` below the record count slices the counters over every
 parameter server, so that each of them is audited.
+
+The sparse variant (``--model-class SparseModel``) keeps the counters as the
+rows of a sparse embedding table instead (:mod:`elasticps.nn`, one row of
+one float per record, spread over every server by a hash of the record's
+index), plus one dense counter of all records: it checks the same guarantee
+for rows pulled and pushed by id. :func:`check_run` reads the rows from the
+run's final consistent checkpoint.
 """
 
 from __future__ import annotations
@@ -36,10 +43,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+import elasticps.nn as enn
+
 __all__ = [
     "COLUMNS",
     "AuditResult",
     "Model",
+    "SparseModel",
     "batch_to_tensors",
     "check_counters",
     "check_run",
@@ -69,6 +79,32 @@ class Model(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         """The counters of a mini-batch's records: float32 ``[B]`` for int64 ``[B]`` indices."""
         return self.counter[idx]
+
+
+SPARSE_TABLE = "audit_rows"
+"""The sparse variant's table: one row of one float per record."""
+
+
+class SparseModel(nn.Module):
+    """One sparse-table row per record, and a dense counter of every record seen.
+
+    Each mini-batch pulls the rows of its records only and pushes one
+    gradient row (-1) per record; ``seen`` gets -1 per record too, so after P
+    passes it is P times the number of records.
+
+    Args:
+        records: how many records the data set has (rows), >= 1.
+    """
+
+    def __init__(self, records: int = DEFAULT_RECORDS) -> None:
+        super().__init__()
+        self.rows = enn.Embedding(records, 1, name=SPARSE_TABLE, init="zeros")
+        self.seen = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Each record's row plus the dense counter: float32 ``[B]`` for int64 ``[B]``."""
+        out: Tensor = self.rows(idx)[:, 0] + self.seen
+        return out
 
 
 def loss(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -202,6 +238,33 @@ def check_run(run_dir: Path, passes: int | None = None) -> AuditResult:
             raise DataError(f"{run_dir / 'manifest.json'} does not say how many passes ran")
         passes = epochs
     counter = tensors.get("counter")
+    if counter is None and "seen" in tensors:
+        counter = sparse_counters(run_dir / "snapshot")
     if counter is None:
         raise DataError(f"{run_dir} holds no 'counter' parameter: not an audit model's run")
     return check_counters(counter, passes)
+
+
+def sparse_counters(snapshot_dir: Path, records: int | None = None) -> Tensor:
+    """The sparse variant's counters, one per record, from a consistent checkpoint.
+
+    Args:
+        snapshot_dir: the checkpoint (a job's ``OUTPUT/snapshot``).
+        records: how many records; default: the table's size.
+
+    Returns:
+        float32 ``[records]``; a record never trained reads 0.
+
+    Raises:
+        DataError: the checkpoint holds no audit table.
+    """
+    from elasticps.errors import DataError
+    from elasticps.tables import load_tables
+
+    tables = load_tables(snapshot_dir)
+    if SPARSE_TABLE not in tables:
+        raise DataError(f"{snapshot_dir} holds no {SPARSE_TABLE!r} table: not an audit model's run")
+    table = tables[SPARSE_TABLE]
+    n = records if records is not None else table.spec.num_embeddings
+    assert n is not None
+    return table.lookup(torch.arange(n, dtype=torch.int64))[:, 0]

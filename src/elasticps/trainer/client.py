@@ -35,6 +35,15 @@ whether the push was applied, a duplicate (held already) or stale (computed on
 a model the server no longer has: the trainer computes it again on fresh
 parameters). :attr:`PushHandle.statuses` holds the servers' answers.
 
+Sparse tables. With ``tables`` (the model's sparse tables and how their
+rows are partitioned), the client talks to every server (also one that holds
+no dense parameter), declares the tables in its HELLO layout, and moves rows
+only: :meth:`ParameterClient.pull_rows` asks each server for the rows of the
+ids it holds (one ROW_PULL per server, in parallel) and
+:meth:`ParameterClient.push` sends each server the gradient rows of its ids
+with its dense gradient (one push, one push key). The client never holds a
+whole table.
+
 Fencing. Servers are reached through the slot they claimed in etcd and the
 slot's epoch (:class:`~elasticps.coord.store.PSSlot`); every request carries
 the epoch, and a server refuses another. When the slot is claimed anew (a
@@ -47,14 +56,18 @@ its slot like a reconnection does.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from elasticps.coord.store import PSSlot
@@ -64,9 +77,11 @@ from elasticps.errors import (
     ProtocolError,
     RemoteError,
     ServiceUnavailableError,
+    SparseTableError,
 )
 from elasticps.placement import Placement, ShardLayout
 from elasticps.pserver.coverage import PushKey
+from elasticps.pserver.sparse_shard import TABLES_KEY, TableEntry
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -101,6 +116,23 @@ log = logging.getLogger(__name__)
 
 # Error codes after which the request is repeated on the slot's current server.
 _RESOLVE_AGAIN = frozenset({"wrong_epoch"})
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """What one server gets of a push's or a pull's rows: per-table counts and the ids.
+
+    ``rows`` (gradient rows, float32, concatenated in the ids' order) is set
+    for a push only.
+    """
+
+    counts: np.ndarray
+    ids: np.ndarray
+    rows: np.ndarray | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not len(self.ids)
 
 
 class _ReconnectError(Exception):
@@ -140,8 +172,18 @@ class _ShardConnection:
         *,
         staging: torch.Tensor | None = None,
         transport: str = "auto",
+        tables: Sequence[TableEntry] = (),
     ) -> None:
         self.layout = layout
+        self.hello_layout: dict[str, object] = layout.describe()
+        self.fingerprint = layout.fingerprint
+        self.tables = tuple(tables)
+        if self.tables:
+            self.hello_layout[TABLES_KEY] = [t.describe() for t in self.tables]
+            text = json.dumps(self.hello_layout, sort_keys=True, separators=(",", ":"))
+            self.fingerprint = hashlib.sha256(text.encode()).hexdigest()
+        self.rows_version = 0
+        self.rows_generation = 0
         self.address = ""
         self.epoch = 0
         self.version = 0
@@ -254,8 +296,9 @@ class _ShardConnection:
             raise _ReconnectError(f"parameter server {self.layout.index}: not connected")
         return self.sock
 
-    def _reply(self) -> FrameHeader:
-        header = recv_header(self._sock(), self.scratch, max_body_bytes=self.body_nbytes)
+    def _reply(self, max_body_bytes: int | None = None) -> FrameHeader:
+        limit = self.body_nbytes if max_body_bytes is None else max_body_bytes
+        header = recv_header(self._sock(), self.scratch, max_body_bytes=limit)
         if header.msg_type is MsgType.ERROR:
             body = recv_json(self._sock(), header)
             code = str(body.get("code", "error"))
@@ -288,8 +331,8 @@ class _ShardConnection:
             MsgType.HELLO,
             {
                 "trainer_id": trainer_id,
-                "layout": self.layout.describe(),
-                "fingerprint": self.layout.fingerprint,
+                "layout": self.hello_layout,
+                "fingerprint": self.fingerprint,
             },
             epoch=self.epoch,
         )
@@ -329,9 +372,13 @@ class _ShardConnection:
         staged: bool = False,
         key: PushKey | None = None,
         computed_on: tuple[int, int] | None = None,
+        rows: _Rows | None = None,
     ) -> None:
-        flags = (Flags.EMPTY if empty else Flags.NONE) | (
-            Flags.WANT_PARAMS if want_params else Flags.NONE
+        with_rows = rows is not None and not empty and not rows.empty
+        flags = (
+            (Flags.EMPTY if empty else Flags.NONE)
+            | (Flags.WANT_PARAMS if want_params else Flags.NONE)
+            | (Flags.ROWS if with_rows else Flags.NONE)
         )
         dtype, views = (
             (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
@@ -357,6 +404,19 @@ class _ShardConnection:
             ),
             () if empty else views,
         )
+        if with_rows:
+            assert rows is not None and rows.rows is not None
+            body = [rows.counts.data.cast("B"), rows.ids.data.cast("B"), rows.rows.data.cast("B")]
+            send_frame(
+                self._sock(),
+                FrameHeader(
+                    MsgType.ROW_GRADS,
+                    dtype=DType.FLOAT32,
+                    body_nbytes=sum(v.nbytes for v in body),
+                    epoch=self.epoch,
+                ),
+                body,
+            )
         header = self._reply()
         self.status = header.status
         if want_params:
@@ -369,6 +429,33 @@ class _ShardConnection:
     def pull(self) -> None:
         send_frame(self._sock(), FrameHeader(MsgType.PULL, epoch=self.epoch))
         self._receive_params(self._reply())
+
+    def pull_rows(self, request: _Rows) -> np.ndarray:
+        """The rows of ``request``'s ids from this server: float32, concatenated."""
+        body = [request.counts.data.cast("B"), request.ids.data.cast("B")]
+        send_frame(
+            self._sock(),
+            FrameHeader(
+                MsgType.ROW_PULL,
+                dtype=DType.INT64,
+                body_nbytes=sum(v.nbytes for v in body),
+                epoch=self.epoch,
+            ),
+            body,
+        )
+        elements = int(
+            sum(
+                int(c) * t.spec.dim
+                for c, t in zip(request.counts.tolist(), self.tables, strict=True)
+            )
+        )
+        header = self._reply(max_body_bytes=4 * elements)
+        self._expect(header, MsgType.ROWS)
+        out = np.empty(elements, dtype=np.float32)
+        recv_body_into(self._sock(), header, [out.data.cast("B")])
+        self.rows_version = header.model_version
+        self.rows_generation = header.generation
+        return out
 
     def _receive_params(self, header: FrameHeader) -> None:
         self._expect(header, MsgType.PARAMS)
@@ -512,6 +599,8 @@ class ParameterClient:
             ``[placement.total_numel]``), sent to a server whose shard is
             empty; None sends ``params`` as they are.
         sync: sync-SGD: a re-sent push keeps the version it was computed on.
+        tables: the model's sparse tables, partitioned over
+            ``placement.num_shards`` servers (see :meth:`pull_rows`).
 
     Raises:
         ConfigError: an unknown ``transport`` or ``grad_compression``.
@@ -536,6 +625,7 @@ class ParameterClient:
         grad_compression: str = "none",
         initial_values: Callable[[], torch.Tensor] | None = None,
         sync: bool = False,
+        tables: Sequence[TableEntry] = (),
     ) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -575,15 +665,22 @@ class ParameterClient:
         self._last_push: PushHandle | None = None
         self._inflight: tuple[Future[None], PushHandle] | None = None
         self._conns: list[_ShardConnection] = []
+        self.tables = tuple(tables)
+        self._table_index = {t.spec.name: i for i, t in enumerate(self.tables)}
         self._background: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
             first: list[tuple[_ShardConnection, PSSlot]] = []
             for layout in placement.shards:
-                if layout.numel == 0:
+                if layout.numel == 0 and not self.tables:
                     continue  # a shard that holds nothing (hash placement left it empty)
                 conn = _ShardConnection(
-                    layout, params, grads, staging=self._staging, transport=transport
+                    layout,
+                    params,
+                    grads,
+                    staging=self._staging,
+                    transport=transport,
+                    tables=self.tables,
                 )
                 self._conns.append(conn)
                 first.append((conn, _as_slot(layout.index, addresses[layout.index])))
@@ -677,13 +774,18 @@ class ParameterClient:
         if inflight is not None:
             inflight[0].result()
 
-    def _fan_out(self, fn: Callable[[_ShardConnection], T]) -> list[T]:
+    def _fan_out(
+        self,
+        fn: Callable[[_ShardConnection], T],
+        conns: Sequence[_ShardConnection] | None = None,
+    ) -> list[T]:
         # The calling thread serves the last connection itself: one thread
         # hand-off fewer per exchange than waiting for the pool to do it all.
-        if not self._conns:
+        targets = self._conns if conns is None else conns
+        if not targets:
             return []
         assert self._pool is not None
-        *others, last = self._conns
+        *others, last = targets
         futures = [self._pool.submit(self._robust, fn, c) for c in others]
         try:
             mine = self._robust(fn, last)
@@ -755,6 +857,7 @@ class ParameterClient:
         want_params: bool,
         on_acknowledged: Callable[[], None] | None = None,
         key: PushKey | None = None,
+        rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> PushHandle:
         """Push the gradient buffer (the mean gradient over ``num_samples`` samples).
 
@@ -776,6 +879,10 @@ class ParameterClient:
                 report the trained records to the master); never called if
                 the push fails or is stale.
             key: the records the gradient sums; servers apply it at most once.
+            rows: sparse-table gradients, table name -> ``(ids int64 [k]
+                unique, grads float32 [k, dim])`` (the same mean as the dense
+                gradient); each server gets the rows of its ids, in the same
+                push.
 
         Returns:
             The push's handle; see :class:`PushHandle` for what acknowledged
@@ -804,6 +911,7 @@ class ParameterClient:
         computed_on = (
             {id(c): (c.version, c.generation) for c in self._conns} if self._sync else None
         )
+        by_shard = self._split_rows(rows, with_grads=True) if rows else {}
 
         def send(c: _ShardConnection) -> PushStatus:
             c.push(
@@ -815,6 +923,7 @@ class ParameterClient:
                 staged=staged,
                 key=key,
                 computed_on=None if computed_on is None else computed_on[id(c)],
+                rows=by_shard.get(c.layout.index),
             )
             return c.status
 
@@ -852,6 +961,105 @@ class ParameterClient:
             return c.status
 
         return self._fan_out(send)
+
+    def _split_rows(
+        self,
+        rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        with_grads: bool,
+    ) -> dict[int, _Rows]:
+        """Cut ids (and gradient rows) by server: what each server gets, in table order.
+
+        Raises:
+            ConfigError: a table the client was not given.
+            SparseTableError: an id out of a fixed table's range.
+        """
+        n = len(self.tables)
+        parts: dict[int, tuple[np.ndarray, list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
+        for name, value in rows.items():
+            t = self._table_index.get(name)
+            if t is None:
+                raise ConfigError(f"no sparse table named {name!r} on the parameter servers")
+            ids_t, grads_t = value if isinstance(value, tuple) else (value, None)
+            ids = np.ascontiguousarray(ids_t.detach().reshape(-1).to(torch.int64).numpy())
+            size = self.tables[t].spec.num_embeddings
+            if size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
+                bad = ids[(ids < 0) | (ids >= size)][0]
+                raise SparseTableError(
+                    f"sparse table {name}: id {int(bad)} is out of range [0, {size})"
+                )
+            grads = None
+            if with_grads and grads_t is not None:
+                grads = np.ascontiguousarray(
+                    grads_t.detach().to(torch.float32).reshape(len(ids), -1).numpy()
+                )
+            for shard, pos in enumerate(self.tables[t].partitioner.split(ids)):
+                if not len(pos):
+                    continue
+                counts, id_parts, row_parts = parts.setdefault(
+                    shard, (np.zeros(n, np.int64), [[] for _ in range(n)], [[] for _ in range(n)])
+                )
+                counts[t] += len(pos)
+                id_parts[t].append(ids[pos])
+                if grads is not None:
+                    row_parts[t].append(grads[pos].reshape(-1))
+        out = {}
+        for shard, (counts, id_parts, row_parts) in parts.items():
+            flat_ids = np.concatenate([a for p in id_parts for a in p]).astype(np.int64)
+            flat_rows = None
+            if with_grads:
+                flat_rows = np.ascontiguousarray(
+                    np.concatenate([a for p in row_parts for a in p]), dtype=np.float32
+                )
+            out[shard] = _Rows(counts, flat_ids, flat_rows)
+        return out
+
+    def pull_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The current rows of some ids of sparse tables, from the servers that hold them.
+
+        One ROW_PULL per server holding any of the ids, in parallel; a
+        server that is lost is waited for, as for a pull.
+
+        Args:
+            ids: table name -> int64 ids (any shape; duplicates allowed but
+                pulled twice).
+
+        Returns:
+            Table name -> float32 ``[k, dim]``, row ``i`` for the ``i``-th id.
+
+        Raises:
+            ConfigError: a table the client was not given.
+            SparseTableError: an id out of a fixed table's range.
+            RemoteError: a server refused.
+            ServiceUnavailableError: a server did not come back in time.
+        """
+        self.flush()
+        requests = self._split_rows(ids, with_grads=False)
+        by_index = {c.layout.index: c for c in self._conns}
+        targets = [by_index[s] for s in sorted(requests)]
+        replies = self._fan_out(lambda c: c.pull_rows(requests[c.layout.index]), targets)
+        out: dict[str, torch.Tensor] = {}
+        flat_ids = {
+            name: np.asarray(v.detach().reshape(-1).to(torch.int64)) for name, v in ids.items()
+        }
+        for name, arr in flat_ids.items():
+            dim = self.tables[self._table_index[name]].spec.dim
+            out[name] = torch.empty(len(arr), dim, dtype=torch.float32)
+        # Scatter each server's reply back to the ids' positions.
+        for conn, flat in zip(targets, replies, strict=True):
+            shard = conn.layout.index
+            offset = 0
+            counts = requests[shard].counts
+            for t, entry in enumerate(self.tables):
+                k = int(counts[t])
+                if not k:
+                    continue
+                name = entry.spec.name
+                pos = entry.partitioner.split(flat_ids[name])[shard]
+                rows = flat[offset : offset + k * entry.spec.dim].reshape(k, entry.spec.dim)
+                out[name][torch.from_numpy(pos)] = torch.from_numpy(rows)
+                offset += k * entry.spec.dim
+        return out
 
     def pull(self) -> None:
         """Receive every shard's parameters into the flat parameter buffer.

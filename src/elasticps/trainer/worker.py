@@ -23,11 +23,22 @@ log file only). With ``--bad-records fail`` it then stops with a
 drops the mini-batch and reports its records as skipped, until the task's
 skip budget (``Task.skip_budget``) is spent: then the task is reported
 failed, and the master sets it aside.
+
+Sparse tables: a model with :mod:`elasticps.nn` tables trains them on the
+parameter servers without ever holding them. Per mini-batch the trainer
+takes the unique ids of each table from the inputs (:func:`elasticps.nn.batch_ids`),
+pulls only those rows (one request per server, in parallel), runs forward
+and backward with them bound to the model (:class:`elasticps.nn.SparseBatch`;
+ids a module meets that the inputs did not announce are pulled on demand),
+and pushes the rows' gradients with the dense gradient, in the same push
+(averaged over the ``push_every`` mini-batches as the dense gradient is).
+Rows of frozen tables are never pushed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import itertools
 import logging
@@ -44,6 +55,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+import elasticps.nn as enn
 from elasticps.config import TrainerConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.parquet import RangeReader, check_columns
@@ -62,6 +74,8 @@ from elasticps.master.main import VIRTUAL_SOURCE
 from elasticps.model_file import ModelSpec, describe_model_error, load_model_file
 from elasticps.proto import master_pb2
 from elasticps.pserver.coverage import PushKey
+from elasticps.pserver.sparse import TableSpec
+from elasticps.pserver.sparse_shard import TableEntry
 from elasticps.trainer.client import ParameterClient, PushHandle
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
 from elasticps.wire.frame import PushStatus
@@ -230,8 +244,14 @@ class Trainer:
         self.stop = stop
         self.name = str(config.trainer_id)
         model = spec.instantiate(config.seed)
+        self._tables = enn.table_specs(model)
+        self._table_entries = table_entries(model, config.num_ps)
+        self._frozen_tables = frozenset(
+            name for name in self._tables if any(fnmatch.fnmatchcase(name, p) for p in frozen)
+        )
+        self._sparse_grads: list[dict[str, enn.SparseGrad]] = []
         self.flat: FlatModel = bind_flat_buffers(model, config.num_ps, config.big_array_bound)
-        self._frozen = frozen_ranges(self.flat.placement, frozen)
+        self._frozen = frozen_ranges(self.flat.placement, dense_frozen_patterns(model, frozen))
         self._batch_reader = reader
         self._on_event = on_event
         self._pass_id = -1
@@ -283,6 +303,7 @@ class Trainer:
             overlap_push=cfg.overlap_push and cfg.mode is UpdateMode.ASYNC,
             initial_values=self._initial_values,
             sync=cfg.mode is UpdateMode.SYNC,
+            tables=self._table_entries,
         )
         self._client = client
         master = MasterClient(
@@ -591,10 +612,12 @@ class Trainer:
             ModelContractError: the loss is not a scalar, or .grad was replaced.
         """
         called = "forward"
+        batch = self._sparse_batch(inputs) if self._tables else None
         try:
-            outputs = self.flat.model(inputs)
-            called = "loss"
-            loss = self.spec.loss(outputs, targets)
+            with batch.bind(self.flat.model) if batch is not None else contextlib.nullcontext():
+                outputs = self.flat.model(inputs)
+                called = "loss"
+                loss = self.spec.loss(outputs, targets)
         except ElasticPSError:
             raise
         except Exception as exc:
@@ -602,12 +625,46 @@ class Trainer:
         if loss.dim() != 0:
             raise ModelContractError(f"loss must return a scalar, got shape {tuple(loss.shape)}")
         loss.backward()  # type: ignore[no-untyped-call]
+        if batch is not None:
+            self._sparse_grads.append(batch.gradients())
         if self._batches == 0 and not self.flat.grads_are_bound():
             raise ModelContractError(
                 "a parameter's .grad was replaced during backward; elasticps needs "
                 "gradients to accumulate in place (do not call zero_grad(set_to_none=True))"
             )
         return loss
+
+    def _sparse_batch(self, inputs: object) -> enn.SparseBatch:
+        """The rows of a mini-batch's ids, pulled from the servers that hold them.
+
+        Ids the inputs announce (modules with a ``feature``) are pulled
+        before the forward pass, every table in one request per server;
+        others are pulled when a module meets them.
+        """
+        client = self._client
+        assert client is not None
+
+        def pull(spec: TableSpec, ids: Tensor) -> Tensor:
+            return client.pull_rows({spec.name: ids})[spec.name]
+
+        batch = enn.SparseBatch(self._tables, pull=pull)
+        wanted = enn.batch_ids(self.flat.model, inputs)
+        if wanted:
+            rows = client.pull_rows(wanted)
+            for name, ids in wanted.items():
+                batch.supply(name, ids, rows[name])
+        return batch
+
+    def _sparse_rows(self, batches: int) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """The rows to push: the mean over ``batches`` mini-batches, frozen tables left out."""
+        if not self._sparse_grads:
+            return None
+        merged = enn.merge_gradients(self._sparse_grads, 1.0 / batches if batches > 1 else 1.0)
+        return {
+            name: (g.ids, g.grads)
+            for name, g in merged.items()
+            if name not in self._frozen_tables and len(g.ids)
+        }
 
     def _train_batch(
         self,
@@ -706,8 +763,10 @@ class Trainer:
                 want_params=want_params or sync,
                 on_acknowledged=self._on_ack(on_acknowledged),
                 key=key,
+                rows=self._sparse_rows(acc.batches),
             )
             self.flat.zero_grad()
+            self._sparse_grads = []
             if not handle.done:
                 # Sent in the background: a STALE answer is handled before the next push.
                 self._inflight = (handle, acc, on_acknowledged)
@@ -757,6 +816,7 @@ class Trainer:
         if self.config.mode is UpdateMode.SYNC and not client.consistent:
             client.pull_consistent()
         self.flat.zero_grad()
+        self._sparse_grads = []
         for inputs, targets in acc.window:
             self._forward_backward(inputs, targets)
 
@@ -772,12 +832,17 @@ class Trainer:
             return
         log.info("trainer %s: a background push was stale; computing it again", self.name)
         saved = self.flat.grads.clone()  # the accumulation in progress
+        saved_rows = self._sparse_grads
         for attempt in range(MAX_STALE_RETRIES + 1):
             self._recompute(client, acc)
             if acc.batches > 1:
                 self.flat.grads.div_(acc.batches)
             retry = client.push(
-                acc.samples, want_params=True, on_acknowledged=None, key=self._key(acc)
+                acc.samples,
+                want_params=True,
+                on_acknowledged=None,
+                key=self._key(acc),
+                rows=self._sparse_rows(acc.batches),
             )
             if not retry.stale:
                 if on_acknowledged is not None:
@@ -788,6 +853,7 @@ class Trainer:
                     f"a push was answered STALE {MAX_STALE_RETRIES + 1} times in a row"
                 )
         self.flat.grads.copy_(saved)
+        self._sparse_grads = saved_rows
 
     def _flush(
         self, client: ParameterClient, on_acknowledged: Callable[[], None] | None = None
@@ -797,6 +863,39 @@ class Trainer:
             self._push(client, want_params=True, on_acknowledged=on_acknowledged)
         self._retrain_stale_inflight(client)
         client.flush()
+
+
+def table_entries(model: torch.nn.Module, num_ps: int) -> tuple[TableEntry, ...]:
+    """The model's sparse tables as the parameter servers hold them (the HELLO's ``tables``).
+
+    Raises:
+        ModelContractError: two modules declare one table name differently.
+    """
+    partitions = enn.partitions(model)
+    return tuple(
+        TableEntry(spec, partitions[name], num_ps) for name, spec in enn.table_specs(model).items()
+    )
+
+
+def dense_frozen_patterns(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The frozen patterns that are about dense parameters (those naming only tables are not).
+
+    Args:
+        model: the model.
+        patterns: ``fnmatch`` patterns over parameter and sparse-table names.
+
+    Returns:
+        The patterns that match a dense parameter, or match no sparse table
+        (so that a pattern matching nothing is still reported as a typo).
+    """
+    tables = list(enn.table_specs(model))
+    params = [name for name, _ in model.named_parameters()]
+    return [
+        p
+        for p in patterns
+        if any(fnmatch.fnmatchcase(n, p) for n in params)
+        or not any(fnmatch.fnmatchcase(t, p) for t in tables)
+    ]
 
 
 def _as_batch(item: object, batch_id: int) -> Batch:

@@ -76,12 +76,38 @@ Bodies come in three kinds:
 * JSON (HELLO, HELLO_OK, ERROR, CONTROL, CONTROL_OK): dtype BYTES, a UTF-8
   JSON object of 1..max_json_bytes bytes (default :data:`MAX_JSON_BYTES`).
 * none (PUSH_OK, PULL): body_nbytes is 0; dtype is not interpreted.
-* tensor (INIT_VALUES, PARAMS, PUSH): dtype FLOAT32, FLOAT16 or BFLOAT16, the
+* ids (ROW_PULL): dtype INT64, a multiple of 8 bytes (see "Sparse rows").
+* tensor (INIT_VALUES, PARAMS, PUSH, ROWS, ROW_GRADS): dtype FLOAT32, FLOAT16 or BFLOAT16, the
   flat concatenation of a shard's tensors in the layout agreed in HELLO, in
   native (little-endian) byte order; body_nbytes is a multiple of the item size
   and at most the receiver's ``max_body_bytes``. A PUSH with Flags.EMPTY
   carries no gradient (body_nbytes 0): the sender only takes part in the sync
   barrier.
+
+Sparse rows
+===========
+
+A model's sparse embedding tables (:mod:`elasticps.nn`) are partitioned
+by row over the servers; the HELLO layout lists them (``tables``), so both
+sides know their order ``t = 0..T-1`` and row widths ``dim_t``. Rows travel
+in their own frames:
+
+* ROW_PULL (dtype INT64): ``counts`` int64 ``[T]`` (ids wanted of each
+  table), then the ids, int64 ``[sum(counts)]``, table by table. The reply
+  ROWS (dtype FLOAT32) holds the rows in the same order, float32
+  ``[sum_t counts_t * dim_t]``, and names the model version and generation
+  they belong to.
+* ROW_GRADS: sent right after a PUSH that set Flags.ROWS (dense part first,
+  rows second, one push with one push key: both are applied together, or
+  neither). Body: ``counts`` int64 ``[T]``, ids int64 ``[sum(counts)]``,
+  then the gradient rows in the frame's float dtype, ``[sum_t counts_t *
+  dim_t]``. Ids of one table are unique within a push.
+
+The header check covers the sizes that do not depend on the tables (a
+multiple of the item size, within ``max_body_bytes``); the server then reads
+``counts`` and checks the rest of the body against them before reading it,
+and the ids (range, uniqueness, which server owns them) before applying
+anything. A bad body is answered ERROR ``bad_rows`` and changes nothing.
 
 A receiver decodes and validates the whole header (:func:`decode_header`)
 before it reads a single body byte, so a malformed or oversized frame never
@@ -100,6 +126,7 @@ HELLO           HELLO_OK | ERROR
 INIT_VALUES     HELLO_OK | ERROR
 PUSH            PUSH_OK | PARAMS (with Flags.WANT_PARAMS) | ERROR
 PULL            PARAMS | ERROR
+ROW_PULL        ROWS | ERROR
 CONTROL         CONTROL_OK | ERROR
 ==============  =================================================
 
@@ -131,6 +158,7 @@ from elasticps.errors import FrameError, ProtocolError, RemoteError
 __all__ = [
     "HEADER",
     "HEADER_SIZE",
+    "ID_TYPES",
     "JSON_TYPES",
     "MAGIC",
     "MAX_JSON_BYTES",
@@ -208,6 +236,12 @@ class MsgType(enum.IntEnum):
     """client -> PS, JSON body, e.g. ``{"op": "shutdown"}`` or ``{"op": "stats"}``."""
     CONTROL_OK = 10
     """PS -> client, JSON body."""
+    ROW_PULL = 11
+    """client -> PS, INT64 body: the rows wanted of each sparse table (see "Sparse rows")."""
+    ROWS = 12
+    """PS -> client, FLOAT32 body: the rows a ROW_PULL asked for, in its order."""
+    ROW_GRADS = 13
+    """client -> PS, right after a PUSH with Flags.ROWS: ids and gradient rows per table."""
 
 
 class DType(enum.IntEnum):
@@ -218,6 +252,8 @@ class DType(enum.IntEnum):
     FLOAT32 = 1
     FLOAT16 = 2
     BFLOAT16 = 3
+    INT64 = 4
+    """Sparse-table ids (ROW_PULL bodies)."""
 
     @property
     def itemsize(self) -> int:
@@ -226,17 +262,17 @@ class DType(enum.IntEnum):
 
     @property
     def is_float(self) -> bool:
-        """Whether this dtype may carry a tensor body."""
-        return self is not DType.BYTES
+        """Whether this dtype is a float type (dense tensors and gradient rows)."""
+        return self in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16)
 
     def to_torch(self) -> torch.dtype:
         """Return the matching torch dtype.
 
         Raises:
-            ValueError: for BYTES, which has no tensor dtype.
+            ValueError: for BYTES and INT64, which carry no tensor of floats.
         """
-        if self is DType.BYTES:
-            raise ValueError("DType.BYTES has no torch dtype")
+        if not self.is_float:
+            raise ValueError(f"DType.{self.name} has no float torch dtype")
         return _TO_TORCH[self]
 
 
@@ -248,6 +284,8 @@ class Flags(enum.IntFlag):
     """On PUSH: reply with PARAMS (after the update) instead of PUSH_OK."""
     EMPTY = 2
     """On PUSH: no gradient; the sender only joins the sync barrier. Body must be empty."""
+    ROWS = 4
+    """On PUSH (not with EMPTY): a ROW_GRADS frame follows at once, part of the same push."""
 
 
 class PushStatus(enum.IntEnum):
@@ -268,6 +306,7 @@ _ITEMSIZE: Final[dict[DType, int]] = {
     DType.FLOAT32: 4,
     DType.FLOAT16: 2,
     DType.BFLOAT16: 2,
+    DType.INT64: 8,
 }
 _TO_TORCH: Final[dict[DType, torch.dtype]] = {
     DType.FLOAT32: torch.float32,
@@ -276,7 +315,7 @@ _TO_TORCH: Final[dict[DType, torch.dtype]] = {
 }
 _FROM_TORCH: Final[dict[torch.dtype, DType]] = {v: k for k, v in _TO_TORCH.items()}
 # A plain int: ~ on an IntFlag member only complements within the known bits.
-_KNOWN_FLAGS: Final[int] = int(Flags.WANT_PARAMS | Flags.EMPTY)
+_KNOWN_FLAGS: Final[int] = int(Flags.WANT_PARAMS | Flags.EMPTY | Flags.ROWS)
 
 JSON_TYPES: Final[frozenset[MsgType]] = frozenset(
     {MsgType.HELLO, MsgType.HELLO_OK, MsgType.ERROR, MsgType.CONTROL, MsgType.CONTROL_OK}
@@ -285,9 +324,12 @@ JSON_TYPES: Final[frozenset[MsgType]] = frozenset(
 NO_BODY_TYPES: Final[frozenset[MsgType]] = frozenset({MsgType.PUSH_OK, MsgType.PULL})
 """Message types that never carry a body."""
 TENSOR_TYPES: Final[frozenset[MsgType]] = frozenset(
-    {MsgType.INIT_VALUES, MsgType.PUSH, MsgType.PARAMS}
+    {MsgType.INIT_VALUES, MsgType.PUSH, MsgType.PARAMS, MsgType.ROWS, MsgType.ROW_GRADS}
 )
-"""Message types whose body is a flat float tensor (PUSH may be empty with Flags.EMPTY)."""
+"""Message types whose body is a flat float tensor (PUSH may be empty with Flags.EMPTY;
+a ROW_GRADS body starts with int64 ids, see "Sparse rows")."""
+ID_TYPES: Final[frozenset[MsgType]] = frozenset({MsgType.ROW_PULL})
+"""Message types whose body is int64 (counts and ids of sparse-table rows)."""
 
 _STATUS_TYPES: Final[frozenset[MsgType]] = frozenset({MsgType.PUSH_OK, MsgType.PARAMS})
 
@@ -297,6 +339,7 @@ REPLY_TYPES: Final[Mapping[MsgType, frozenset[MsgType]]] = {
     MsgType.PUSH: frozenset({MsgType.PUSH_OK, MsgType.PARAMS, MsgType.ERROR}),
     MsgType.PULL: frozenset({MsgType.PARAMS, MsgType.ERROR}),
     MsgType.CONTROL: frozenset({MsgType.CONTROL_OK, MsgType.ERROR}),
+    MsgType.ROW_PULL: frozenset({MsgType.ROWS, MsgType.ERROR}),
 }
 """For each request type, the message types a server may answer it with."""
 
@@ -419,6 +462,13 @@ def _check_consistency(h: FrameHeader) -> None:
             raise FrameError(
                 f"PUSH with flag EMPTY must have no body, got body_nbytes {h.body_nbytes}"
             )
+        if h.flags & Flags.ROWS:
+            raise FrameError("PUSH with flag EMPTY cannot carry ROWS")
+    elif mt in ID_TYPES:
+        if h.dtype is not DType.INT64:
+            raise FrameError(f"{mt.name} frame must have dtype INT64, got {h.dtype.name}")
+        if h.body_nbytes % 8:
+            raise FrameError(f"body_nbytes {h.body_nbytes} of {mt.name} is not a multiple of 8")
     else:  # tensor body
         if not h.dtype.is_float:
             raise FrameError(f"{mt.name} frame must have a float dtype, got {h.dtype.name}")
