@@ -113,7 +113,7 @@ def prepare(model: str, work: Path, audit_records: int) -> Dataset:
     data = work / "mnist"
     if not (data / "train.parquet").exists():
         subprocess.run(
-            [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(data)],
+            [sys.executable, "-m", "elasticps", "data", "mnist", "--output", str(data)],
             check=True,
             capture_output=True,
         )
