@@ -146,10 +146,29 @@ class SyncAligner:
         live = {i: s for i, s in states.items() if s.get("initialized")}
         frozen: list[int] = []
         try:
+            freezes: dict[int, dict[str, object]] = {}
             for index in sorted(live):
-                self._controller.request_one(index, {"op": "freeze"})
+                freezes[index] = self._controller.request_one(index, {"op": "freeze"})
                 frozen.append(index)
+            # Every shard serving, but at different versions: a step applied
+            # by some shards and not yet by others is no misalignment. Let the
+            # open rounds close, then look again. (A restarted shard does not
+            # serve until realigned: no waiting then.)
+            order = sorted(live)
+            skew_only = all(s.get("serving") for s in live.values())
+            for position in shards_mid_step([freezes[i] for i in order]) if skew_only else []:
+                try:
+                    self._controller.request_one(
+                        order[position],
+                        {"op": "freeze", "finish_round": True, "timeout_s": _FINISH_ROUND_S},
+                        timeout_s=_FINISH_ROUND_S + 10.0,
+                    )
+                except RemoteError as exc:
+                    if exc.code != "freeze_timeout":
+                        raise
             states = {i: self._controller.request_one(i, {"op": "checkpoints"}) for i in live}
+            if aligned(states):
+                return
             target = common_version(states)
             generation = 1 + max(
                 (g for s in states.values() if isinstance(g := s.get("generation"), int)),
