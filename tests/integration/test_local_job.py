@@ -311,3 +311,48 @@ def test_a_model_file_that_raises_fails_the_job_with_one_line_and_leaves_no_proc
     assert "Traceback" in log and "RuntimeError: boom" in log
     assert not (job.output / "model.safetensors").exists()
     job.assert_every_process_gone()
+
+
+TWO_PARAMETER_MODEL = '''"""One linear layer: 2 parameters; hash placement leaves a PS empty."""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+COLUMNS = ("pixels", "label")
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(784, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets)
+
+
+def batch_to_tensors(batch):
+    pixels = np.stack(batch.column("pixels").to_numpy(zero_copy_only=False))
+    inputs = torch.from_numpy(pixels.astype("float32") / 255.0)
+    return inputs, torch.tensor(batch.column("label").to_pylist())
+'''
+
+
+def test_a_parameter_server_holding_no_parameter_does_not_hold_up_the_job(
+    start_job: Callable[..., Job], mnist_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "two_parameters.py"
+    model.write_text(TWO_PARAMETER_MODEL)
+    args = small_job_args(mnist_dir, "--ps", "3", "--epochs", "2")
+    args[args.index(MLP)] = model
+
+    job = start_job(*args)
+
+    assert job.wait() == 0, job.stderr()[-4000:]
+    line = job.result_line()
+    assert line["samples_trained"] == 2 * TRAIN_ROWS and line["exactly_once"] is True, line
+    job.assert_every_process_gone()

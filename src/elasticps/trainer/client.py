@@ -672,8 +672,10 @@ class ParameterClient:
         try:
             first: list[tuple[_ShardConnection, PSSlot]] = []
             for layout in placement.shards:
-                if layout.numel == 0 and not self.tables:
-                    continue  # a shard that holds nothing (hash placement left it empty)
+                # Also a shard that holds nothing (hash placement left it
+                # empty): it takes part in every push, so that it records the
+                # pushes' records like every other shard and a pass can be
+                # shown complete on it.
                 conn = _ShardConnection(
                     layout,
                     params,
