@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
