@@ -23,6 +23,13 @@ log file only). With ``--bad-records fail`` it then stops with a
 drops the mini-batch and reports its records as skipped, until the task's
 skip budget (``Task.skip_budget``) is spent: then the task is reported
 failed, and the master sets it aside.
+
+Buffers (BatchNorm statistics): before each forward the trainer takes the
+buffer values of its last pull into the model, if they are new; each push
+carries what the model's buffers did since (increments, see
+:class:`~elasticps.buffers.BufferSync`). A push computed again after a
+STALE answer first takes the freshly pulled values, so its mini-batches
+count once.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from elasticps.config import TrainerConfig, UpdateMode, ledger_only
+from elasticps.config import TrainerConfig, UpdateMode, ledger_only, parse_model_args
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
@@ -590,6 +597,8 @@ class Trainer:
             _ModelCodeError: the model file's forward or loss raised.
             ModelContractError: the loss is not a scalar, or .grad was replaced.
         """
+        if self.flat.buffers is not None:
+            self.flat.buffers.adopt(self.flat.params)
         called = "forward"
         try:
             outputs = self.flat.model(inputs)
@@ -701,6 +710,8 @@ class Trainer:
                 grads[lo:hi].zero_()  # pulled, never updated: the PS refuses non-zero gradients
             if acc.batches > 1:
                 grads.div_(acc.batches)  # mean of per-batch mean gradients
+            if self.flat.buffers is not None:
+                self.flat.buffers.write_increments(grads)
             handle = client.push(
                 acc.samples,
                 want_params=want_params or sync,
@@ -756,6 +767,10 @@ class Trainer:
         client.pull()
         if self.config.mode is UpdateMode.SYNC and not client.consistent:
             client.pull_consistent()
+        if self.flat.buffers is not None:
+            # The model's buffers ran these mini-batches already: start them again
+            # from the pulled values (what they did since the last push stays pending).
+            self.flat.buffers.adopt(self.flat.params, force=True)
         self.flat.zero_grad()
         for inputs, targets in acc.window:
             self._forward_backward(inputs, targets)
@@ -776,6 +791,8 @@ class Trainer:
             self._recompute(client, acc)
             if acc.batches > 1:
                 self.flat.grads.div_(acc.batches)
+            if self.flat.buffers is not None:
+                self.flat.buffers.write_increments(self.flat.grads)
             retry = client.push(
                 acc.samples, want_params=True, on_acknowledged=None, key=self._key(acc)
             )
@@ -823,7 +840,9 @@ def run_trainer(config: TrainerConfig, stop: threading.Event) -> None:
         CoordinationError / ServiceUnavailableError: etcd, PS or master unreachable.
     """
     torch.set_num_threads(config.threads)
-    spec = load_model_file(config.model_path, config.model_class)
+    spec = load_model_file(
+        config.model_path, config.model_class, parse_model_args(config.model_args)
+    )
     store = JobStore(config.common.etcd_endpoint, config.common.job)
     try:
         Trainer(config, spec, store, stop).run()
