@@ -254,7 +254,7 @@ def plan_placement(
     shards = []
     for s in range(num_shards):
         # A shard may hold nothing when a few parameters hash to the same PS;
-        # that PS then idles, and clients skip it.
+        # trainers still push their (empty) bodies to it, for the push keys.
         shards.append(
             ShardLayout(
                 index=s,

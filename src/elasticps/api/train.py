@@ -10,7 +10,10 @@ updater's ``torch.optim`` optimizer at the scheduled learning rate, keeping
 frozen parameters bit-identical. In-process, that shard lives in this
 process and holds every parameter; with ``Local`` the PS processes hold it.
 So in sync mode with one trainer both give the same parameters (within
-float32 rounding of the sample-weighted mean).
+float32 rounding of the sample-weighted mean). The model's persistent
+buffers (BatchNorm statistics) are trained state too: both paths carry them
+as the trainers do (:mod:`elasticps.buffers`) and return them in the
+:class:`~elasticps.parameters.ParameterSet`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 from elasticps import updater as updater_mod
 from elasticps.api.cluster import Local, Parquet
 from elasticps.api.servers import LocalServers, ServersConfig
+from elasticps.buffers import model_buffers
 from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
 from elasticps.coord.store import JobStore, TrainerMap, Watch
 from elasticps.data.parquet import RangeReader, check_columns, count_rows
@@ -118,7 +122,9 @@ def train(
             names are ignored.
 
     Returns:
-        The trained parameters, float32 tensors by name, shaped as in ``model``.
+        The trained parameters, float32 tensors by name, shaped as in
+        ``model``, and its persistent buffers (BatchNorm's running
+        statistics), in their own dtypes.
 
     Raises:
         ConfigError: bad arguments (unknown frozen pattern, shape mismatch...).
@@ -158,7 +164,9 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
     """Run ``model(inputs)`` with the values of ``parameters``, without gradients.
 
     Works for any sub-network: only the parameters ``model`` has are looked
-    up, by name (``model.named_parameters()``), so a set trained on a whole
+    up, by name (``model.named_parameters()``), and its persistent buffers
+    that the set holds (BatchNorm statistics; the model's own otherwise), so a
+    set trained on a whole
     GAN runs its generator alone if the names agree (build the sub-network
     under the same attribute names, or pass a sub-set). The model is not
     changed (``torch.func.functional_call``); it runs in eval mode, and its
@@ -178,9 +186,8 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
             parameters; the message names them.
         ConfigError: a shape differs from the model's.
     """
-    values = (
-        parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
-    ).tensors_for(model)
+    given = parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
+    values = {**given.tensors_for(model), **given.buffers_for(model)}
     was_training = model.training
     model.eval()
     try:
@@ -365,7 +372,15 @@ def _in_process_batches(reader: Reader | Parquet) -> Iterator[tuple[int, Batch]]
 
 
 def _result(flat: FlatModel) -> ParameterSet:
-    return ParameterSet({n: p.detach() for n, p in flat.model.named_parameters()})
+    """The model's parameters and buffers, after taking the buffers' last pulled values."""
+    if flat.buffers is not None:
+        flat.buffers.adopt(flat.params, force=True)
+    return ParameterSet(
+        {
+            **{n: p.detach() for n, p in flat.model.named_parameters()},
+            **dict(model_buffers(flat.model)),
+        }
+    )
 
 
 def _metrics(flat: FlatModel, num_passes: int, trainers: int) -> dict[str, float]:
@@ -405,6 +420,8 @@ def _train_in_process(job: _Job) -> ParameterSet:
                             pass_id=pass_id, batch_id=batch_id, model_version=shard.version
                         )
                     )
+                if flat.buffers is not None:
+                    flat.buffers.adopt(flat.params)
                 loss = spec.loss(flat.model(inputs), targets)
                 if loss.dim() != 0:
                     raise ModelContractError(
@@ -418,6 +435,8 @@ def _train_in_process(job: _Job) -> ParameterSet:
                     )
                 for lo, hi in ranges:
                     flat.grads[lo:hi].zero_()
+                if flat.buffers is not None:
+                    flat.buffers.write_increments(flat.grads)
                 shard.push(0, flat.grads, shard.version, len(targets))
                 flat.params.copy_(shard.values)  # the pull
                 flat.zero_grad()

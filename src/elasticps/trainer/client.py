@@ -580,8 +580,9 @@ class ParameterClient:
         try:
             first: list[tuple[_ShardConnection, PSSlot]] = []
             for layout in placement.shards:
-                if layout.numel == 0:
-                    continue  # a shard that holds nothing (hash placement left it empty)
+                # A shard that holds nothing (hash placement left it empty) is
+                # still pushed to, with empty bodies: it must hold every record's
+                # push key, or the master's pass check would re-open them forever.
                 conn = _ShardConnection(
                     layout, params, grads, staging=self._staging, transport=transport
                 )
