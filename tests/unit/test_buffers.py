@@ -175,7 +175,7 @@ def test_sync_step_adds_the_sample_weighted_mean_of_floats_and_the_largest_integ
     before = shard.values.clone()
     shard.set_live_trainers({0, 1})
     grads = [torch.ones(shard.numel), torch.ones(shard.numel)]
-    for i, (samples, inc, ticks) in enumerate([(30, 1.0, 1), (10, 5.0, 3)]):
+    for i, (inc, ticks) in enumerate([(1.0, 1), (5.0, 3)]):
         for lo, hi in floats:
             grads[i][lo:hi] = inc
         grads[i][count[0] : count[1]] = encode_ints(torch.tensor([ticks]))

@@ -293,7 +293,7 @@ def test_example_batches_from_range_reads_match_the_full_table(
 
 def test_a_metrics_name_that_is_not_callable_is_a_contract_error(tmp_path: Path) -> None:
     path = write_model(tmp_path, GOOD + "\nmetrics = 3\n")
-    with pytest.raises(ModelContractError, match="'metrics' in model file .* is not callable"):
+    with pytest.raises(ModelContractError, match=r"'metrics' in model file .* is not callable"):
         load_model_file(path)
     assert load_model_file(write_model(tmp_path, GOOD, "plain.py")).metrics is None
 
