@@ -58,6 +58,7 @@ of it (the coverage of push keys knows nothing of them).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ from elasticps.errors import LayoutMismatchError, ModelContractError
 
 __all__ = [
     "LIMBS_PER_INT",
+    "NO_BUFFERS_ENV",
     "BufferLayout",
     "BufferRange",
     "BufferRound",
@@ -85,6 +87,12 @@ __all__ = [
 
 LIMBS_PER_INT = 3
 """float32 limbs per element of an integer or bool buffer."""
+
+NO_BUFFERS_ENV = "ELASTICPS_BENCH_NO_BUFFERS"
+"""Benchmark knob: set to ``1``, :func:`model_buffers` reports none, so buffers
+stay on each trainer, as if elasticps did not carry them (the B side of what
+carrying them costs, ``benchmarks/training.py``). A model with buffers then
+cannot be evaluated (its saved model lacks them). Unset in normal runs."""
 
 _LIMB = 1 << 24
 _HALF_LIMB = 1 << 23
@@ -158,8 +166,11 @@ def model_buffers(model: nn.Module) -> list[tuple[str, Tensor]]:
 
     Buffers registered with ``persistent=False`` (not in ``state_dict()``)
     and ``None`` buffers are left out; a buffer shared by two modules appears
-    once, under its first name.
+    once, under its first name. None at all under the benchmark knob
+    :data:`NO_BUFFERS_ENV`.
     """
+    if os.environ.get(NO_BUFFERS_ENV) == "1":
+        return []
     out = []
     seen: set[int] = set()
     for prefix, module in model.named_modules(remove_duplicate=False):

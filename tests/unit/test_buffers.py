@@ -287,3 +287,38 @@ def test_python_api_returns_buffers_and_infer_uses_them() -> None:
     inputs = batches[0][0]
     expected = trained.eval()(inputs)
     assert torch.allclose(elasticps.infer(model, params, inputs), expected)  # type: ignore[arg-type]
+
+
+def test_python_api_evaluates_every_pass_into_end_pass_events_with_its_metrics() -> None:
+    from torchmetrics.classification import MulticlassF1Score
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    batches = [(torch.randn(12, 4), torch.randint(0, 3, (12,))) for _ in range(3)]
+    ends: list[elasticps.events.EndPass] = []
+
+    def on_event(event: object) -> None:
+        if isinstance(event, elasticps.events.EndPass):
+            ends.append(event)
+
+    def metrics() -> dict[str, object]:
+        return {"f1": MulticlassF1Score(num_classes=3)}
+
+    params = elasticps.train(
+        model, nn.functional.cross_entropy, lambda: iter(batches), num_passes=2, cluster=None,
+        event_handler=on_event, test_reader=lambda: iter(batches[:2]), metrics=metrics,
+    )  # fmt: skip
+    assert [e.pass_id for e in ends] == [0, 1]
+    for e in ends:
+        assert set(e.metrics) == {
+            "samples",
+            "test_accuracy",
+            "test_f1",
+            "test_loss",
+            "test_samples",
+        }
+    final = elasticps.evaluate_model(
+        model, params, lambda: iter(batches[:2]), nn.functional.cross_entropy, metrics=metrics
+    )
+    assert final["loss"] == pytest.approx(ends[-1].metrics["test_loss"], rel=1e-6)
+    assert final["f1"] == ends[-1].metrics["test_f1"]

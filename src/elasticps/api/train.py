@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -59,7 +60,7 @@ from elasticps.trainer.client import ParameterClient
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers, frozen_ranges
 from elasticps.trainer.worker import Batch, Reader, Trainer
 
-__all__ = ["infer", "train"]
+__all__ = ["evaluate_model", "infer", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ def train(
     num_passes: int = 1,
     cluster: Local | None = Local(),  # noqa: B008 (a frozen value)
     parameters: Mapping[str, Tensor] | None = None,
+    test_reader: Reader | Parquet | None = None,
+    metrics: Callable[[], Mapping[str, Any]] | None = None,
 ) -> ParameterSet:
     """Train ``model`` and return its trained parameters.
 
@@ -120,6 +123,14 @@ def train(
         parameters: initial values by name (a ParameterSet from an earlier
             job); model parameters it lacks keep the model's values, extra
             names are ignored.
+        test_reader: test data (a reader function or a Parquet dataset):
+            the model is evaluated at the end of every pass (see
+            :func:`evaluate_model`), and each :class:`~elasticps.events.EndPass`
+            event's ``metrics`` get the results, prefixed ``test_``
+            (``test_loss``, ``test_accuracy``...). The evaluation pauses the
+            trainer that ends the pass.
+        metrics: with ``test_reader``: returns fresh metric objects by name
+            for each evaluation (see :func:`evaluate_model`).
 
     Returns:
         The trained parameters, float32 tensors by name, shaped as in
@@ -154,10 +165,77 @@ def train(
         )
     else:
         spec = in_process_spec(template, loss_fn)
-    job = _Job(spec, reader, optimizer, frozen, num_passes, _EventHub(event_handler))
+    hub = _EventHub(event_handler)
+    if test_reader is not None:
+        if not (callable(test_reader) or isinstance(test_reader, Parquet)):
+            raise ConfigError(
+                "test_reader must be a function yielding (inputs, targets) or a Parquet"
+            )
+        hub.test = (test_reader, metrics)
+    job = _Job(spec, reader, optimizer, frozen, num_passes, hub)
     if cluster is None:
         return _train_in_process(job)
     return _train_local(job, cluster)
+
+
+def evaluate_model(
+    model: nn.Module,
+    parameters: Mapping[str, Tensor] | None,
+    reader: Reader | Parquet,
+    loss_fn: LossFn,
+    *,
+    metrics: Callable[[], Mapping[str, Any]] | None = None,
+) -> dict[str, float]:
+    """The mean loss and the metrics of ``model`` with ``parameters`` on test data.
+
+    The same evaluation as the CLI's (:func:`elasticps.evaluate.evaluate`):
+    the model runs in eval mode without gradients; the loss is the
+    sample-weighted mean of ``loss_fn`` over the batches, and the metrics
+    that fit the shapes of the outputs and targets are added (``accuracy``
+    for class scores; ``accuracy`` and ``auc`` for one logit per sample with
+    0/1 targets; ``mse`` and ``mae`` for other outputs shaped as their
+    targets; see :class:`elasticps.evaluate.MetricSet`), then ``metrics()``'s.
+
+    Args:
+        model: the module; it is not changed (a copy is evaluated).
+        parameters: name -> tensor, e.g. the result of :func:`train`
+            (parameters, and buffers it holds); None evaluates the model's
+            own values.
+        reader: a reader function yielding ``(inputs, targets)``, or a
+            :class:`~elasticps.api.cluster.Parquet` dataset.
+        loss_fn: ``loss_fn(outputs, targets) -> Tensor``, a scalar mean loss.
+        metrics: returns fresh metric objects by name (``torchmetrics``
+            metrics, or anything with ``update(preds, target)`` and
+            ``compute()``); None for the default metrics only.
+
+    Returns:
+        The metrics, then ``loss`` and ``samples``.
+
+    Raises:
+        MissingParameterError: ``parameters`` lacks some of the model's
+            parameters.
+        ConfigError: a shape differs from the model's.
+        DataError: the data holds no sample.
+    """
+    copy_ = copy.deepcopy(model)
+    if parameters is not None:
+        ParameterSet(parameters).copy_into(copy_)
+    return _evaluate_model(copy_, loss_fn, reader, metrics)
+
+
+def _evaluate_model(
+    model: nn.Module,
+    loss_fn: LossFn,
+    reader: Reader | Parquet,
+    metrics: Callable[[], Mapping[str, Any]] | None,
+) -> dict[str, float]:
+    from elasticps.evaluate import evaluate_batches
+
+    batches = (batch for _, batch in _in_process_batches(reader))
+    return evaluate_batches(
+        model, loss_fn, batches, metrics=metrics() if metrics is not None else None,
+        what=type(model).__name__,
+    )  # fmt: skip
 
 
 def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) -> object:
@@ -212,6 +290,10 @@ class _EventHub:
 
     def __init__(self, handler: EventHandler | None) -> None:
         self.handler = handler
+        # Test data and metrics for the end of every pass (train's test_reader).
+        self.test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None] | None = None
+        # Evaluates the current model: set by the training path once it can pull.
+        self.evaluate_now: Callable[[], dict[str, float]] | None = None
         self._lock = threading.Lock()
         self._pass = -1
         self._pass_cost = 0.0
@@ -282,13 +364,16 @@ class _EventHub:
         cost = self._pass_cost / self._pass_samples if self._pass_samples else math.nan
         self._last_pass_cost = cost
         self._last_pass = self._pass
+        metrics = {"samples": self._pass_samples}
+        if self.evaluate_now is not None:
+            metrics.update({f"test_{k}": v for k, v in self.evaluate_now().items()})
         self.handler(
             EndPass(
                 pass_id=self._pass,
                 batch_id=self._pass_batches,
                 cost=cost,
                 model_version=self._version,
-                metrics={"samples": self._pass_samples},
+                metrics=metrics,
             )
         )
         self._pass_cost = self._pass_samples = 0.0
@@ -409,6 +494,16 @@ def _train_in_process(job: _Job) -> ParameterSet:
     )
     shard.values.copy_(flat.params)  # what a trainer's INIT_VALUES does
     shard.set_live_trainers({0})
+    if hub.test is not None:
+        test_reader, test_metrics = hub.test
+
+        def evaluate_now() -> dict[str, float]:
+            model = copy.deepcopy(flat.model)
+            if flat.buffers is not None:  # the values pulled last (the server's)
+                ParameterSet(_result(flat)).copy_into(model)
+            return _evaluate_model(model, spec.loss, test_reader, test_metrics)
+
+        hub.evaluate_now = evaluate_now
     hub.begin(_metrics(flat, num_passes, 1), shard.version)
     on_event = hub.on_iteration
     try:
@@ -526,6 +621,8 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
             for i in range(cluster.trainers)
         ]
         watch = _watch_trainers(store, hub) if hub.handler is not None else None
+        if hub.test is not None and hub.handler is not None:
+            hub.evaluate_now = _pass_evaluator(spec, cluster, servers, hub.test)
         try:
             hub.begin(_metrics(probe, num_passes, cluster.trainers), 0)
             _run_trainer_threads(job, configs, batch_reader, servers)
@@ -613,6 +710,24 @@ def _run_trainer_threads(
         if isinstance(exc, ConfigError | ModelContractError | DataError):
             raise exc
         raise JobFailedError(f"a trainer failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _pass_evaluator(
+    spec: ModelSpec,
+    cluster: Local,
+    servers: LocalServers,
+    test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None],
+) -> Callable[[], dict[str, float]]:
+    """Evaluates the model the servers hold now (a pull, as the final one does)."""
+    test_reader, test_metrics = test
+
+    def evaluate_now() -> dict[str, float]:
+        result, _ = _pull_final(spec, cluster, servers)
+        model = spec.instantiate(0)
+        result.copy_into(model)
+        return _evaluate_model(model, spec.loss, test_reader, test_metrics)
+
+    return evaluate_now
 
 
 def _pull_final(spec: ModelSpec, cluster: Local, servers: LocalServers) -> tuple[ParameterSet, int]:
