@@ -56,10 +56,6 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(channels_out)
         self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels_out)
-        # The block starts as its shortcut alone: the last BatchNorm's scale is 0
-        # ("zero-init residual", Goyal et al., "Accurate, Large Minibatch SGD",
-        # 2017), which helps its first steps.
-        nn.init.zeros_(self.bn2.weight)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or channels_in != channels_out:
             self.shortcut = nn.Sequential(
