@@ -322,3 +322,24 @@ def test_python_api_evaluates_every_pass_into_end_pass_events_with_its_metrics()
     )
     assert final["loss"] == pytest.approx(ends[-1].metrics["test_loss"], rel=1e-6)
     assert final["f1"] == ends[-1].metrics["test_f1"]
+
+
+def test_resume_rebuilds_the_checkpoints_model_args_and_refuses_others(tmp_path: Path) -> None:
+    from elasticps.config import JobConfig
+    from elasticps.errors import ConfigError
+    from elasticps.launcher.local import LocalLauncher
+
+    manifest = build_manifest([], ledger_revision=None, extra={"model_args": {"width": 8}})
+    write_manifest(tmp_path, manifest)
+
+    def launcher(model_args: str) -> LocalLauncher:
+        config = JobConfig(
+            job="j", model_path=tmp_path / "m.py", data=tmp_path, output=tmp_path / "out",
+            resume=tmp_path, model_args=model_args,
+        )  # fmt: skip
+        return LocalLauncher(config)
+
+    assert launcher("").model_args() == {"width": 8}
+    assert launcher('{"width": 8}').model_args() == {"width": 8}
+    with pytest.raises(ConfigError, match=r"differ from the checkpoint's \{\"width\":8\}"):
+        launcher('{"width": 16}').model_args()

@@ -630,6 +630,9 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
             if watch is not None:
                 watch.cancel()
         result, version = _pull_final(spec, cluster, servers)
+        if hub.evaluate_now is not None and hub.test is not None:
+            # The last pass ends once the servers are gone: evaluate what was pulled.
+            hub.evaluate_now = _evaluator_of(spec, result, hub.test)
         if cluster.checkpoint_dir is not None:
             from elasticps.launcher.local import checkpoint_job
 
@@ -719,12 +722,25 @@ def _pass_evaluator(
     test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None],
 ) -> Callable[[], dict[str, float]]:
     """Evaluates the model the servers hold now (a pull, as the final one does)."""
-    test_reader, test_metrics = test
 
     def evaluate_now() -> dict[str, float]:
         result, _ = _pull_final(spec, cluster, servers)
+        return _evaluator_of(spec, result, test)()
+
+    return evaluate_now
+
+
+def _evaluator_of(
+    spec: ModelSpec,
+    values: ParameterSet,
+    test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None],
+) -> Callable[[], dict[str, float]]:
+    """Evaluates the model with ``values`` on the test data."""
+    test_reader, test_metrics = test
+
+    def evaluate_now() -> dict[str, float]:
         model = spec.instantiate(0)
-        result.copy_into(model)
+        values.copy_into(model)
         return _evaluate_model(model, spec.loss, test_reader, test_metrics)
 
     return evaluate_now
