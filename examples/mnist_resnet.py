@@ -13,7 +13,7 @@ servers combine it, every pull brings the result back), saves them in
 The network is a small ResNet (He et al., "Deep Residual Learning for Image
 Recognition", CVPR 2016: basic blocks of two 3x3 convolutions with an
 identity shortcut, or a strided 1x1 convolution where the shape changes),
-about 22k parameters at the default width. Its width is a constructor
+about 44k parameters at the default width (24). Its width is a constructor
 argument, so ``--model-args '{"width": 32}'`` trains a wider one; the
 arguments are recorded with the checkpoint, so ``elasticps evaluate`` and
 ``--resume`` rebuild the same network. Train it with the main job's command::
