@@ -223,15 +223,20 @@ class MetricSet:
         from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
 
         self._kind = kind
+        # One process evaluates: the metrics must not wait for other ranks of a
+        # process group the caller may be in (a DDP worker evaluating).
+        local: dict[str, Any] = {"sync_on_compute": False}
         if kind == _CLASSES:
-            accuracy = MulticlassAccuracy(num_classes=int(outputs.shape[1]), average="micro")
+            accuracy = MulticlassAccuracy(
+                num_classes=int(outputs.shape[1]), average="micro", **local
+            )
             self._classes = _Metrics({"accuracy": accuracy}, self._what)
         else:
             self._binary = _Metrics(
-                {"accuracy": BinaryAccuracy(), "auc": BinaryAUROC()}, self._what
+                {"accuracy": BinaryAccuracy(**local), "auc": BinaryAUROC(**local)}, self._what
             )
             self._regression = _Metrics(
-                {"mse": MeanSquaredError(), "mae": MeanAbsoluteError()}, self._what
+                {"mse": MeanSquaredError(**local), "mae": MeanAbsoluteError(**local)}, self._what
             )
 
     def compute(self) -> dict[str, float]:
