@@ -230,7 +230,6 @@ class LocalLauncher:
         Raises:
             ConfigError: ``--model-args`` is not a JSON object, or differs
                 from the checkpoint's.
-            DataError: the ``--resume`` manifest cannot be read.
         """
         if self._model_args is not None:
             return self._model_args
@@ -238,7 +237,10 @@ class LocalLauncher:
         given = parse_model_args(cfg.model_args)
         args = given
         if cfg.resume is not None and (cfg.resume / "manifest.json").is_file():
-            extra = read_snapshot_manifest(cfg.resume).get("extra")
+            try:
+                extra = read_snapshot_manifest(cfg.resume).get("extra")
+            except DataError:
+                extra = None  # not a consistent checkpoint: validate() says so
             recorded = extra.get("model_args") if isinstance(extra, dict) else None
             if isinstance(recorded, dict):
                 if cfg.model_args.strip() and given != recorded:
