@@ -332,7 +332,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="elasticps-audit-") as audit,
     ):
         subprocess.run(
-            [sys.executable, "-m", "elasticps", "data", "mnist", "--out", data],
+            [sys.executable, "-m", "elasticps", "data", "mnist", "--output", data],
             check=True,
             capture_output=True,
         )

@@ -47,7 +47,7 @@ then one summary line per case with the median, minimum and maximum of
 ``accuracy``, ``loss`` and ``samples_per_s`` and the number of distinct
 parameter hashes, and with ``--markdown`` a Markdown table on stderr.
 
-    .venv/bin/elasticps data mnist --out /tmp/c-mnist
+    .venv/bin/elasticps data mnist --output /tmp/c-mnist
     .venv/bin/python benchmarks/tradeoffs.py --data /tmp/c-mnist --epochs 3 --reps 2
     .venv/bin/python benchmarks/tradeoffs.py --data /tmp/c-mnist --quick   # smoke, 1-3 min
 
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.epochs, args.reps, args.cases, args.staleness = 1, 1, "sync,async1", "0"
     if not (args.data / "train.parquet").exists():
-        parser.error(f"{args.data}/train.parquet not found (run elasticps data mnist --out DIR)")
+        parser.error(f"{args.data}/train.parquet not found (run elasticps data mnist --output DIR)")
     staleness_ok = has_staleness_flag()
     staleness = [int(s) for s in args.staleness.split(",") if s]
     cases = build_cases(args.cases.split(","), staleness, staleness_ok)

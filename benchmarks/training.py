@@ -690,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         full = workdir / "mnist"
         subprocess.run(
-            [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(full)],
+            [sys.executable, "-m", "elasticps", "data", "mnist", "--output", str(full)],
             check=True,
             stdout=subprocess.DEVNULL,
         )

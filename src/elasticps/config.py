@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elasticps.errors import ConfigError
-from elasticps.launcher.chaos import ChaosEvent
+from elasticps.launcher.chaos import ChaosEvent, RandomChaos
+from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
 from elasticps.schedules import schedule_from_json
 
@@ -473,6 +474,7 @@ class JobConfig:
         standby_ps: extra parameter servers waiting for a free slot, >= 0.
         max_restarts: restarts allowed per master, PS and etcd process, >= 0.
         chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
+        random_chaos: SIGKILLs of random roles at random moments, or None.
         spawn: how role processes start: ``fork`` from a fork server that
             has imported torch already (:mod:`elasticps.launcher.spawn`),
             or ``exec`` (each a new ``python -m elasticps``).
@@ -488,6 +490,10 @@ class JobConfig:
             ``skip``, nulls in the data's columns are no error before launch.
         overwrite: an ``output`` that holds a previous run's files is cleaned
             first instead of refused.
+        checkpoint_failures_fatal_after_s: seconds a PS's checkpoint writes may
+            fail (a full disk, say) before the job stops, > 0.
+        fallback_output: where the trained parameters go when ``output`` cannot
+            be written; None picks ``<temp dir>/elasticps-fallback/<job>-<run id>``.
     """
 
     job: str
@@ -526,12 +532,20 @@ class JobConfig:
     stuck_after_s: float | None = None
     spawn: str = "fork"
     eval_each_pass: bool = False
+    random_chaos: RandomChaos | None = None
     bad_records: str = "fail"
     overwrite: bool = False
+    checkpoint_failures_fatal_after_s: float = DEFAULT_FATAL_AFTER_S
+    fallback_output: Path | None = None
     model_args: str = ""
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if not self.checkpoint_failures_fatal_after_s > 0:
+            raise ConfigError(
+                "--checkpoint-failures-fatal-after-s must be > 0, "
+                f"got {self.checkpoint_failures_fatal_after_s}"
+            )
         _check_bad_records(self.bad_records)
         parse_model_args(self.model_args)
         if self.spawn not in SPAWN_METHODS:

@@ -71,7 +71,8 @@ from dataclasses import dataclass
 from typing import IO, TypeVar
 
 from elasticps.config import OptimizerConfig, UpdateMode
-from elasticps.errors import ConfigError, JobFailedError
+from elasticps.errors import ConfigError, JobFailedError, JobUserError
+from elasticps.launcher.supervisor import EXIT_USER_ERROR, Action, Event, Exited, FailJob, Kind
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.updater import Updater, as_config
 
@@ -264,6 +265,9 @@ def _launch_local(
         ps_args=ps_args,
         with_master=False,
         lease_ttl_s=lease_ttl_s,
+        # A worker runs the user's whole script: a replacement would train
+        # its data again, so a worker that fails fails the launch.
+        replace_trainers=False,
     )
     started = time.monotonic()
     running: list[_Worker] = []
@@ -299,7 +303,7 @@ def _launch_local(
                 "dist_train: job %s, %d workers (pids %s), servers %s",
                 servers.job, workers, [w.proc.pid for w in running], servers.pids,
             )  # fmt: skip
-            codes = _wait(running, servers.check, started, timeout_s)
+            codes = _wait(running, servers.check, servers.decide, started, timeout_s)
             log.info(
                 "dist_train: every worker exited after %.1f s; stopping the servers",
                 time.monotonic() - started,
@@ -312,20 +316,40 @@ def _launch_local(
 def _wait(
     running: list[_Worker],
     check_servers: Callable[[], None],
+    decide: Callable[[Event], Action],
     started: float,
     timeout_s: float | None,
 ) -> list[int]:
-    """Wait for every worker; raise at the first failure (the caller stops the rest)."""
+    """Wait for every worker; raise at the first failure (the caller stops the rest).
+
+    Each worker's end goes through the job's supervision policy
+    (:mod:`elasticps.launcher.supervisor`, the servers' own, without trainer
+    replacement), which fails the launch on any status but 0: with status 2
+    (a user error) as :class:`~elasticps.errors.JobUserError`.
+    """
     while True:
         codes = [w.proc.poll() for w in running]
         failed = [(w.rank, c) for w, c in zip(running, codes, strict=True) if c not in (None, 0)]
         if failed:
             for w in running:
                 w.pump.join(timeout=1.0)
-            raise JobFailedError(
-                "dist_train: worker(s) failed: "
-                + ", ".join(f"rank {rank} exited with status {code}" for rank, code in failed)
+            actions = [
+                decide(
+                    Exited(
+                        f"trainer-{rank}",
+                        Kind.TRAINER,
+                        status=code if code >= 0 else None,
+                        signal=-code if code < 0 else None,
+                    )
+                )
+                for rank, code in failed
+            ]
+            message = "dist_train: worker(s) failed: " + ", ".join(
+                f"rank {rank} exited with status {code}" for rank, code in failed
             )
+            if any(isinstance(a, FailJob) and a.exit_code == EXIT_USER_ERROR for a in actions):
+                raise JobUserError(message + " (a user error; see its output above)")
+            raise JobFailedError(message)
         if all(c == 0 for c in codes):
             for w in running:
                 w.pump.join(timeout=5.0)

@@ -36,6 +36,13 @@ class ModelContractError(UserError):
     """A model file does not follow the contract documented in the README."""
 
 
+class MissingExtraError(UserError):
+    """A command needs an optional part of elasticps that is not installed.
+
+    The message names the extra to install, e.g. ``pip install 'elasticps[kubernetes]'``.
+    """
+
+
 class PortInUseError(UserError):
     """A port the user asked for is already bound by another process."""
 
@@ -52,6 +59,14 @@ class BadRecordError(DataError):
 
 class OutputInUseError(UserError):
     """Another job holds the lock of the output directory (``OUTPUT/.lock``)."""
+
+
+class CheckpointFailureError(UserError):
+    """Checkpoints could not be written for longer than the job allows (a full disk, say).
+
+    The message says where the trained parameters were saved instead, or, if
+    that failed too, where the last checkpoints are.
+    """
 
 
 class JobUserError(UserError):

@@ -15,8 +15,10 @@ waits in the file for a bug report.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Final
 
@@ -61,7 +63,25 @@ class OneLineFormatter(logging.Formatter):
 
 
 class _LogFileHandler(logging.FileHandler):
-    """The handler :func:`log_to_file` installs (found again by :func:`active_log_file`)."""
+    """The handler :func:`log_to_file` installs (found again by :func:`active_log_file`).
+
+    A record it cannot write (a full disk, say) is dropped without the
+    traceback that :mod:`logging` would print on stderr; the first such
+    failure is said once, in one line, on stderr.
+    """
+
+    _failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if not self._failed:
+            self._failed = True
+            with contextlib.suppress(OSError, ValueError):
+                print(
+                    f"elasticps: warning: cannot write the log file {self.baseFilename} "
+                    "(records it cannot take are dropped)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _format_of(handler: logging.Handler) -> str:

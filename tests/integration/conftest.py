@@ -18,7 +18,7 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     out = tmp_path_factory.mktemp("mnist")
     done = subprocess.run(
-        [sys.executable, "-m", "elasticps", "data", "mnist", "--out", str(out)],
+        [sys.executable, "-m", "elasticps", "data", "mnist", "--output", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -205,7 +205,7 @@ def train(tmp_path: Path, model: str, data: Path, *extra: str) -> tuple[dict[str
 
 def evaluate_again(tmp_path: Path, output: Path, data: Path) -> dict[str, float]:
     done = run(
-        tmp_path, "evaluate", "--model", tmp_path / "model.py", "--checkpoint", output,
+        tmp_path, "evaluate", "--model", tmp_path / "model.py", "--output", output,
         "--data", data / "test.parquet",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -69,7 +69,7 @@ def assert_user_error(outcome: Outcome, *mentions: str) -> str:
 def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``elasticps data mnist`` run once for this module."""
     out = tmp_path_factory.mktemp("mnist")
-    done = elasticps("data", "mnist", "--out", out, cwd=out)
+    done = elasticps("data", "mnist", "--output", out, cwd=out)
     assert done.returncode == 0, done
     assert (out / "train.parquet").is_file()
     assert (out / "test.parquet").is_file()
@@ -193,7 +193,7 @@ def test_evaluate_with_a_missing_checkpoint_fails_naming_it(
         "evaluate",
         "--model",
         MLP,
-        "--checkpoint",
+        "--output",
         missing,
         "--data",
         mnist_dir / "test.parquet",

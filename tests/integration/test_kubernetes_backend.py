@@ -330,15 +330,26 @@ def test_submit_with_etcd_endpoints_starts_no_etcd_and_status_lists_the_pods(
             "--image", "x", "--model", str(model), "--data", "/d"]  # fmt: skip
     assert main(argv) == 2
     capsys.readouterr()
-    assert main(["status", JOB, "--namespace", NS, "--kubeconfig", str(kubeconfig), "--json"]) == 0
+    cluster = ["--backend", "kubernetes", "--namespace", NS, "--kubeconfig", str(kubeconfig)]
+    assert main(["status", JOB, *cluster, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["wanted_trainers"] == 4
     assert [(p["name"], p["state"]) for p in status["pods"]] == [(f"{JOB}-master-0", "running")]
     kube.set_log(NS, f"{JOB}-master-0", "hello\nworld\n")
-    assert main(["logs", JOB, "--namespace", NS, "--kubeconfig", str(kubeconfig)]) == 0
+    assert main(["logs", JOB, *cluster]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"[{JOB}-master-0] {s}" for s in ("hello", "world")
     ]
+    assert main(["logs", JOB, *cluster, "-f"]) == 0  # the fake's log stream ends at once
+    assert capsys.readouterr().out.splitlines() == [
+        f"[{JOB}-master-0] {s}" for s in ("hello", "world")
+    ]
+    assert main(["list", *cluster, "--json"]) == 0
+    (listed,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (listed["job"], listed["state"], listed["pods"]) == (JOB, "running", 1)
+    # Without --backend kubernetes, the name is looked up among local runs.
+    assert main(["status", JOB]) == 2
+    assert "--backend kubernetes" in capsys.readouterr().err
 
 
 def test_the_listener_relists_after_410_gone_and_reports_deletions_it_missed(

@@ -189,7 +189,7 @@ def small_job_args(mnist_dir: Path, *extra: str) -> list[str | Path]:
 def evaluate_checkpoint(checkpoint: Path, data: Path) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-m", "elasticps", "evaluate", "--model", str(MLP),
-         "--checkpoint", str(checkpoint), "--data", str(data)],
+         "--output", str(checkpoint), "--data", str(data)],
         capture_output=True,
         text=True,
         timeout=60,

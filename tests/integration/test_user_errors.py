@@ -454,3 +454,84 @@ def test_an_internal_failure_exits_1_with_one_line_naming_the_log(
     launcher_log = output / "logs" / "launcher.log"
     assert str(launcher_log.resolve()) in lines[0]
     assert "Traceback" in launcher_log.read_text()
+
+
+# --- a full disk ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 48 MiB tmpfs (root only; skipped elsewhere), unmounted afterwards."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)
+
+
+def fill(directory: Path) -> None:
+    """Write into ``directory`` until its file system is full."""
+    block = b"\0" * (1 << 20)
+    with contextlib.suppress(OSError), (directory / "filler").open("wb") as out:
+        while True:
+            out.write(block)
+            out.flush()
+
+
+def test_a_full_disk_stops_the_job_after_the_grace_period_and_the_parameters_are_recoverable(
+    mnist_dir: Path, small_filesystem: Path, tmp_path: Path, background: list[Background]
+) -> None:
+    output = small_filesystem / "out"
+    fallback = tmp_path / "fallback"
+    grace_s = 3.0
+    stderr_path = tmp_path / "job.stderr"
+    command = [
+        sys.executable, "-m", "elasticps", "train", "--model", str(MLP), "--data", str(mnist_dir),
+        "--output", str(output), "--no-progress", "--trainers", "1", "--ps", "1",
+        "--epochs", "200", "--mode", "async", "--checkpoint-every-s", "0.5",
+        "--checkpoint-failures-fatal-after-s", str(grace_s), "--fallback-output", str(fallback),
+    ]  # fmt: skip
+    with stderr_path.open("wb") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+    job = Background(proc, output, stderr_path)
+    background.append(job)
+
+    def checkpointed() -> bool:
+        assert proc.poll() is None, f"the job ended early:\n{job.stderr()[-4000:]}"
+        return any((output / "ps-checkpoints").rglob("*.safetensors"))
+
+    wait_for(checkpointed, "a first shard checkpoint", timeout_s=120)
+    fill(small_filesystem)
+
+    returncode = proc.wait(timeout=120)
+
+    stderr = job.stderr()
+    assert returncode == 2, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+    assert "WARNING: ps-0 cannot write its checkpoint" in stderr, stderr[-4000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("elasticps: error:")]
+    assert len(errors) == 1, stderr[-4000:]
+    assert "ps-0 has failed to write checkpoints" in errors[0], errors[0]
+    assert f"its trained parameters are in {fallback.resolve()}" in errors[0], errors[0]
+    # The documented route: the fallback holds the model and a snapshot to resume from.
+    assert (fallback / "model.safetensors").is_file() and (fallback / "snapshot").is_dir()
+    record = json.loads((fallback / "run.json").read_text())
+    assert record["state"] == "failed" and record["checkpoint_health"]["ok"] is False
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "elasticps", "evaluate", "--model", str(MLP),
+         "--checkpoint", str(fallback), "--data", str(mnist_dir / "test.parquet")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-4000:]
+    assert json.loads(evaluated.stdout.strip().splitlines()[-1])["accuracy"] > 0.5

@@ -97,7 +97,7 @@ def test_a_user_error_is_one_line_and_status_2(
         raise DataError("data file x.parquet has 1 null in column 'label'")
 
     monkeypatch.setitem(cli.COMMANDS, "evaluate", fail)
-    code = cli.main(["evaluate", "--model", "m.py", "--checkpoint", "c", "--data", "d"])
+    code = cli.main(["evaluate", "--model", "m.py", "--output", "c", "--data", "d"])
 
     assert code == 2
     assert capsys.readouterr().err == (
@@ -114,7 +114,7 @@ def test_an_internal_failure_without_a_log_shows_the_traceback_and_status_1(
         raise KeyError("oops")
 
     monkeypatch.setitem(cli.COMMANDS, "evaluate", crash)
-    code = cli.main(["evaluate", "--model", "m.py", "--checkpoint", "c", "--data", "d"])
+    code = cli.main(["evaluate", "--model", "m.py", "--output", "c", "--data", "d"])
 
     assert code == 1
     err = capsys.readouterr().err

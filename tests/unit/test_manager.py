@@ -11,9 +11,13 @@ from elasticps.launcher.manager import (
     Action,
     Create,
     Delete,
+    FailJob,
+    LedgerTaskProgress,
     ManagerCore,
     StaticDesiredCount,
     backoff_delay_s,
+    task_marks,
+    tasks_progressed,
 )
 
 
@@ -240,3 +244,86 @@ def test_no_trainer_is_stuck_while_the_job_finishes() -> None:
     run_all(core, core.step(0.0, 1), 0.0)
     core.finish()
     assert core.step(100.0, 1, {}) == []
+
+
+# --- task progress, told to the supervision policy ----------------------------------------
+
+
+def record(pass_id: int, state: str, offset: int, trainer: str | None = None) -> dict[str, object]:
+    return {"pass": pass_id, "state": state, "offset": offset, "trainer": trainer, "attempt": 1}
+
+
+def test_a_dispatch_or_requeue_is_no_progress_but_done_offset_and_next_pass_are() -> None:
+    before = task_marks({"0": record(0, "todo", 0), "1": record(0, "pending", 5, "2")})
+    dispatched = task_marks({"0": record(0, "pending", 0, "3"), "1": record(0, "todo", 5)})
+    assert not tasks_progressed(before, dispatched)
+    advanced = task_marks({"0": record(0, "todo", 0), "1": record(0, "pending", 9, "2")})
+    assert tasks_progressed(before, advanced)
+    done = task_marks({"0": record(0, "done", 0), "1": record(0, "pending", 5, "2")})
+    assert tasks_progressed(before, done)
+    next_pass = task_marks({"0": record(1, "todo", 0), "1": record(0, "pending", 5, "2")})
+    assert tasks_progressed(before, next_pass)
+    assert task_marks({"x": {"pass": "?", "state": "done"}}) == {}
+
+
+def test_internal_trainer_failures_fail_the_job_only_without_progress_in_between() -> None:
+    def fail_three(core: ManagerCore, progress: bool) -> list[Action]:
+        actions: list[Action] = []
+        for index in range(3):
+            name = f"trainer-{index}"
+            core.observe(event(name, WorkerState.RUNNING), 0.0)
+            if progress:
+                core.progressed()
+            core.observe(event(name, WorkerState.FAILED, "exit 1"), 1.0)
+            actions += core.step(1.0, 1)
+        return actions
+
+    failing = make_core()
+    assert any(isinstance(a, FailJob) for a in fail_three(failing, progress=False))
+    assert failing.failed is not None and failing.failed.exit_code == 1
+    progressing = make_core()
+    assert not any(isinstance(a, FailJob) for a in fail_three(progressing, progress=True))
+    assert progressing.failed is None
+
+
+def test_a_trainer_user_error_fails_the_job_with_status_2() -> None:
+    core = make_core()
+    core.observe(event("trainer-0", WorkerState.RUNNING), 0.0)
+    core.observe(
+        WorkerEvent("trainer-0", Role.TRAINER, 0, WorkerState.FAILED, "exit 2", message="bad row"),
+        1.0,
+    )
+    actions = core.step(1.0, 1)
+    failed = [a for a in actions if isinstance(a, FailJob)]
+    assert failed and failed[0].exit_code == 2 and "bad row" in failed[0].message
+    assert creates(actions) == []
+
+
+class FakeLedger:
+    """The part of JobStore that LedgerTaskProgress reads."""
+
+    class keys:  # noqa: N801 (mirrors JobStore.keys)
+        tasks_prefix = "/elasticps/j/tasks/"
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, object] = {"0": record(0, "pending", 0, "1")}
+        self.reads = 0
+
+    def get_prefix_json(self, prefix: str) -> tuple[dict[str, object], int]:
+        assert prefix == self.keys.tasks_prefix
+        self.reads += 1
+        return dict(self.tasks), self.reads
+
+
+def test_ledger_task_progress_sets_a_baseline_then_reads_at_most_every_every_s() -> None:
+    ledger = FakeLedger()
+    now = [0.0]
+    source = LedgerTaskProgress(ledger, every_s=5.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert source() is False  # the baseline
+    ledger.tasks["0"] = record(0, "done", 0)
+    now[0] = 1.0
+    assert source() is False and ledger.reads == 1  # too soon: not read
+    now[0] = 6.0
+    assert source() is True and ledger.reads == 2
+    now[0] = 12.0
+    assert source() is False  # nothing new

@@ -237,17 +237,21 @@ def test_data_commands(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_sources: tuple[Path, Path]
 ) -> None:
     assert (
-        main(["data", "clicklog", "--out", str(tmp_path / "c"), "--rows", "100", "--keys", "1000"])
+        main(
+            ["data", "clicklog", "--output", str(tmp_path / "c"), "--rows", "100", "--keys", "1000"]
+        )
         == 0
     )
     assert (tmp_path / "c" / "test.parquet").is_file()
     assert (
-        main(["data", "clicklog", "--out", str(tmp_path / "c"), "--rows", "100", "--keys", "1"])
+        main(["data", "clicklog", "--output", str(tmp_path / "c"), "--rows", "100", "--keys", "1"])
         == 2
     )
     assert "--keys must be in" in capsys.readouterr().err
     assert (
-        main(["data", "movielens", "--out", str(tmp_path / "m"), "--wheel", str(fake_sources[0])])
+        main(
+            ["data", "movielens", "--output", str(tmp_path / "m"), "--wheel", str(fake_sources[0])]
+        )
         == 0
     )
     assert (tmp_path / "m" / "train.parquet").is_file()

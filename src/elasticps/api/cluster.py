@@ -57,6 +57,9 @@ class Local:
         sync_reduction: sync mode: ``"mean"`` (the trainers' gradients
             averaged by samples) or ``"sum"`` (summed; for losses summed over
             the batch, and the audit model).
+        max_restarts: restarts allowed per server process (etcd, the master,
+            each parameter server), >= 0. A trainer thread that fails is
+            replaced (see :mod:`elasticps.launcher.supervisor`).
 
     Raises:
         ConfigError: a value is out of range.
@@ -75,8 +78,11 @@ class Local:
     checkpoint_dir: Path | None = None
     checkpoint_every_s: float = 10.0
     sync_reduction: str = "mean"
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.sync_reduction not in ("mean", "sum"):
             raise ConfigError(f"sync_reduction must be mean or sum, got {self.sync_reduction!r}")
         if not self.checkpoint_every_s > 0:

@@ -10,6 +10,17 @@ each as ``python -m elasticps master|ps ...`` behind the
 slot is claimed, and stops everything by PID on exit. Trainers are not its
 business: the caller runs them (in its own process, or as processes).
 
+While the job runs, the caller calls :meth:`LocalServers.check` now and then:
+it applies the job's supervision policy
+(:mod:`elasticps.launcher.supervisor`, the same as ``elasticps train``'s): a
+dead etcd, master or PS is restarted (etcd on its data directory, a PS under
+its index: it reclaims its slot and reloads its own checkpoint), up to
+``max_restarts`` times each, unless it exited with status 2. The caller
+feeds its trainers' ends to the same policy through :meth:`LocalServers.decide`;
+:meth:`LocalServers.check` tells the policy when the master reports task
+progress (which resets its count of trainers failing in a row) and when the
+job is finished (trainer deaths no longer matter).
+
 Example::
 
     cfg = ServersConfig(num_ps=2, virtual_records=100, records_per_task=10)
@@ -36,17 +47,43 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, TypeVar
+
+import grpc
 
 from elasticps.config import OptimizerConfig, UpdateMode, check_job_name
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, PSSlot
-from elasticps.errors import ConfigError, CoordinationError, JobFailedError
+from elasticps.errors import (
+    ConfigError,
+    CoordinationError,
+    ElasticPSError,
+    JobFailedError,
+    JobUserError,
+)
+from elasticps.launcher.supervisor import (
+    EXIT_USER_ERROR,
+    Action,
+    Event,
+    Exited,
+    FailJob,
+    JobFinished,
+    Kind,
+    Progressed,
+    Restart,
+    RestartFailed,
+    Supervisor,
+    SupervisorConfig,
+    error_line,
+)
+from elasticps.master.client import MasterClient
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.updater import ps_flags
 
@@ -54,8 +91,13 @@ __all__ = ["LocalServers", "ServersConfig"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 # Seconds between two checks of the children while waiting for them.
 _POLL_S = 0.05
+
+# Seconds between two looks at the master's task progress (see LocalServers.check).
+_PROGRESS_EVERY_S = 1.0
 
 
 def _default_job() -> str:
@@ -92,6 +134,10 @@ class ServersConfig:
         startup_timeout_s: seconds to wait for every PS slot to be claimed
             (and for the master to hold its lock), > 0.
         stop_timeout_s: seconds between SIGTERM and SIGKILL when stopping.
+        max_restarts: restarts allowed per etcd, master and PS process, >= 0.
+        replace_trainers: whether the caller's trainers are replaced when they
+            die (:attr:`SupervisorConfig.replace_trainers
+            <elasticps.launcher.supervisor.SupervisorConfig.replace_trainers>`).
 
     Raises:
         ConfigError: a value is out of range, or the master has no data.
@@ -114,9 +160,13 @@ class ServersConfig:
     checkpoint_every_s: float = 30.0
     startup_timeout_s: float = 60.0
     stop_timeout_s: float = 10.0
+    max_restarts: int = 3
+    replace_trainers: bool = True
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.num_ps < 1:
             raise ConfigError(f"num_ps must be >= 1, got {self.num_ps}")
         if self.with_master and not self.data_files and self.virtual_records < 1:
@@ -142,9 +192,17 @@ class ServersConfig:
 @dataclass
 class _Child:
     role: str
+    args: list[str]
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    restarts: int = 0
+    ended: bool = False
+    log_start: int = 0  # where this incarnation's output begins in the log
+
+    @property
+    def kind(self) -> Kind:
+        return Kind(self.role.split("-", maxsplit=1)[0])
 
 
 class LocalServers:
@@ -169,6 +227,19 @@ class LocalServers:
         self._children: list[_Child] = []
         self._ps_addresses: list[str] = []
         self._master_address: str | None = None
+        self._policy = Supervisor(
+            SupervisorConfig(
+                max_restarts=config.max_restarts, replace_trainers=config.replace_trainers
+            )
+        )
+        self._lock = threading.RLock()
+        self._started: list[int] = []
+        self._etcd_restarts = 0
+        # The master's progress, as check() last saw it (see _watch_progress).
+        self._master: MasterClient | None = None
+        self._progress_store: JobStore | None = None
+        self._progress_at = 0.0
+        self._tasks_done = -1
 
     # --- what callers use -------------------------------------------------------
 
@@ -220,7 +291,7 @@ class LocalServers:
 
     @property
     def pids(self) -> dict[str, int]:
-        """PID of every process started: ``etcd``, ``master``, ``ps-0``, ``ps-1``..."""
+        """PID of every running process: ``etcd``, ``master``, ``ps-0``, ``ps-1``..."""
         out: dict[str, int] = {}
         if self._etcd is not None and self._etcd.pid is not None:
             out["etcd"] = self._etcd.pid
@@ -228,19 +299,228 @@ class LocalServers:
             out[child.role] = child.proc.pid
         return out
 
+    @property
+    def started_pids(self) -> list[int]:
+        """PID of every process ever started, restarts included."""
+        with self._lock:
+            return list(self._started)
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far, by role (``etcd``, ``master``, ``ps-1``...); absent: none."""
+        with self._lock:
+            out = {c.role: c.restarts for c in self._children if c.restarts}
+            if self._etcd_restarts:
+                out["etcd"] = self._etcd_restarts
+            return out
+
+    def decide(self, event: Event) -> Action:
+        """The job's supervision policy's answer to ``event`` (thread-safe).
+
+        The caller feeds it its trainers' ends, so that one policy (and one
+        count of failures) covers the whole job.
+        """
+        with self._lock:
+            return self._policy.handle(event)
+
     def check(self) -> None:
-        """Raise if a master or PS process has exited.
+        """Supervise the servers once: restart those that died, as the policy allows.
+
+        A restarted etcd comes back on its data directory and endpoint; a
+        restarted master restores the ledger from etcd; a restarted PS
+        reclaims its slot (released at once here, not one lease TTL later)
+        and reloads its checkpoint. With a master, once a second it also asks
+        the master for the job's progress and tells the policy
+        (:class:`~elasticps.launcher.supervisor.Progressed`,
+        :class:`~elasticps.launcher.supervisor.JobFinished`).
 
         Raises:
-            JobFailedError: names the role, its exit status and its last log lines.
+            JobUserError: a server stopped on a user error (exit status 2).
+            JobFailedError: no restarts left, or a server could not be
+                restarted; names the role and quotes its last log lines.
         """
-        for child in self._children:
-            status = child.proc.poll()
-            if status is not None:
-                raise JobFailedError(
-                    f"{child.role} (pid {child.proc.pid}) exited with status {status}:\n"
-                    + self.log_tail(child.role)
+        with self._lock:
+            if self._etcd is not None and not self._etcd.alive():
+                self._restart_etcd(self._etcd)
+            for child in self._children:
+                if child.ended:
+                    continue
+                status = child.proc.poll()
+                if status is None:
+                    continue
+                self._release_slot(child)
+                message = ""
+                for line in self._output(child).splitlines():
+                    message = error_line(line) or message
+                action = self.decide(
+                    Exited(
+                        child.role,
+                        child.kind,
+                        status=status if status >= 0 else None,
+                        signal=-status if status < 0 else None,
+                        message=message,
+                    )
                 )
+                if isinstance(action, FailJob):
+                    self._fail(action, child.role)
+                if not isinstance(action, Restart):
+                    child.ended = True
+                    continue
+                log.warning(
+                    "%s (pid %d) exited with status %s; restarting it (%d/%d)",
+                    child.role, child.proc.pid, status, action.attempt, self.config.max_restarts,
+                )  # fmt: skip
+                self._restart(child)
+            self._watch_progress()
+
+    def _watch_progress(self) -> None:
+        """Tell the policy when the master's count of done tasks grows, or the job finished."""
+        if self._master_address is None or self._etcd is None or not self._etcd.alive():
+            return
+        now = time.monotonic()
+        if now - self._progress_at < _PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        try:
+            if self._master is None:
+                store = JobStore(self._etcd.endpoint, self.config.job)
+                self._progress_store = store
+                self._master = MasterClient(
+                    lambda: store.master_address(timeout_s=0.2), rpc_timeout_s=1.0, retry_s=0.0
+                )
+            status = self._master.job_status()
+        except (ElasticPSError, grpc.RpcError) as exc:  # a master or etcd being restarted
+            log.debug("no job status from the master: %s", exc)
+            return
+        if status.tasks_done_all_passes > self._tasks_done:
+            if self._tasks_done >= 0:
+                self.decide(Progressed())
+            self._tasks_done = status.tasks_done_all_passes
+        if status.finished:
+            self.decide(JobFinished())
+
+    def run_supervised(self, work: Callable[[], _T]) -> _T:
+        """Run ``work`` in a helper thread while this thread calls :meth:`check`.
+
+        For work that needs the servers up (the final pull, a checkpoint)
+        while one may die and be restarted. Call it from the thread that
+        started the servers: a restarted child is signalled when the thread
+        that started it exits (see the module docstring).
+
+        Returns:
+            What ``work`` returned.
+
+        Raises:
+            JobUserError, JobFailedError: as :meth:`check`.
+            Exception: what ``work`` raised.
+        """
+        done = threading.Event()
+        outcome: list[_T] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                outcome.append(work())
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name="servers-work", daemon=True)
+        thread.start()
+        while not done.wait(_POLL_S):
+            self.check()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return outcome[0]
+
+    def fail(self, action: FailJob) -> None:
+        """Raise the error of a :class:`FailJob` decision (see :meth:`decide`).
+
+        Raises:
+            JobUserError: ``action`` is a user error (exit status 2).
+            JobFailedError: otherwise.
+        """
+        self._fail(action, None)
+
+    def _fail(self, action: FailJob, role: str | None) -> None:
+        if action.exit_code == EXIT_USER_ERROR:
+            raise JobUserError(action.message)
+        tail = self.log_tail(role) if role is not None else ""
+        raise JobFailedError(action.message + (f":\n{tail}" if tail else ""))
+
+    def _restart_etcd(self, etcd: EtcdServer) -> None:
+        code = etcd.returncode
+        event: Event = Exited(
+            "etcd",
+            Kind.ETCD,
+            status=code if code is not None and code >= 0 else None,
+            signal=-code if code is not None and code < 0 else None,
+        )
+        while True:
+            action = self.decide(event)
+            if isinstance(action, FailJob):
+                self._fail(action, None)
+            if not isinstance(action, Restart):
+                return
+            self._etcd_restarts += 1
+            log.warning("etcd died; restarting it on its data dir (%d)", action.attempt)
+            try:
+                etcd.restart()
+            except CoordinationError as exc:
+                event = RestartFailed("etcd", Kind.ETCD, " ".join(str(exc).split())[:200])
+                continue
+            if etcd.pid is not None:
+                self._started.append(etcd.pid)
+            return
+
+    def _release_slot(self, child: _Child) -> None:
+        """Delete the PS slot or master lock a dead child held under its lease.
+
+        The process is reaped, so certainly dead: its restart can claim the
+        slot now rather than one lease TTL later. Only a key that still
+        names that pid is deleted.
+        """
+        if self._etcd is None or not self._etcd.alive():
+            return  # the lease TTL will do it
+        try:
+            with JobStore(self._etcd.endpoint, self.config.job) as store:
+                if child.kind is Kind.PS:
+                    keys = [store.keys.ps(i) for i in range(self.config.num_ps)]
+                else:
+                    keys = [store.keys.master_lock]
+                for key in keys:
+                    if store.delete_if_pid(key, child.proc.pid):
+                        return
+        except ElasticPSError as exc:
+            log.info("could not release the keys of %s: %s", child.role, exc)
+
+    def _restart(self, child: _Child) -> None:
+        while True:
+            start = _size(child.log_path)
+            try:
+                child.proc = self._popen(child.args, child.role, child.log_file)
+            except OSError as exc:
+                action = self.decide(RestartFailed(child.role, child.kind, str(exc)))
+                if isinstance(action, FailJob):
+                    self._fail(action, child.role)
+                if not isinstance(action, Restart):
+                    child.ended = True
+                    return
+                continue
+            child.log_start = start
+            child.restarts += 1
+            self._started.append(child.proc.pid)
+            return
+
+    def _output(self, child: _Child) -> str:
+        """What the child's current incarnation wrote (its last 64 KiB at most)."""
+        with contextlib.suppress(OSError), child.log_path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(child.log_start, end - 65536))
+            return f.read().decode(errors="replace")
+        return ""
 
     def log_tail(self, role: str, lines: int = 20) -> str:
         """The last ``lines`` lines of a child's log (``master``, ``ps-0``...)."""
@@ -271,7 +551,9 @@ class LocalServers:
         Raises:
             CoordinationError: etcd did not start, or the PS / master were not
                 ready within ``startup_timeout_s``.
-            JobFailedError: a master or PS process exited during startup.
+            JobFailedError: a master or PS process kept exiting during startup
+                (no restarts left).
+            JobUserError: a master or PS stopped on a user error.
         """
         if self._workdir is not None:
             raise CoordinationError("the servers are already started")
@@ -283,6 +565,8 @@ class LocalServers:
                 log_path=self._workdir / "etcd.log",
             )
             self._etcd.start()
+            if self._etcd.pid is not None:
+                self._started.append(self._etcd.pid)
             with JobStore(self._etcd.endpoint, cfg.job) as store:
                 store.set_ps_desired(cfg.num_ps)
                 if cfg.with_master:
@@ -298,7 +582,15 @@ class LocalServers:
     def stop(self) -> None:
         """Stop every process by PID (PS, then the master, then etcd); idempotent."""
         cfg = self.config
-        children, self._children = self._children, []
+        with self._lock:  # no restart from now on
+            children, self._children = self._children, []
+            master, self._master = self._master, None
+            store, self._progress_store = self._progress_store, None
+        if master is not None:
+            master.close()
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.close()
         # PS before the master, as the launcher does.
         children.sort(key=lambda c: 0 if c.role.startswith("ps") else 1)
         for child in children:
@@ -370,28 +662,32 @@ class LocalServers:
 
     def _spawn(self, role: str, args: list[str]) -> None:
         assert self._workdir is not None
+        log_path = self._workdir / f"{role}.log"
+        log_file = log_path.open("ab")
+        try:
+            proc = self._popen(args, role, log_file)
+        except BaseException:
+            log_file.close()
+            raise
+        self._children.append(_Child(role, args, proc, log_path, log_file))
+        self._started.append(proc.pid)
+
+    def _popen(self, args: list[str], role: str, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
         # The child stops itself if we die (see elasticps.cli).
         env["ELASTICPS_PARENT_PID"] = str(os.getpid())
-        log_path = self._workdir / f"{role}.log"
-        log_file = log_path.open("ab")
-        try:
-            proc = subprocess.Popen(
-                [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                # Own session: a Ctrl-C in a notebook or terminal reaches only us,
-                # and we stop the children by PID.
-                start_new_session=True,
-            )
-        except BaseException:
-            log_file.close()
-            raise
-        self._children.append(_Child(role, proc, log_path, log_file))
+        return subprocess.Popen(
+            [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            # Own session: a Ctrl-C in a notebook or terminal reaches only us,
+            # and we stop the children by PID.
+            start_new_session=True,
+        )
 
     def _wait_ready(self, store: JobStore) -> None:
         cfg = self.config
@@ -411,3 +707,10 @@ class LocalServers:
                         f"{cfg.startup_timeout_s:g} s"
                     ) from None
             time.sleep(_POLL_S)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

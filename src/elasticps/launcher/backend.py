@@ -83,6 +83,8 @@ class WorkerEvent:
             ``exit 1``; empty when there is none.
         created_at: when the worker was created, seconds since the epoch
             (used to delete the newest trainers first).
+        message: for an ended worker, its last one-line error (an
+            ``elasticps: error: ...`` line without the prefix), if known.
     """
 
     name: str
@@ -91,6 +93,7 @@ class WorkerEvent:
     state: WorkerState
     reason: str = ""
     created_at: float = 0.0
+    message: str = ""
 
 
 class Cancel(Protocol):

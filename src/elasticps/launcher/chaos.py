@@ -18,11 +18,23 @@ Example: ``--chaos "kill:trainer@20s,kill:ps@40%,kill:master@60s"``. The
 launcher evaluates the schedule as the job runs and SIGKILLs the chosen
 processes; the tests and ``benchmarks/recovery.py`` use it, and users can use
 it to test their own jobs (Horovod's elastic tests use the same idea).
+
+Random kills, for soak tests:
+``random:every=0.75-2.25s,roles=trainer+ps+master+standby+etcd,seed=1``
+(:class:`RandomChaos`, which may follow scheduled items) SIGKILLs one random
+process of one of ``roles`` (``trainer``, ``ps``, ``master``: the active one,
+``standby``: a standby master, ``etcd``) at a random moment ``every`` after
+the job recovered from the previous kill, for as long as the job trains;
+``kills=N`` stops after N kills, ``after=S`` starts S seconds after training
+started. The launcher draws the moments and the victims from
+``random.Random(seed)``.
 """
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elasticps.errors import ConfigError
@@ -66,8 +78,133 @@ class ChaosEvent:
         return fraction_done >= self.at_fraction
 
 
+RANDOM_ROLES = ("trainer", "ps", "master", "standby", "etcd")
+"""What :class:`RandomChaos` can kill; ``standby`` is a master waiting on the lock."""
+
+
+@dataclass(frozen=True)
+class RandomChaos:
+    """SIGKILLs of random roles at random moments (a soak test).
+
+    Attributes:
+        every_s: ``(low, high)``: after the job recovered from the previous
+            kill (every server process runs again and a task progressed), the
+            next comes after a delay drawn uniformly from ``[low, high]``
+            seconds.
+        roles: the roles to choose from (see :data:`RANDOM_ROLES`).
+        seed: seed of the launcher's ``random.Random``.
+        max_kills: stop after this many kills; None: until training ends.
+        after_s: seconds after training started before the first kill.
+
+    Raises:
+        ConfigError: a value is out of range or a role is unknown.
+    """
+
+    every_s: tuple[float, float] = (0.75, 2.25)
+    roles: tuple[str, ...] = RANDOM_ROLES
+    seed: int = 0
+    max_kills: int | None = None
+    after_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        low, high = self.every_s
+        if not 0 <= low <= high:
+            raise ConfigError(f"--chaos random: every must be LOW-HIGH with 0 <= LOW <= HIGH, "
+                              f"got {low:g}-{high:g}")  # fmt: skip
+        unknown = [r for r in self.roles if r not in RANDOM_ROLES]
+        if unknown or not self.roles:
+            raise ConfigError(
+                f"--chaos random: roles must be some of {'+'.join(RANDOM_ROLES)}, "
+                f"got {'+'.join(self.roles) or 'none'}"
+            )
+        if self.max_kills is not None and self.max_kills < 0:
+            raise ConfigError(f"--chaos random: kills must be >= 0, got {self.max_kills}")
+        if self.after_s < 0:
+            raise ConfigError(f"--chaos random: after must be >= 0 s, got {self.after_s:g}")
+
+    def delay_s(self, rng: random.Random) -> float:
+        """The delay before the next kill, seconds, drawn from ``rng``."""
+        return rng.uniform(*self.every_s)
+
+    def choose(self, rng: random.Random, available: Sequence[str]) -> str | None:
+        """The role to kill next, among ``available`` ones (those with a live
+        process of that role), drawn from ``rng``; None if none is available."""
+        candidates = [r for r in self.roles if r in available]
+        return rng.choice(candidates) if candidates else None
+
+
+def _seconds(value: str, what: str) -> float:
+    try:
+        return float(value.removesuffix("s"))
+    except ValueError:
+        raise ConfigError(f"--chaos random: {what} must be seconds, got {value!r}") from None
+
+
+def _split(spec: str) -> tuple[list[str], list[str]]:
+    """The scheduled items, and the ``random:`` item with its ``key=value`` parameters."""
+    scheduled: list[str] = []
+    rand: list[str] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        if item.startswith("random:"):
+            if rand:
+                raise ConfigError("--chaos: at most one random: item")
+            rand.append(item.removeprefix("random:"))
+        elif rand and "=" in item and ":" not in item:
+            rand.append(item)
+        else:
+            scheduled.append(item)
+    return scheduled, rand
+
+
+def parse_random_chaos(spec: str) -> RandomChaos | None:
+    """Parse the ``random:`` part of a ``--chaos`` value, if there is one.
+
+    Example: ``"random:every=0.75-2.25s,roles=trainer+ps+master+etcd,seed=1,kills=50"``.
+
+    Returns:
+        The random chaos, or None if ``spec`` has no ``random:`` item.
+
+    Raises:
+        ConfigError: a malformed or unknown parameter.
+    """
+    _, params = _split(spec)
+    if not params:
+        return None
+    fields: dict[str, object] = {}
+    for param in params:
+        if not param:
+            continue
+        key, sep, value = param.partition("=")
+        if not sep:
+            raise ConfigError(f"--chaos random: {param!r} is not key=value")
+        if key == "every":
+            low, dash, high = value.removesuffix("s").partition("-")
+            fields["every_s"] = (
+                _seconds(low, "every"),
+                _seconds(high if dash else low, "every"),
+            )
+        elif key == "roles":
+            fields["roles"] = tuple(r for r in value.split("+") if r)
+        elif key in ("seed", "kills"):
+            if not value.isdigit():
+                raise ConfigError(f"--chaos random: {key} must be an integer, got {value!r}")
+            fields["seed" if key == "seed" else "max_kills"] = int(value)
+        elif key == "after":
+            fields["after_s"] = _seconds(value, "after")
+        else:
+            raise ConfigError(
+                f"--chaos random: unknown parameter {key!r} (every, roles, seed, kills, after)"
+            )
+    return RandomChaos(**fields)  # type: ignore[arg-type]
+
+
 def parse_chaos(spec: str) -> tuple[ChaosEvent, ...]:
     """Parse a schedule such as ``"kill:trainer@20s,kill:ps@40%"``.
+
+    A ``random:`` item and its parameters are skipped (see :func:`parse_random_chaos`).
 
     Returns:
         The events, in the order given ("" gives none).
@@ -76,7 +213,7 @@ def parse_chaos(spec: str) -> tuple[ChaosEvent, ...]:
         ConfigError: a malformed item, an unknown role, or a percentage over 100.
     """
     events = []
-    for raw in spec.split(","):
+    for raw in _split(spec)[0]:
         item = raw.strip()
         if not item:
             continue

@@ -99,9 +99,17 @@ __all__ = [
     "worker_pod",
 ]
 
+from elasticps.launcher.supervisor import FailJob
+
 if TYPE_CHECKING:
     from elasticps.coord.store import JobStore
-    from elasticps.launcher.manager import DesiredCountSource, ProgressSource, WorkerManager
+    from elasticps.launcher.manager import (
+        DesiredCountSource,
+        ProgressSource,
+        TaskProgressSource,
+        WorkerManager,
+    )
+    from elasticps.launcher.supervisor import Action as PolicyAction
 
 log = logging.getLogger(__name__)
 
@@ -753,8 +761,16 @@ def build_manager(
     progress: ProgressSource | None,
     *,
     clock: Callable[[], float] | None = None,
+    task_progress: TaskProgressSource | None = None,
+    on_decision: Callable[[WorkerEvent, PolicyAction], None] | None = None,
 ) -> WorkerManager:
     """The worker manager of a Kubernetes job (not started).
+
+    What a worker's end means is the job's supervision policy
+    (:mod:`elasticps.launcher.supervisor`, the one of every launcher), with
+    no restart limit for the PS (as Kubernetes restarts pods): a trainer is
+    replaced unless it stopped on a user error (exit status 2), or trainers
+    keep failing with internal errors while no task progresses.
 
     Args:
         backend: the job's backend.
@@ -763,6 +779,9 @@ def build_manager(
         desired: the wanted trainer count (:class:`ConfigMapDesiredCount` in a cluster).
         progress: each trainer's last progress (``LedgerProgress`` in a cluster), or None.
         clock: monotonic clock, seconds.
+        task_progress: whether the job's tasks progressed (``LedgerTaskProgress``
+            in a cluster), told to the policy; or None.
+        on_decision: called with each worker end and the policy's answer.
     """
     import time
 
@@ -776,6 +795,8 @@ def build_manager(
         clock or time.monotonic,
         trainer_spec=trainer_spec,
         fixed=ps_specs(ps),
+        task_progress=task_progress,
+        on_decision=on_decision,
     )
 
 
@@ -804,7 +825,7 @@ def in_cluster_manager(
         from kubernetes import client
         from kubernetes import config as kube_config
 
-        from elasticps.launcher.manager import LedgerProgress
+        from elasticps.launcher.manager import LedgerProgress, LedgerTaskProgress
 
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
         api_client = client.ApiClient()
@@ -817,7 +838,22 @@ def in_cluster_manager(
             store.set_ps_desired(ps)
         progress = LedgerProgress(store) if manager_config.stuck_after_s is not None else None
         desired = ConfigMapDesiredCount(backend.api, config.namespace, job)
-        manager = build_manager(backend, manager_config, ps, desired, progress)
+
+        def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
+            if isinstance(action, FailJob):
+                # Nothing more is created; the job's state says why it stopped.
+                log.error("job %s fails: %s", job, action.message)
+                store.set_job_state("failed")
+
+        manager = build_manager(
+            backend,
+            manager_config,
+            ps,
+            desired,
+            progress,
+            task_progress=LedgerTaskProgress(store),
+            on_decision=on_decision,
+        )
         manager.start()
         log.info(
             "worker manager of job %s: %d PS, trainers %d..%d, namespace %s",
@@ -1094,3 +1130,106 @@ def delete_job(api: Any, namespace: str, job: str) -> dict[str, int]:
             return delete_job(api, namespace, job)
         raise _api_error(exc, f"deleting job {job}") from exc
     return counts
+
+
+def follow_job_logs(
+    api: Any,
+    namespace: str,
+    job: str,
+    role: str,
+    *,
+    tail_lines: int | None,
+    emit: Callable[[str, str], None],
+) -> None:
+    """Stream the logs of the job's pods of one role until every stream ends.
+
+    One thread per pod reads ``read_namespaced_pod_log(follow=True)``; lines
+    reach ``emit(pod name, line)`` from the calling thread, in arrival order.
+
+    Raises:
+        KubernetesError: the API failed.
+    """
+    import queue
+
+    from kubernetes.client import ApiException
+
+    try:
+        pods = api.list_namespaced_pod(namespace, label_selector=job_selector(job, role)).items
+    except _request_errors() as exc:
+        raise _api_error(exc, "listing pods") from exc
+    lines: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+
+    def read(name: str) -> None:
+        try:
+            resp = api.read_namespaced_pod_log(
+                name, namespace, follow=True, tail_lines=tail_lines, _preload_content=False
+            )
+            pending = b""
+            for chunk in resp.stream(4096):
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for line in complete:
+                    lines.put((name, line.decode(errors="replace")))
+            if pending:
+                lines.put((name, pending.decode(errors="replace")))
+        except ApiException as exc:
+            if exc.status not in (400, 404):  # not started yet, or gone
+                lines.put((name, f"(cannot read the log: {_describe(exc)})"))
+        except _request_errors() as exc:
+            lines.put((name, f"(cannot read the log: {_describe(exc)})"))
+        finally:
+            lines.put(None)
+
+    names = sorted(pod.metadata.name for pod in pods)
+    for name in names:
+        threading.Thread(target=read, args=(name,), name=f"logs-{name}", daemon=True).start()
+    open_streams = len(names)
+    while open_streams:
+        item = lines.get()
+        if item is None:
+            open_streams -= 1
+        else:
+            emit(*item)
+
+
+_JOB_STATES = {"Pending": "starting", "Running": "running", "Succeeded": "finished"}
+
+
+def list_jobs(api: Any, namespace: str) -> list[dict[str, Any]]:
+    """The elasticps jobs of a namespace, one row per job, by their pods' labels.
+
+    Returns:
+        ``[{"job", "state", "pass", "accuracy", "started", "pods"}...]`` sorted
+        by start: ``state`` from the master pod's phase (``starting``,
+        ``running``, ``finished``, ``failed``), ``started`` its creation time;
+        ``pass`` and ``accuracy`` are not known from outside the cluster
+        (None), ``pods`` is the number of pods.
+
+    Raises:
+        KubernetesError: the API failed.
+    """
+    try:
+        resp = api.list_namespaced_pod(
+            namespace, label_selector=f"{LABEL_APP}={APP}", _preload_content=False
+        )
+        items = json.loads(resp.data).get("items") or []
+    except _request_errors() as exc:
+        raise _api_error(exc, "listing pods") from exc
+    jobs: dict[str, dict[str, Any]] = {}
+    for obj in items:
+        metadata = obj.get("metadata") or {}
+        labels = metadata.get("labels") or {}
+        job = labels.get(LABEL_JOB)
+        if not job:
+            continue
+        row = jobs.setdefault(
+            job,
+            {"job": job, "state": "starting", "pass": None, "accuracy": None,
+             "started": "", "pods": 0},
+        )  # fmt: skip
+        row["pods"] += 1
+        if labels.get(LABEL_ROLE) == "master":
+            phase = (obj.get("status") or {}).get("phase", "Pending")
+            row["state"] = _JOB_STATES.get(phase, "failed")
+            row["started"] = metadata.get("creationTimestamp", "")
+    return sorted(jobs.values(), key=lambda r: (r["started"], r["job"]))

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import random
 import shutil
 import signal
 import subprocess
@@ -47,10 +48,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, NoReturn, TypeVar, cast
 
 import torch
 from tqdm import tqdm
@@ -59,7 +60,7 @@ from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
-from elasticps.coord.store import JobStore
+from elasticps.coord.store import JobStore, is_transient
 from elasticps.data.parquet import (
     check_columns,
     check_no_nulls,
@@ -68,6 +69,7 @@ from elasticps.data.parquet import (
 )
 from elasticps.errors import (
     BadRecordError,
+    CheckpointFailureError,
     ConfigError,
     CoordinationError,
     DataError,
@@ -80,10 +82,12 @@ from elasticps.errors import (
 )
 from elasticps.evaluate import evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
-from elasticps.launcher.chaos import ChaosEvent
-from elasticps.launcher.local_backend import LocalBackend, exit_status
+from elasticps.launcher.chaos import ChaosEvent, RandomChaos
+from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
+from elasticps.launcher.local_backend import LocalBackend
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.launcher.output import (
+    STOP_FILE,
     OutputLock,
     check_free_space,
     check_output_location,
@@ -94,6 +98,23 @@ from elasticps.launcher.output import (
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
+from elasticps.launcher.supervisor import (
+    EXIT_USER_ERROR,
+    Action,
+    Event,
+    Exited,
+    FailJob,
+    Ignore,
+    JobFinished,
+    Kind,
+    Progressed,
+    Replace,
+    Restart,
+    RestartFailed,
+    Supervisor,
+    SupervisorConfig,
+    error_line,
+)
 from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
@@ -108,11 +129,13 @@ from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 _POLL_S = 0.25
+# Seconds between reads of the parameter servers' checkpoint health records.
+_HEALTH_POLL_S = 1.0
 # "Wait as long as it takes", in seconds, for flags that need a number.
 _FOREVER_S = 10.0 * 365 * 24 * 3600
-# Exit status of a role process for a user error (see elasticps.cli).
-EXIT_USER_ERROR = 2
 # After the master says the job is finished, how long trainers get to exit on their own.
 _TRAINER_EXIT_S = 30.0
 # A role process's last line when it stops on a user error (elasticps.cli.main).
@@ -129,6 +152,8 @@ class Child:
         proc: the running (or last) process.
         restarts: how many times it was restarted.
         ended: it exited and will not be restarted.
+        message: its last closing error line (see
+            :func:`~elasticps.launcher.supervisor.error_line`), if any.
     """
 
     role: str
@@ -137,6 +162,7 @@ class Child:
     pump: threading.Thread | None = None
     restarts: int = 0
     ended: bool = False
+    message: str = ""
 
     @property
     def pid(self) -> int:
@@ -157,8 +183,9 @@ class JobResult:
         output: directory holding ``model.safetensors`` and ``manifest.json``.
         wall_s: seconds from launch to checkpoint.
         samples: samples trained over all passes, from the ledger's pass
-            audits (``records_trained``), or as reported by trainers to the
-            current master if an audit is missing.
+            audits (``records_trained``), whichever master ran each pass; a
+            pass whose audit is missing counts nothing (``run.json`` names it
+            under ``passes_missing``).
         evaluation: ``accuracy`` / ``loss`` / ``samples`` on ``test.parquet``, if present.
         pids: pid of every child, by role.
         exactly_once: whether every pass's records were shown applied once on
@@ -174,6 +201,9 @@ class JobResult:
     pids: dict[str, int] = field(default_factory=dict)
     exactly_once: bool | None = None
     records_skipped: int = 0
+    state: str = "finished"
+    """``finished``, or ``stopped`` when :meth:`LocalLauncher.request_stop` (or
+    ``elasticps stop``) ended it before its last pass."""
 
 
 class LocalLauncher:
@@ -184,12 +214,20 @@ class LocalLauncher:
         out: stream for prefixed child logs and the progress bar.
         spawner: starts the role processes (the caller closes it after
             :meth:`run`); by default each is a new interpreter.
+        files: text files to write in the output directory once the job holds
+            it (name -> text), e.g. the job file ``config.toml``.
     """
 
     def __init__(
-        self, config: JobConfig, *, out: IO[str] | None = None, spawner: Spawner | None = None
+        self,
+        config: JobConfig,
+        *,
+        out: IO[str] | None = None,
+        spawner: Spawner | None = None,
+        files: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
+        self._files = dict(files or {})
         self.out = out if out is not None else sys.stderr
         self._spawner: Spawner = spawner or ExecSpawner()
         self.children: list[Child] = []
@@ -200,23 +238,34 @@ class LocalLauncher:
         self._etcd: EtcdServer | None = None
         self._store: JobStore | None = None
         self._etcd_restarts = 0
+        self._etcd_pid: int | None = None
         self._passes: list[dict[str, object]] = []
+        self._passes_missing: list[int] = []
         self._pass_evaluations: list[PassEvaluation] = []
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
         self._pid_lock = threading.Lock()
         self._backend: LocalBackend | None = None
         self._manager: WorkerManager | None = None
-        # Trainer events from the backend, for _supervise (failures) on the main thread.
-        self._trainer_events: queue.SimpleQueue[WorkerEvent] = queue.SimpleQueue()
         self._trainer_pids: dict[str, int] = {}
+        # The supervision policy, shared by the main thread (servers) and the
+        # worker manager's thread (trainers); its decisions on trainers come
+        # back through _decisions, for _supervise on the main thread.
+        self._policy = Supervisor(SupervisorConfig(max_restarts=config.max_restarts))
+        self._policy_lock = threading.Lock()
+        self._decisions: queue.SimpleQueue[tuple[WorkerEvent, Action]] = queue.SimpleQueue()
+        self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
         self.run_id = uuid.uuid4().hex
-        # Role -> its one-line user error, as it printed it before exiting with status 2.
-        self._user_errors: dict[str, str] = {}
         self._lock: OutputLock | None = None
+        # Set by request_stop(), or by a STOP_FILE in the output directory (elasticps stop).
+        self._stop_requested = threading.Event()
+        self._final_state = "finished"
+        self._progress: dict[str, int] = {}
         self._records_skipped = 0
         self._num_parameters: int | None = None
+        self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
+        self._health_due = 0.0
         # The model constructor's keyword arguments: --model-args, or with
         # --resume those the checkpoint recorded (see model_args()).
         self._model_args: dict[str, object] | None = None
@@ -393,14 +442,51 @@ class LocalLauncher:
         self._lock = self.claim_output(spec)
         try:
             return self._run(spec, train, test)
+        except BaseException as exc:
+            self._mark_ended("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
         finally:
             self._lock.release()
+
+    def request_stop(self) -> None:
+        """End the job cleanly, as soon as the launcher sees it (within a poll, 0.25 s).
+
+        The trainers are stopped (each pushes and reports what it trained),
+        then the launcher takes the final consistent checkpoint
+        (``OUTPUT/snapshot``, which ``--resume`` accepts), writes
+        ``model.safetensors``, evaluates it, and writes ``run.json`` with state
+        ``stopped``. Thread-safe; ``elasticps stop`` asks the same through the
+        file ``OUTPUT/.stop``. A request after the last pass changes nothing.
+        """
+        self._stop_requested.set()
+
+    def _stop_seen(self) -> bool:
+        request = self.config.output / STOP_FILE
+        if not self._stop_requested.is_set() and request.exists():
+            self._stop_requested.set()
+            request.unlink(missing_ok=True)
+        return self._stop_requested.is_set()
+
+    def _mark_ended(self, state: str) -> None:
+        """Record in ``run.json`` that a started job ended without its final record."""
+        path = self.config.output / "run.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(record, dict) and record.get("state") in ("running", "stopping"):
+            record["state"] = state
+            with contextlib.suppress(OSError):
+                self._write_json("run.json", record)
 
     def _run(self, spec: ModelSpec, train: Path, test: Path | None) -> JobResult:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
         cfg.output.mkdir(parents=True, exist_ok=True)
+        (cfg.output / STOP_FILE).unlink(missing_ok=True)  # a request for an earlier run
+        for name, text in self._files.items():
+            self._write_text(name, text)
         etcd = EtcdServer(
             EtcdServerConfig(data_dir=workdir / "etcd", client_port=cfg.etcd_port),
             log_path=workdir / "etcd.log",
@@ -410,6 +496,7 @@ class LocalLauncher:
             for name, pid in self._spawner.pids().items():
                 self._log_pid(name, pid)
             etcd.start()
+            self._etcd_pid = etcd.pid
             self._log_pid("etcd", etcd.pid)
             # Written at once, so that `elasticps scale` finds the running job.
             self._write_json(
@@ -426,51 +513,57 @@ class LocalLauncher:
                     evaluator.start()
                 self._start_trainers(store)
                 self._wait_for_master(store, timeout_s=60)
-                samples = self._watch_training(store)
+                try:
+                    samples = self._watch_training(store)
+                except CheckpointFailureError as exc:
+                    self._rescue(store, spec, str(exc))
                 if self._manager is not None:
                     self._manager.stop()  # the job is finished: nothing more to manage
+                if self._final_state == "stopped" and self._backend is not None:
+                    # Each trainer stops after its mini-batch, pushes and reports.
+                    self._backend.close()
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
+
                 # A server may still die here: go on restarting it meanwhile.
-                with self._supervising():
-                    snapshot = checkpoint_job(
+                def take_snapshot() -> dict[str, object]:
+                    manifest = checkpoint_job(
                         store,
                         cfg.output / "snapshot",
                         {"job": cfg.job, "model_args": self.model_args()},
                     )
+                    # Read through etcd restarts, in one snapshot of the ledger.
+                    self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
+                    return manifest
+
+                try:
+                    snapshot = self._while_supervising(take_snapshot)
+                except (OSError, RemoteError) as exc:
+                    if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
+                        raise
+                    self._rescue(store, spec, f"the final checkpoint cannot be written: {exc}")
                 tensors, versions = final_parameters(spec, cfg.output / "snapshot")
-                self._passes = self._pass_audits(store)
-                if len(self._passes) == cfg.epochs:
-                    # A record is a sample (a Parquet row). The ledger's audits
-                    # cover every pass whichever master ran it; the master's own
-                    # count starts at zero after a failover.
-                    samples = sum(int(str(p["records_trained"])) for p in self._passes)
+                if self._passes_missing:
+                    self._emit(
+                        f"[launcher] the ledger has no audit of passes {self._passes_missing}"
+                    )
+                # A record is a sample (a Parquet row). The ledger's audits
+                # cover every pass whichever master ran it; the master's own
+                # count starts at zero after a failover.
+                samples = sum(int(str(p["records_trained"])) for p in self._passes)
                 self._records_skipped = sum(
                     int(str(p.get("records_skipped", 0))) for p in self._passes
                 )
                 self._await_trainers()
                 self._store = None  # closed below; late reaper events must not use it
             wall_s = time.monotonic() - started
-            manifest = {
-                "job": cfg.job,
-                "model_file": str(cfg.model_path),
-                "model_class": cfg.model_class,
-                "model_args": self.model_args(),
-                "mode": cfg.mode.value,
-                "epochs": cfg.epochs,
-                "trainers": cfg.trainers,
-                "ps": cfg.ps,
-                "optimizer": cfg.optimizer.name,
-                "lr": cfg.optimizer.lr,
-                "batch_size": cfg.batch_size,
-                "model_versions": versions,
-                "snapshot": "snapshot/manifest.json",
-                "snapshot_version": snapshot["version"],
-                "samples": samples,
-                "wall_s": round(wall_s, 3),
-            }
-            save_checkpoint(cfg.output, tensors, manifest)
+            manifest = self._model_manifest(versions, snapshot["version"], samples, wall_s)
+            try:
+                save_checkpoint(cfg.output, tensors, manifest)
+            except OSError as exc:
+                why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
+                self._save_fallback(tensors, manifest, why)
             evaluation = self._evaluate(spec, tensors, test) if test is not None else None
             result = JobResult(
                 cfg.output,
@@ -480,6 +573,7 @@ class LocalLauncher:
                 dict(self._pid_log),
                 bool(exactly_once_summary(self._passes, cfg.epochs)["exactly_once"]),
                 records_skipped=self._records_skipped,
+                state=self._final_state,
             )
             self._write_run_record(result)
             return result
@@ -487,6 +581,134 @@ class LocalLauncher:
             self.stop_all()
             etcd.stop()
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _model_manifest(
+        self, versions: list[int], snapshot_version: object, samples: int, wall_s: float
+    ) -> dict[str, object]:
+        """The ``manifest.json`` next to ``model.safetensors``."""
+        cfg = self.config
+        return {
+            "job": cfg.job,
+            "model_file": str(cfg.model_path),
+            "model_class": cfg.model_class,
+            "model_args": self.model_args(),
+            "mode": cfg.mode.value,
+            "epochs": cfg.epochs,
+            "trainers": cfg.trainers,
+            "ps": cfg.ps,
+            "optimizer": cfg.optimizer.name,
+            "lr": cfg.optimizer.lr,
+            "batch_size": cfg.batch_size,
+            "model_versions": versions,
+            "snapshot": "snapshot/manifest.json",
+            "snapshot_version": snapshot_version,
+            "samples": samples,
+            "wall_s": round(wall_s, 3),
+        }
+
+    # --- checkpoint failures ------------------------------------------------------
+
+    def fallback_dir(self) -> Path:
+        """Where the trained parameters go when ``output`` cannot be written."""
+        cfg = self.config
+        if cfg.fallback_output is not None:
+            return cfg.fallback_output.resolve()
+        base = Path(tempfile.gettempdir()) / "elasticps-fallback"
+        return base / f"{cfg.job}-{self.run_id[:12]}"
+
+    def _check_checkpoint_health(self, store: JobStore) -> None:
+        """Read the PS checkpoint health records; warn once per failure spell.
+
+        Raises:
+            CheckpointFailureError: a PS's writes have failed for longer than
+                ``checkpoint_failures_fatal_after_s``.
+        """
+        now = time.monotonic()
+        if now < self._health_due:
+            return
+        self._health_due = now + _HEALTH_POLL_S
+        try:
+            records, _ = store.get_prefix_json(store.keys.root + "health/")
+        except CoordinationError:
+            return  # etcd is restarting: read them next time
+        verdict = self._health.update(records, time.time())
+        grace = self.config.checkpoint_failures_fatal_after_s
+        for line in verdict.warnings:
+            log.warning("%s", line)
+            self._emit(f"WARNING: {line}; the job stops if this lasts {grace:g} s")
+        for name in verdict.recovered:
+            self._emit(f"{name} writes its checkpoints again")
+        if verdict.fatal is not None:
+            raise CheckpointFailureError(verdict.fatal)
+
+    def _rescue(self, store: JobStore, spec: ModelSpec, reason: str) -> NoReturn:
+        """Save the live parameters into the fallback directory, then stop the job.
+
+        Raises:
+            CheckpointFailureError: always; it says where the parameters are.
+        """
+        cfg = self.config
+        target = self.fallback_dir()
+        self._emit(f"{reason}; saving the trained parameters into {target}")
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            snapshot = self._while_supervising(
+                lambda: checkpoint_job(
+                    store,
+                    target / "snapshot",
+                    {
+                        "job": cfg.job,
+                        "fallback_for": str(cfg.output),
+                        "model_args": self.model_args(),
+                    },
+                )
+            )
+            tensors, versions = final_parameters(spec, target / "snapshot")
+            passes, _ = read_pass_audits(store, cfg.epochs, retry_s=5.0)
+            samples = sum(int(str(p.get("records_trained", 0))) for p in passes)
+        except (OSError, ElasticPSError) as exc:
+            raise CheckpointFailureError(
+                f"{reason}; saving the parameters into {target} failed too ({exc}); the last "
+                f"shard checkpoints written are in {cfg.output / 'ps-checkpoints'}"
+            ) from exc
+        manifest = self._model_manifest(versions, snapshot["version"], samples, 0.0)
+        self._save_fallback(tensors, manifest, reason)
+
+    def _save_fallback(
+        self, tensors: dict[str, torch.Tensor], manifest: dict[str, object], reason: str
+    ) -> NoReturn:
+        """Write ``model.safetensors`` and ``run.json`` into the fallback directory.
+
+        Raises:
+            CheckpointFailureError: always; it says where the parameters are.
+        """
+        target = self.fallback_dir()
+        snapshot = target / "snapshot"
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            save_checkpoint(target, tensors, manifest)
+            record = {
+                "job": self.config.job,
+                "state": "failed",
+                "reason": reason,
+                "output": str(self.config.output),
+                "checkpoint_health": self._health.summary(),
+                "samples": manifest.get("samples"),
+            }
+            (target / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+        except OSError as exc:
+            raise CheckpointFailureError(
+                f"{reason}; saving the parameters into {target} failed too ({exc})"
+            ) from exc
+        resume = (
+            f", and snapshot/ to go on with --resume {snapshot}"
+            if (snapshot / "manifest.json").exists()
+            else ""
+        )
+        raise CheckpointFailureError(
+            f"{reason}. The job stopped; its trained parameters are in {target}: "
+            f"model.safetensors{resume}"
+        )
 
     # --- children ---------------------------------------------------------------
 
@@ -588,6 +810,8 @@ class LocalLauncher:
             progress,
             time.monotonic,
             trainer_spec=self._trainer_spec,
+            decide=self._decide,
+            on_decision=lambda event, action: self._decisions.put((event, action)),
         )
         self._manager.start()
 
@@ -613,7 +837,6 @@ class LocalLauncher:
                         log.info("released the key of %s (pid %d)", event.name, pid)
                 except ElasticPSError as exc:
                     log.info("could not release the key of %s: %s", event.name, exc)
-        self._trainer_events.put(event)
 
     def _spawn(self, role: str, args: list[str]) -> Child:
         child = Child(role, args, self._start_process(role, args))
@@ -627,6 +850,7 @@ class LocalLauncher:
         if child.pump is not None:
             child.pump.join(timeout=2)
         child.proc = self._start_process(child.role, child.args)
+        child.message = ""
         child.restarts += 1
         self._log_pid(f"{child.role}.restart{child.restarts}", child.pid)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
@@ -653,34 +877,18 @@ class LocalLauncher:
         stdout = child.proc.stdout
         assert stdout is not None
         for raw in iter(stdout.readline, b""):
-            self._child_line(child.role, raw.decode(errors="replace").rstrip())
+            line = raw.decode(errors="replace").rstrip()
+            message = error_line(line)
+            if message is not None:
+                child.message = message  # its closing error, for the policy
+            self._child_line(child.role, line)
 
     def _child_line(self, role: str, line: str) -> None:
         """Show a child's line, except its closing user error: the job reports that one."""
         if line.startswith(_USER_ERROR_PREFIX):
-            with self._pid_lock:
-                self._user_errors[role] = line.removeprefix(_USER_ERROR_PREFIX)
             file_only(logging.INFO, f"[{role}] {line}", name=__name__)
             return
         self._emit(f"[{role}] {line}")
-
-    def _failure(self, role: str, pid: int | None, code: int, why: str = "") -> ElasticPSError:
-        """The error that ends the job when ``role`` exited with ``code``.
-
-        Status 2 is the process's user error: its own line, as the job's
-        (:class:`JobUserError`). Anything else is a failure of ours
-        (:class:`JobFailedError`), naming the process's log.
-        """
-        log_file = self._log_path(role)
-        if code == EXIT_USER_ERROR:
-            with self._pid_lock:
-                message = self._user_errors.get(role)
-            if message is not None:
-                return JobUserError(f"{role}: {message} (its log: {log_file})")
-            return JobUserError(f"{role} stopped on a user error; its log {log_file} says which")
-        return JobFailedError(
-            f"{role} (pid {pid}) exited with status {code}{why}; its log: {log_file}"
-        )
 
     def _emit(self, line: str) -> None:
         file_only(logging.INFO, line, name=__name__)
@@ -723,42 +931,38 @@ class LocalLauncher:
     def _supervise(self) -> list[str]:
         """One round of supervision; returns the names of the trainers still running.
 
-        - etcd that died is restarted on the same data directory.
-        - A master or PS that exited is restarted (as Kubernetes would),
-          up to ``max_restarts`` times each, unless it exited with status 2
-          (a user error, which a restart would repeat).
-        - Trainers belong to the worker manager, which replaces one killed by
-          a signal or stuck (with a new id). One that exited with an error
-          (an exception in the model code, say) fails the job; one deleted by
-          the manager (scale down) or exiting 0 does not.
+        What a death means is the job's supervision policy
+        (:mod:`elasticps.launcher.supervisor`, shared with every launcher);
+        this applies its answers:
+
+        - etcd that died is restarted on the same data directory, and a
+          master or PS that exited is restarted under the same name, up to
+          ``max_restarts`` times each, unless it exited with status 2;
+        - trainers belong to the worker manager, which asks the same policy
+          about each one that ends and replaces it (with a new id) unless the
+          policy fails the job: a trainer's user error (status 2), or
+          trainers that keep failing with internal errors.
 
         Raises:
+            JobUserError: a process stopped on a user error (status 2).
             JobFailedError: a failure the job cannot survive.
         """
-        cfg = self.config
         etcd = self._etcd
         if etcd is not None and not etcd.alive():
-            if self._etcd_restarts >= cfg.max_restarts:
-                raise JobFailedError(f"etcd died {self._etcd_restarts + 1} times; giving up")
-            self._etcd_restarts += 1
-            self._emit(f"[launcher] etcd (pid {etcd.pid}) died; restarting it on its data dir")
-            etcd.restart()
-            self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
+            self._restart_etcd(etcd)
         while True:
             try:
-                event = self._trainer_events.get_nowait()
+                event, action = self._decisions.get_nowait()
             except queue.Empty:
                 break
-            if event.state is not WorkerState.FAILED:
-                continue
-            code = exit_status(event)
             pid = self._trainer_pids.get(event.name)
-            if code is not None and code > 0:
-                raise self._failure(event.name, pid, code)
-            self._emit(
-                f"[launcher] {event.name} (pid {pid}) ended ({event.reason}); "
-                "the worker manager replaces it"
-            )
+            if isinstance(action, FailJob):
+                self._fail(action, event.name)
+            if isinstance(action, Replace):
+                self._emit(
+                    f"[launcher] {event.name} (pid {pid}) ended ({event.reason}); "
+                    "the worker manager replaces it"
+                )
         for child in self.children:
             if child.ended:
                 continue
@@ -768,14 +972,102 @@ class LocalLauncher:
             if child.pump is not None:
                 child.pump.join(timeout=2)  # flush its last lines (the traceback)
             self._release_keys(child)
-            if code == EXIT_USER_ERROR or child.restarts >= cfg.max_restarts:
-                raise self._failure(child.role, child.pid, code, " (no restarts left)")
-            self._emit(
-                f"[launcher] {child.role} (pid {child.pid}) exited with status {code}; "
-                f"restarting it ({child.restarts + 1}/{cfg.max_restarts})"
+            exited = Exited(
+                child.role,
+                Kind(child.kind),
+                status=code if code >= 0 else None,
+                signal=-code if code < 0 else None,
+                message=child.message,
             )
-            self._restart(child)
+            action = self._decide(exited)
+            if isinstance(action, FailJob):
+                self._fail(action, child.role)
+            if isinstance(action, Restart):
+                self._emit(
+                    f"[launcher] {child.role} (pid {child.pid}) {exited.describe()}; "
+                    f"restarting it ({action.attempt}/{action.limit})"
+                )
+                self._restart(child)
+            else:
+                child.ended = True
         return list(self._backend.pids(Role.TRAINER)) if self._backend is not None else []
+
+    def _decide(self, event: Event) -> Action:
+        """The policy's answer to ``event`` (from any thread)."""
+        with self._policy_lock:
+            action = self._policy.handle(event)
+        if not isinstance(action, Ignore):
+            log.info("supervisor: %s -> %s", event, action)
+        return action
+
+    def _restart_etcd(self, etcd: EtcdServer) -> None:
+        """Restart etcd on its data directory as the policy allows, until it is up.
+
+        Raises:
+            JobFailedError: no restarts left.
+        """
+        code = etcd.returncode
+        event: Event = Exited(
+            "etcd",
+            Kind.ETCD,
+            status=code if code is not None and code >= 0 else None,
+            signal=-code if code is not None and code < 0 else None,
+        )
+        while True:
+            action = self._decide(event)
+            if isinstance(action, FailJob):
+                self._fail(action)
+            if not isinstance(action, Restart):
+                return
+            self._etcd_restarts += 1
+            how = event.describe() if isinstance(event, Exited) else "did not start"
+            self._emit(
+                f"[launcher] etcd (pid {self._etcd_pid}) {how}; restarting it on its "
+                f"data dir ({action.attempt}/{action.limit})"
+            )
+            try:
+                etcd.restart()
+            except CoordinationError as exc:  # killed again while starting, say
+                event = RestartFailed("etcd", Kind.ETCD, " ".join(str(exc).split())[:200])
+                continue
+            self._etcd_pid = etcd.pid
+            self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
+            return
+
+    def _fail(self, action: FailJob, role: str | None = None) -> None:
+        """End the job as the policy decided: record it in ``run.json``, then raise.
+
+        The error's message is the policy's one line, naming the log of
+        ``role`` (the process whose end failed the job), if given; the
+        command prints it (see :func:`elasticps.cli.main`).
+
+        Raises:
+            JobUserError: ``action`` is a user error (exit status 2).
+            JobFailedError: otherwise.
+        """
+        file_only(logging.ERROR, f"[launcher] the job fails: {action.message}", name=__name__)
+        with contextlib.suppress(OSError):
+            self._write_json(
+                "run.json",
+                {
+                    "job": self.config.job,
+                    "state": "failed",
+                    "error": action.message,
+                    "exit_code": action.exit_code,
+                    "chaos": self.chaos_log,
+                    "restarts": self._restart_counts(),
+                    "etcd_restarts": self._etcd_restarts,
+                },
+            )
+        where = ""
+        if role is not None and role != "etcd":
+            where = f" (its log: {self._log_path(role)})"
+        if action.exit_code == EXIT_USER_ERROR:
+            raise JobUserError(action.message + where)
+        raise JobFailedError(action.message + where)
+
+    def _restart_counts(self) -> dict[str, int]:
+        return {c.role: c.restarts for c in self.children if c.restarts}
 
     def _release_keys(self, child: Child) -> None:
         """Delete the etcd keys a reaped child held under its lease.
@@ -824,14 +1116,20 @@ class LocalLauncher:
         rate_t0, rate_s0 = time.monotonic(), 0
         pending_chaos = list(cfg.chaos)
         training_started: float | None = None
+        done_seen = -1
         try:
             while True:
                 self._supervise()
+                self._check_checkpoint_health(store)
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
                     self.timeline.append(
                         (round(time.time(), 3), last.tasks_done_all_passes, last.samples_done)
                     )
+                    if last.tasks_done_all_passes > done_seen:
+                        if done_seen >= 0:
+                            self._decide(Progressed())
+                        done_seen = last.tasks_done_all_passes
                 if last is not None:
                     total = max(1, last.tasks_total * last.num_passes)
                     if training_started is None and (
@@ -848,47 +1146,72 @@ class LocalLauncher:
                         rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
                     if last.finished:
                         break
-                time.sleep(_POLL_S)
+                    if training_started is not None:
+                        self._random_kill(store, training_started, last.tasks_done_all_passes)
+                if self._stop_seen():
+                    self._final_state = "stopped"
+                    self._emit("[launcher] stop requested: stopping the trainers, then checkpoint")
+                    etcd = self._etcd.endpoint if self._etcd is not None else None
+                    record = {"job": cfg.job, "etcd": etcd, "state": "stopping"}
+                    self._write_json("run.json", record)
+                    break
+                time.sleep(self._random_chaos.sleep_s(_POLL_S))
         finally:
             master.close()
+        if last is not None:
+            self._progress = {
+                "pass": min(int(last.pass_id) + 1, int(last.num_passes)),
+                "passes": int(last.num_passes),
+                "tasks_done_all_passes": int(last.tasks_done_all_passes),
+                "tasks_all_passes": int(last.tasks_total * last.num_passes),
+            }
         # The master says the job is finished: no more trainers. Every task
         # was reported after its pushes were acknowledged, so the snapshot
         # need not wait for the trainers to exit (see _await_trainers).
+        self._decide(JobFinished())
         if self._manager is not None:
             self._manager.finish()
         if self._bar is not None:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
             self._bar = None
-        return int(last.samples_done)
+        return int(last.samples_done) if last is not None else 0
 
-    @contextlib.contextmanager
-    def _supervising(self) -> Iterator[None]:
-        """Run :meth:`_supervise` from a thread while the body runs (the end of a job).
+    def _while_supervising(self, work: Callable[[], _T]) -> _T:
+        """Run ``work`` in a helper thread while this thread goes on supervising (the job's end).
+
+        The restarts stay in this thread, the one that started the servers: a
+        child started with ``setpriv --pdeathsig`` is signalled when the
+        *thread* that started it exits, so a restart from a short-lived
+        thread would not outlive it.
+
+        Returns:
+            What ``work`` returned.
 
         Raises:
             JobFailedError: supervision found a failure the job cannot survive.
+            Exception: what ``work`` raised.
         """
         done = threading.Event()
-        failures: list[JobFailedError] = []
+        outcome: list[_T] = []
+        errors: list[BaseException] = []
 
-        def loop() -> None:
-            while not done.wait(_POLL_S):
-                try:
-                    self._supervise()
-                except JobFailedError as exc:
-                    failures.append(exc)
-                    return
+        def run() -> None:
+            try:
+                outcome.append(work())
+            except BaseException as exc:  # re-raised in the supervising thread
+                errors.append(exc)
+            finally:
+                done.set()
 
-        thread = threading.Thread(target=loop, name="supervise-end", daemon=True)
+        thread = threading.Thread(target=run, name="job-end", daemon=True)
         thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-        if failures:
-            raise failures[0]
+        while not done.wait(_POLL_S):
+            self._supervise()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return outcome[0]
 
     def _await_trainers(self) -> None:
         """Give the trainers left time to exit on their own, as get_task tells them.
@@ -899,6 +1222,68 @@ class LocalLauncher:
         deadline = time.monotonic() + _TRAINER_EXIT_S
         while self._supervise() and time.monotonic() < deadline:
             time.sleep(_POLL_S)
+
+    def _random_kill(self, store: JobStore, training_started: float, done: int) -> None:
+        """One step of ``--chaos random:...``: SIGKILL a random role when one is due.
+
+        A kill is due a random delay after the job recovered from the
+        previous one: every server process runs again and a task was done
+        since (see :class:`~elasticps.launcher.chaos.RandomChaos`).
+        """
+        chaos = self._random_chaos
+        if not chaos.active:
+            return
+        now = time.monotonic()
+        servers_up = (self._etcd is not None and self._etcd.alive()) and all(
+            c.ended or c.proc.poll() is None for c in self.children
+        )
+        if not chaos.due(now, now - training_started, done, servers_up):
+            return
+        available = {
+            role: pid
+            for role in ("trainer", "ps", "master", "standby", "etcd")
+            if (pid := self._random_victim(role, store, chaos.rng)) is not None
+        }
+        role = chaos.choose(available)
+        if role is None:
+            return
+        pid = available[role]
+        elapsed = now - training_started
+        self.chaos_log.append(
+            {
+                "action": "kill",
+                "target": role,
+                "pid": pid,
+                "random": True,
+                "at_s": round(elapsed, 3),
+                "wall_clock_s": time.time(),
+            }
+        )
+        self._emit(f"[launcher] chaos: SIGKILL {role} (pid {pid}) at {elapsed:.1f} s (random)")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        chaos.killed(now, done)
+
+    def _random_victim(self, role: str, store: JobStore, rng: random.Random) -> int | None:
+        """A running process of ``role`` for a random kill, or None."""
+        if role == "etcd":
+            return self._etcd.pid if self._etcd is not None else None
+        if role == "trainer":
+            live = self._backend.pids(Role.TRAINER) if self._backend is not None else {}
+            return rng.choice(sorted(live.values())) if live else None
+        if role == "ps":
+            slots = [self._pid_in_key(store, store.keys.ps(i)) for i in range(self.config.ps)]
+            pids = [p for p in slots if p is not None]
+            return rng.choice(pids) if pids else None
+        active = self._pid_in_key(store, store.keys.master_lock)
+        if role == "master":
+            return active
+        standbys = [
+            c.pid
+            for c in self.children
+            if c.kind == "master" and c.proc.poll() is None and c.pid != active
+        ]
+        return rng.choice(standbys) if standbys and active is not None else None
 
     def _inject(
         self, event: ChaosEvent, store: JobStore, elapsed_s: float, fraction: float
@@ -975,16 +1360,6 @@ class LocalLauncher:
         masters = [c for c in self.children if c.kind == "master" and c.proc.poll() is None]
         return masters[0].pid if masters else None
 
-    def _pass_audits(self, store: JobStore) -> list[dict[str, object]]:
-        """The master's per-pass ledger audits (``passes/<n>`` in etcd), if any."""
-        audits: list[dict[str, object]] = []
-        for n in range(self.config.epochs):
-            with contextlib.suppress(ElasticPSError):
-                audit = store.get_json(store.keys.pass_summary(n))
-                if audit is not None:
-                    audits.append(audit)
-        return audits
-
     def _update_bar(self, status: object, t0: float, s0: int) -> tuple[float, int]:
         total = int(status.tasks_total * status.num_passes)  # type: ignore[attr-defined]
         with self._out_lock:
@@ -1023,7 +1398,9 @@ class LocalLauncher:
         record = {
             "job": self.config.job,
             "etcd": self._etcd.endpoint if self._etcd is not None else None,
-            "state": "finished",
+            "state": result.state,
+            "epochs": self.config.epochs,
+            "progress": self._progress,
             "model_file": str(self.config.model_path),
             "model_class": self.config.model_class,
             "model_args": self.model_args(),
@@ -1035,22 +1412,122 @@ class LocalLauncher:
             "samples": result.samples,
             "bad_records": self.config.bad_records,
             "records_skipped": self._records_skipped,
+            "checkpoint_health": self._health.summary(),
             "evaluation": result.evaluation,
             "pids": result.pids,
             "chaos": self.chaos_log,
-            "restarts": {c.role: c.restarts for c in self.children if c.restarts},
+            "restarts": self._restart_counts(),
             "etcd_restarts": self._etcd_restarts,
             **exactly_once_summary(self._passes, self.config.epochs),
             "passes": self._passes,
+            "passes_missing": self._passes_missing,
             "pass_evaluations": [e.as_dict() for e in self._pass_evaluations],
             "timeline": self.timeline,
         }
         self._write_json("run.json", record)
 
     def _write_json(self, name: str, obj: object) -> None:
+        self._write_text(name, json.dumps(obj, indent=2) + "\n")
+
+    def _write_text(self, name: str, text: str) -> None:
         tmp = self.config.output / f"{name}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        tmp.write_text(text)
         tmp.replace(self.config.output / name)
+
+
+class _RandomKills:
+    """The state of ``--chaos random:...`` in one job (when the next kill is due)."""
+
+    def __init__(self, chaos: RandomChaos | None) -> None:
+        self.chaos = chaos
+        self.rng = random.Random(chaos.seed if chaos is not None else 0)
+        self.kills = 0
+        self._next_at: float | None = None  # monotonic time of the next kill, once recovered
+        self._done_at_kill: int | None = None  # tasks done when the last kill happened
+
+    @property
+    def active(self) -> bool:
+        """Whether more kills are to come."""
+        return self.chaos is not None and (
+            self.chaos.max_kills is None or self.kills < self.chaos.max_kills
+        )
+
+    def due(self, now: float, elapsed_s: float, done: int, servers_up: bool) -> bool:
+        """Whether to kill now: ``done`` tasks done so far, ``servers_up`` all running."""
+        assert self.chaos is not None
+        if elapsed_s < self.chaos.after_s:
+            return False
+        if self._next_at is None:
+            recovered = servers_up and (self._done_at_kill is None or done > self._done_at_kill)
+            if not recovered:
+                return False
+            self._next_at = now + self.chaos.delay_s(self.rng)
+        return now >= self._next_at
+
+    def choose(self, available: dict[str, int]) -> str | None:
+        """The role to kill among those with a running process."""
+        assert self.chaos is not None
+        return self.chaos.choose(self.rng, sorted(available))
+
+    def killed(self, now: float, done: int) -> None:
+        """Record a kill: the next waits for the job to recover."""
+        self.kills += 1
+        self._next_at = None
+        self._done_at_kill = done
+
+    def sleep_s(self, poll_s: float) -> float:
+        """How long the launcher's loop may sleep before the next check, seconds."""
+        if self._next_at is None or not self.active:
+            return poll_s
+        return max(0.01, min(poll_s, self._next_at - time.monotonic()))
+
+
+def read_pass_audits(
+    store: JobStore,
+    epochs: int,
+    *,
+    retry_s: float = 60.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[list[dict[str, object]], list[int]]:
+    """The master's audits of passes ``0 .. epochs-1`` (``passes/<n>`` in etcd).
+
+    One prefix read, so every audit comes from the same revision of the
+    ledger; retried while etcd does not answer (it may be restarting: the
+    caller keeps supervising it), for up to ``retry_s`` seconds. An audit
+    that cannot be read is never silently skipped: it is either returned or
+    named as missing (a pass the ledger holds no audit of).
+
+    Args:
+        store: the job's etcd view.
+        epochs: passes the job ran.
+        retry_s: how long to go on retrying an unreachable etcd, seconds.
+        clock: monotonic clock, seconds.
+        sleep: waits between attempts, seconds.
+
+    Returns:
+        ``(audits, missing)``: the audits in pass order, and the passes with none.
+
+    Raises:
+        CoordinationError: etcd did not answer for ``retry_s`` seconds, or an
+            audit is malformed.
+    """
+    deadline = clock() + retry_s
+    delay = 0.05
+    while True:
+        try:
+            found, _ = store.get_prefix_json(store.keys.passes_prefix)
+            break
+        except CoordinationError as exc:
+            if not is_transient(exc) or clock() >= deadline:
+                raise
+            log.info("reading the pass audits: %s; retrying", exc)
+            sleep(delay)
+            delay = min(2 * delay, 1.0)
+    by_pass = {int(k): v for k, v in found.items() if k.isdigit()}
+    audits = [by_pass[n] for n in range(epochs) if n in by_pass]
+    missing = [n for n in range(epochs) if n not in by_pass]
+    return audits, missing
 
 
 def exactly_once_summary(passes: list[dict[str, object]], epochs: int) -> dict[str, object]:

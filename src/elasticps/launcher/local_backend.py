@@ -13,8 +13,9 @@ It implements :class:`~elasticps.launcher.backend.Backend`:
   seconds; it does not block.
 - ``watch`` delivers events from one reaper thread per process: RUNNING on
   start, then SUCCEEDED (exit status 0) or FAILED (reason ``exit N`` or
-  ``signal N``) when it exits, or DELETED if it exits after ``delete``
-  (whatever its status).
+  ``signal N``; ``message`` is its last closing error line, see
+  :func:`~elasticps.launcher.supervisor.error_line`) when it exits, or
+  DELETED if it exits after ``delete`` (whatever its status).
 - ``set_capacity`` limits how many workers may be alive at once; a create
   beyond it raises :class:`~elasticps.errors.UnschedulableError`, as a full
   cluster would. Tests use it to exercise the manager's backoff.
@@ -41,6 +42,7 @@ from elasticps.launcher.spawn import (
     child_env,
     popen_child,
 )
+from elasticps.launcher.supervisor import error_line
 
 __all__ = ["LocalBackend", "child_env", "exit_status"]
 
@@ -67,6 +69,7 @@ class _Proc:
     deleting: bool = False
     reaper: threading.Thread | None = None
     killer: threading.Timer | None = None
+    message: str = ""
 
 
 class LocalBackend:
@@ -235,8 +238,12 @@ class LocalBackend:
         stdout = entry.proc.stdout
         if stdout is not None:
             for raw in iter(stdout.readline, b""):
+                line = raw.decode(errors="replace").rstrip()
+                message = error_line(line)
+                if message is not None:
+                    entry.message = message  # its closing error line, for the policy
                 if self._on_output is not None:
-                    self._on_output(entry.spec.name, raw.decode(errors="replace").rstrip())
+                    self._on_output(entry.spec.name, line)
             stdout.close()
         code = entry.proc.wait()
         if entry.killer is not None:
@@ -264,6 +271,7 @@ class LocalBackend:
             state=entry.state,
             reason=entry.reason,
             created_at=entry.created_at,
+            message=entry.message,
         )
 
     def _emit(self, entry: _Proc) -> None:

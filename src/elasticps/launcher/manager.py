@@ -29,8 +29,20 @@ The rules (each unit-tested in ``tests/unit/test_manager.py``):
   before attempt ``n + 1`` is ``min(base * 2**(n-1) + U(0, base), cap)``.
 - A running trainer whose last progress (or start) is more than
   ``stuck_after_s`` old is deleted; the count rule then replaces it.
-- A fixed worker (a PS) that exits or is deleted out of band is created again
-  with the same spec, so the same index: it reloads its checkpoint.
+- What a worker's end means is not decided here but by the job's
+  supervision policy (:class:`~elasticps.launcher.supervisor.Supervisor`),
+  which every launcher shares: the core turns each end it did not cause
+  into a supervisor event and applies the answer. A replaced trainer is
+  re-created by the count rule above; a fixed worker (a PS) that the policy
+  restarts is created again with the same spec, so the same index: it
+  reloads its checkpoint; a :class:`~elasticps.launcher.supervisor.FailJob`
+  stops all creation and is handed to the shell (the local launcher ends
+  the job; on Kubernetes the job is marked failed).
+- The policy counts trainers failing in a row with internal errors while no
+  task progresses; the shell tells it of progress (the local launcher from
+  the master's status; on Kubernetes, a ``task_progress`` source read once per
+  tick, :class:`LedgerTaskProgress`, which counts a task done or its offset
+  advanced, never a mere dispatch).
 - A trainer that exits with status 0 on its own means the master said the job
   is finished: from then on nothing is created (:meth:`ManagerCore.finish`
   does the same).
@@ -54,19 +66,38 @@ from elasticps.config import ManagerConfig
 from elasticps.coord.store import JobStore
 from elasticps.errors import ElasticPSError, UnschedulableError
 from elasticps.launcher.backend import Backend, Cancel, Role, WorkerEvent, WorkerSpec, WorkerState
+from elasticps.launcher.supervisor import Action as PolicyAction
+from elasticps.launcher.supervisor import (
+    Deleted,
+    Exited,
+    FailJob,
+    Kind,
+    Progressed,
+    Supervisor,
+    SupervisorConfig,
+    exited_from_reason,
+)
+from elasticps.launcher.supervisor import Event as PolicyEvent
 
 __all__ = [
     "Action",
     "Create",
+    "Decide",
     "Delete",
     "DesiredCountSource",
     "EtcdDesiredCount",
+    "FailJob",
     "LedgerProgress",
+    "LedgerTaskProgress",
     "ManagerCore",
     "ProgressSource",
     "StaticDesiredCount",
+    "TaskProgressSource",
     "WorkerManager",
     "backoff_delay_s",
+    "policy_event",
+    "task_marks",
+    "tasks_progressed",
 ]
 
 log = logging.getLogger(__name__)
@@ -103,7 +134,27 @@ class Delete:
     reason: str
 
 
-Action = Create | Delete
+Action = Create | Delete | FailJob
+"""What :meth:`ManagerCore.step` returns; a :class:`FailJob` comes from the supervision policy."""
+
+Decide = Callable[[PolicyEvent], PolicyAction]
+"""The supervision policy's transition (:meth:`Supervisor.handle`, behind a lock if shared)."""
+
+
+def policy_event(event: WorkerEvent, deleted_on_purpose: bool) -> PolicyEvent:
+    """The supervisor event of a worker's end, as a backend reported it (pure).
+
+    Args:
+        event: a SUCCEEDED, FAILED or DELETED event.
+        deleted_on_purpose: the manager (or the launcher) deleted it.
+    """
+    kind = Kind(event.role.value)
+    if deleted_on_purpose:
+        return Deleted(event.name, kind)
+    if event.state is WorkerState.SUCCEEDED:
+        return Exited(event.name, kind, status=0, message=event.message)
+    # FAILED, or DELETED from outside (preempted, evicted, kubectl delete).
+    return exited_from_reason(event.name, kind, event.reason or "Deleted", event.message)
 
 
 def backoff_delay_s(attempt: int, base_s: float, cap_s: float) -> float:
@@ -153,8 +204,11 @@ class ManagerCore:
     Args:
         config: range, stuck threshold and backoff.
         trainer_spec: builds the spec of trainer ``index``.
-        fixed: workers that must always exist (the PS), replaced with the same
-            spec when they end.
+        fixed: workers that must always exist (the PS), restarted with the same
+            spec when they end, as the policy allows.
+        decide: the supervision policy; by default a private
+            :class:`~elasticps.launcher.supervisor.Supervisor` with no restart
+            limit (Kubernetes restarts pods without one).
     """
 
     def __init__(
@@ -162,10 +216,14 @@ class ManagerCore:
         config: ManagerConfig,
         trainer_spec: Callable[[int], WorkerSpec],
         fixed: Iterable[WorkerSpec] = (),
+        decide: Decide | None = None,
     ) -> None:
         self.config = config
         self._trainer_spec = trainer_spec
         self._fixed: dict[str, WorkerSpec] = {s.name: s for s in fixed}
+        self._decide: Decide = decide or Supervisor(SupervisorConfig(max_restarts=None)).handle
+        self._failed: FailJob | None = None
+        self._failure_reported = False
         self._workers: dict[str, _Worker] = {}
         self._retries: dict[str, _Retry] = {}
         self._next_index = 0
@@ -184,30 +242,48 @@ class ManagerCore:
         self._finishing = True
         self._retries.clear()
 
-    def observe(self, event: WorkerEvent, now: float) -> None:
+    @property
+    def failed(self) -> FailJob | None:
+        """The policy's decision that failed the job, or None."""
+        return self._failed
+
+    def progressed(self) -> None:
+        """The job's tasks progressed: tell the policy (it resets its count of failing trainers)."""
+        self._decide(Progressed())
+
+    def observe(self, event: WorkerEvent, now: float) -> PolicyAction | None:
         """Record what the backend reported about one worker.
 
         An unknown live worker is adopted (a restarted manager, or a worker
         created by someone else): its index is never given to a new trainer.
+        The end of a known worker goes to the supervision policy, whose
+        answer is applied (see the module docstring) and returned.
 
         Args:
             event: the backend's event.
             now: the clock, seconds (monotonic).
+
+        Returns:
+            The policy's action for the end of a known worker, else None.
         """
         worker = self._workers.get(event.name)
         if event.role is Role.TRAINER:
             self._next_index = max(self._next_index, event.index + 1)
         if event.state in _ENDED:
             if worker is None:
-                return
+                return None
             del self._workers[event.name]
+            action = self._decide(policy_event(event, worker.deleting))
             if worker.deleting:
-                return
+                return action
             log.info("%s ended on its own: %s %s", event.name, event.state.value, event.reason)
             if event.role is Role.TRAINER and event.state is WorkerState.SUCCEEDED:
                 # Trainers exit 0 only when the master says the job is finished.
                 self._finishing = True
-            return
+            if isinstance(action, FailJob) and self._failed is None:
+                self._failed = action
+                self.finish()
+            return action
         if worker is None:
             spec = self._spec_of(event)
             worker = _Worker(spec, event.state, self._next_seq())
@@ -216,6 +292,7 @@ class ManagerCore:
         worker.state = event.state
         if event.state is WorkerState.RUNNING and worker.running_since is None:
             worker.running_since = now
+        return None
 
     def create_failed(self, spec: WorkerSpec, now: float, reason: str) -> float:
         """Record that creating ``spec`` failed; schedule the next attempt.
@@ -254,6 +331,9 @@ class ManagerCore:
             The actions, deletions first.
         """
         actions: list[Action] = []
+        if self._failed is not None and not self._failure_reported:
+            self._failure_reported = True
+            actions.append(self._failed)
         # Unschedulable workers: delete them, and create them again after a backoff.
         for name, w in list(self._workers.items()):
             if w.state is WorkerState.UNSCHEDULABLE and not w.deleting:
@@ -451,6 +531,79 @@ class EtcdDesiredCount:
 ProgressSource = Callable[[], Mapping[str, float]]
 """Trainer name -> clock time (the manager's clock) of its last progress."""
 
+TaskProgressSource = Callable[[], bool]
+"""Whether the job's tasks progressed since the last call (see :func:`tasks_progressed`)."""
+
+TaskMark = tuple[int, int, int]
+
+
+def task_marks(records: Mapping[str, Mapping[str, object]]) -> dict[str, TaskMark]:
+    """How far each task of the ledger got: ``(pass, done, offset)`` by task key (pure).
+
+    Args:
+        records: the ledger's task records by key, as the master persists
+            them (:meth:`elasticps.master.taskqueue.TaskQueue.task_record`:
+            ``pass``, ``state``, ``offset``...); malformed ones are skipped.
+    """
+    marks: dict[str, TaskMark] = {}
+    for key, record in records.items():
+        pass_id, offset = record.get("pass"), record.get("offset")
+        if not isinstance(pass_id, int) or not isinstance(offset, int):
+            continue
+        marks[key] = (pass_id, int(record.get("state") == "done"), offset)
+    return marks
+
+
+def tasks_progressed(before: Mapping[str, TaskMark], after: Mapping[str, TaskMark]) -> bool:
+    """Whether some task got further: done, its offset advanced, or a later pass (pure).
+
+    A dispatch or a requeue changes no mark, so a trainer that takes a task
+    and dies is no progress: the supervision policy's count of trainers
+    failing in a row goes on (:data:`~elasticps.launcher.supervisor.MAX_TRAINER_FAILURES`).
+
+    Args:
+        before: the marks at the last look (:func:`task_marks`).
+        after: the marks now.
+    """
+    return any(mark > before.get(key, (0, 0, 0)) for key, mark in after.items())
+
+
+class LedgerTaskProgress:
+    """A :data:`TaskProgressSource` over the task ledger in etcd.
+
+    Each call reads the ``tasks/`` prefix (one etcd range read), at most once
+    per ``every_s`` seconds; the first read sets the baseline.
+
+    Args:
+        store: the job's etcd view.
+        every_s: the least time between two reads, seconds.
+        clock: monotonic clock, seconds.
+    """
+
+    def __init__(
+        self, store: JobStore, every_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store = store
+        self._every_s = every_s
+        self._clock = clock
+        self._marks: dict[str, TaskMark] | None = None
+        self._read_at = -math.inf
+
+    def __call__(self) -> bool:
+        """Whether a task progressed since the last read.
+
+        Raises:
+            CoordinationError: etcd failed.
+        """
+        now = self._clock()
+        if now - self._read_at < self._every_s:
+            return False
+        self._read_at = now
+        tasks, _ = self._store.get_prefix_json(self._store.keys.tasks_prefix)
+        marks = task_marks({k: v for k, v in tasks.items() if isinstance(v, Mapping)})
+        before, self._marks = self._marks, marks
+        return before is not None and tasks_progressed(before, marks)
+
 
 class LedgerProgress:
     """Each trainer's last progress, read from the task ledger in etcd.
@@ -545,7 +698,15 @@ class WorkerManager:
             when ``config.stuck_after_s`` is set), or None.
         clock: monotonic clock, seconds.
         trainer_spec: builds the spec of trainer ``index``.
-        fixed: workers that must always exist (PS), replaced with the same spec.
+        fixed: workers that must always exist (PS), restarted with the same spec.
+        decide: the supervision policy (see :class:`ManagerCore`).
+        task_progress: whether the job's tasks progressed (read once per
+            tick), told to the policy; None where the shell tells it itself
+            (the local launcher).
+        on_decision: called from the manager's thread with each worker end it
+            did not cause and the policy's answer (the local launcher prints
+            it and ends the job on a :class:`FailJob`; on Kubernetes the job
+            is marked failed).
     """
 
     def __init__(
@@ -558,10 +719,15 @@ class WorkerManager:
         *,
         trainer_spec: Callable[[int], WorkerSpec],
         fixed: Sequence[WorkerSpec] = (),
+        decide: Decide | None = None,
+        task_progress: TaskProgressSource | None = None,
+        on_decision: Callable[[WorkerEvent, PolicyAction], None] | None = None,
     ) -> None:
         self.backend = backend
+        self._task_progress = task_progress
         self.config = config
-        self.core = ManagerCore(config, trainer_spec, fixed)
+        self.core = ManagerCore(config, trainer_spec, fixed, decide)
+        self._on_decision = on_decision
         self._desired = desired_source
         self._progress = progress_source
         self._clock = clock
@@ -656,6 +822,12 @@ class WorkerManager:
                         progress = self._progress()
                     except ElasticPSError as exc:
                         log.warning("could not read trainer progress: %s", exc)
+                if self._task_progress is not None:
+                    try:
+                        if self._task_progress():
+                            self.core.progressed()
+                    except ElasticPSError as exc:
+                        log.warning("could not read the task ledger: %s", exc)
             try:
                 self._apply(self.core.step(now, self._wanted, progress))
             except Exception:  # keep managing: one bad step must not end elasticity
@@ -663,7 +835,12 @@ class WorkerManager:
 
     def _absorb(self, item: WorkerEvent | int | str | None) -> None:
         if isinstance(item, WorkerEvent):
-            self.core.observe(item, self._clock())
+            action = self.core.observe(item, self._clock())
+            if action is not None and self._on_decision is not None:
+                try:
+                    self._on_decision(item, action)
+                except Exception:  # the shell's callback must not end elasticity
+                    log.exception("the decision callback failed")
         elif isinstance(item, int):
             if item != self._wanted:
                 log.info(
@@ -681,6 +858,9 @@ class WorkerManager:
         for action in actions:
             if self._stop.is_set():
                 return
+            if isinstance(action, FailJob):
+                log.error("the job fails: %s", action.message)
+                continue
             if isinstance(action, Delete):
                 log.info("deleting %s (%s)", action.name, action.reason)
                 try:

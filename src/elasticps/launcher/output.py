@@ -43,6 +43,7 @@ __all__ = [
     "PREVIOUS_RUN_FILES",
     "RUN_FILES",
     "SPACE_MARGIN_BYTES",
+    "STOP_FILE",
     "OutputLock",
     "check_free_space",
     "check_output_location",
@@ -55,6 +56,10 @@ __all__ = [
 LOCK_FILE: Final = ".lock"
 """The lock file in the output directory; it holds the holder's host, pid and start time."""
 
+STOP_FILE: Final = ".stop"
+"""Created in a running job's output directory by ``elasticps stop``: the launcher then
+ends the job cleanly (a final checkpoint and ``run.json`` with state ``stopped``)."""
+
 PREVIOUS_RUN_FILES: Final = (
     "run.json",
     "manifest.json",
@@ -64,7 +69,7 @@ PREVIOUS_RUN_FILES: Final = (
 )
 """Entries whose presence means the directory holds a previous run's state."""
 
-RUN_FILES: Final = (*PREVIOUS_RUN_FILES, "pids.json", "logs")
+RUN_FILES: Final = (*PREVIOUS_RUN_FILES, "pids.json", "logs", "config.toml")
 """Everything a job writes in its output directory (``--overwrite`` removes these, nothing else)."""
 
 CHECKPOINT_COPIES: Final = 3

@@ -12,7 +12,7 @@ guarantee as a user sees it.
 
 Run it (any launcher, any faults)::
 
-    elasticps data audit --out DIR --records 4000
+    elasticps data audit --output DIR --records 4000
     elasticps train --model DIR/audit_model.py --data DIR --optimizer sgd --lr 1 \\
         --model-args '{"records": 4000}' --sync-reduction sum --push-every 1 \\
         --big-array-bound 500 --output RUN --chaos kill:ps@40%
