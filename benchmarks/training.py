@@ -1,7 +1,8 @@
 """Training benchmark: samples/s with 2 trainers, elasticps vs torch DDP vs one process.
 
 For each model (``mlp_small`` 784-512-512-10, ``mlp_20m`` 784-4096-4096-10,
-``cnn`` = ``examples/mnist_cnn.py``), on the MNIST Parquet files of
+``cnn`` = ``examples/mnist_cnn.py``; with ``--models resnet`` also
+``examples/mnist_resnet.py``, a residual network with BatchNorm), on the MNIST Parquet files of
 ``elasticps data mnist`` (4,000 training rows, several epochs; ``mlp_20m``
 trains on the first 2,000 rows, as it is 40x slower), the cases are:
 
@@ -9,6 +10,14 @@ trains on the first 2,000 rows, as it is 40x slower), the cases are:
     ``elasticps train --trainers 2 --mode sync`` with 1 or 2 PS.
 ``elasticps-async4-1ps`` / ``elasticps-async4-2ps``
     ``--mode async --push-every 4 --pull-every 4``.
+``elasticps-sync-2ps-nobuffers`` / ``elasticps-async4-2ps-nobuffers``
+    The same jobs with the model's buffers (BatchNorm statistics) left on
+    each trainer instead of carried by the parameter servers (the benchmark
+    knob ``ELASTICPS_BENCH_NO_BUFFERS``, see :mod:`elasticps.buffers`; the
+    job then trains without a test file, since its saved model lacks the
+    buffers): the B side of what carrying buffers costs. Against the
+    plain case it gives that cost on ``resnet``, and shows it is nothing on
+    ``cnn``, which has no buffers (the summary's ``buffers`` ratios).
 ``ddp``
     ``torchrun --standalone --nproc_per_node 2 benchmarks/ddp_worker.py``: torch
     DDP over gloo, ``torch.set_num_threads(1)`` per process.
@@ -78,6 +87,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticps.buffers import NO_BUFFERS_ENV
 from elasticps.config import LEDGER_ONLY_ENV
 
 BENCH = Path(__file__).resolve().parent
@@ -123,12 +133,16 @@ MODELS = {
         "mlp_20m", BENCH / "models" / "mlp_20m.py", epochs=1, rows=2000, records_per_task=128
     ),
     "cnn": ModelCase("cnn", ROOT / "examples" / "mnist_cnn.py", epochs=10),
+    "resnet": ModelCase("resnet", ROOT / "examples" / "mnist_resnet.py", epochs=3),
 }
+DEFAULT_MODELS = ("mlp_small", "mlp_20m", "cnn")
 CASES = (
     "elasticps-sync-1ps",
     "elasticps-sync-2ps",
     "elasticps-sync-2ps-ledger",
     "elasticps-async4-2ps-ledger",
+    "elasticps-sync-2ps-nobuffers",
+    "elasticps-async4-2ps-nobuffers",
     "elasticps-async4-1ps",
     "elasticps-async4-2ps",
     "ddp",
@@ -212,8 +226,17 @@ class Runner:
         self.last_started = 0.0
         self._subsets: dict[int | None, Path] = {}
 
-    def data_dir(self, rows: int | None) -> Path:
-        """A data directory whose train.parquet holds the first ``rows`` rows (None: all)."""
+    def data_dir(self, rows: int | None, *, train_only: bool = False) -> Path:
+        """A data directory whose train.parquet holds the first ``rows`` rows (None: all).
+
+        With ``train_only``, the directory has no test.parquet (no evaluation).
+        """
+        if train_only:
+            lone = self.workdir / f"mnist-{rows or 'all'}-train-only"
+            if not lone.exists():
+                lone.mkdir()
+                (lone / "train.parquet").symlink_to(self.data_dir(rows) / "train.parquet")
+            return lone
         if rows is None and self.test_rows is None:
             return self.full_data
         if rows not in self._subsets:
@@ -304,6 +327,7 @@ class Runner:
         every: int = 1,
         extra: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        train_only: bool = False,
     ) -> tuple[dict[str, Any], dict[str, Any], float]:
         """One ``elasticps train`` job; returns its JSON line, its run.json and its wall time."""
         out = self._out_dir(f"{model.name}-{mode}{every}-{num_ps}ps")
@@ -311,7 +335,7 @@ class Runner:
         cmd = [
             sys.executable, "-m", "elasticps", "train",
             "--model", str(model.path),
-            "--data", str(self.data_dir(model.rows)),
+            "--data", str(self.data_dir(model.rows, train_only=train_only)),
             "--trainers", str(TRAINERS),
             "--ps", str(num_ps),
             "--mode", mode,
@@ -421,8 +445,11 @@ def run_case(runner: Runner, model: ModelCase, case: str, rep: int, epochs: int)
         _, mode_every, ps, *variant = case.split("-")
         mode = "sync" if mode_every == "sync" else "async"
         every = 1 if mode == "sync" else int(mode_every.removeprefix("async"))
-        # "-ledger": the exactly-once machinery off (the A side of its cost).
+        # "-ledger": the exactly-once machinery off (the A side of its cost);
+        # "-nobuffers": buffers left on the trainers (the B side of carrying them).
         env = {LEDGER_ONLY_ENV: "1"} if variant == ["ledger"] else None
+        if variant == ["nobuffers"]:
+            env = {NO_BUFFERS_ENV: "1"}
         line, record, wall = runner.elasticps(
             model,
             mode=mode,
@@ -430,6 +457,7 @@ def run_case(runner: Runner, model: ModelCase, case: str, rep: int, epochs: int)
             epochs=epochs,
             every=every,
             env=env,
+            train_only=variant == ["nobuffers"],
         )
         points = [(t, s) for t, _, s in record["timeline"]]
         rate, window = steady_rate(points)
@@ -561,6 +589,14 @@ def summarize(runs: list[Run], tta: dict[str, Any] | None, models: Sequence[str]
     check("mlp_20m sync >= 0.8x ddp", "mlp_20m", "elasticps-sync-2ps/ddp", 0.8)
     check("mlp_small async >= 1.5x ddp", "mlp_small", "elasticps-async4-2ps/ddp", 1.5)
     check("cnn sync >= 0.8x ddp", "cnn", "elasticps-sync-2ps/ddp", 0.8)
+    # What carrying buffers costs: samples/s with them over samples/s without.
+    buffers: dict[str, dict[str, float]] = {}
+    for model, m in medians.items():
+        for case in ("elasticps-sync-2ps", "elasticps-async4-2ps"):
+            if case in m and f"{case}-nobuffers" in m:
+                buffers.setdefault(model, {})[case] = round(m[case] / m[f"{case}-nobuffers"], 3)
+    for case, ratio in buffers.get("cnn", {}).items():
+        checks[f"cnn {case} carrying buffers costs <= 2%"] = ratio >= 0.98
     if tta is not None and tta["model"] == "cnn" and "elasticps_over_ddp" in tta:
         checks["cnn time-to-accuracy within 1.3x ddp"] = tta["elasticps_over_ddp"] <= 1.3
     _emit(
@@ -583,6 +619,7 @@ def summarize(runs: list[Run], tta: dict[str, Any] | None, models: Sequence[str]
                     "target_accuracy",
                 )
             },
+            "buffers": buffers,
             "targets": checks,
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         }
@@ -591,11 +628,14 @@ def summarize(runs: list[Run], tta: dict[str, Any] | None, models: Sequence[str]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
+    parser.add_argument(
+        "--models", default=None, help=f"comma-separated (default {','.join(DEFAULT_MODELS)})"
+    )
     parser.add_argument(
         "--cases",
-        default=",".join(DEFAULT_CASES),
-        help=f"comma-separated, or 'all'; from {', '.join(CASES)}",
+        default=None,
+        help=f"comma-separated, or 'all'; from {', '.join(CASES)} "
+        f"(default {','.join(DEFAULT_CASES)})",
     )
     parser.add_argument("--reps", type=int, default=1, help="interleaved repetitions")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's epochs")
@@ -607,19 +647,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: small MLP on 512 rows, 1 epoch, one case of each kind (~30 s)",
+        help="smoke run: small MLP on 512 rows, 1 epoch, one case of each kind (~30 s); "
+        "with --models or --cases, those on 512 rows, 1 epoch",
     )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so that every process started here is stopped.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    models = [MODELS[name] for name in _choices(parser, args.models, tuple(MODELS), "model")]
-    cases = list(CASES) if args.cases == "all" else _choices(parser, args.cases, CASES, "case")
+    model_names = args.models or ",".join(DEFAULT_MODELS)
+    models = [MODELS[name] for name in _choices(parser, model_names, tuple(MODELS), "model")]
+    case_names = args.cases or ",".join(DEFAULT_CASES)
+    cases = list(CASES) if case_names == "all" else _choices(parser, case_names, CASES, "case")
     tta_model, target, tta_reps = MODELS["cnn"], TTA_TARGET, args.tta_reps
     ddp_epochs, elasticps_epochs = TTA_MAX_EPOCHS, TTA_ELASTICPS_EPOCHS
     test_rows = None
     if args.quick:
-        models = [ModelCase("mlp_small", MODELS["mlp_small"].path, epochs=1, rows=512)]
-        cases = ["elasticps-sync-2ps", "ddp", "compute-limit"]
+        chosen = models if args.models else [MODELS["mlp_small"]]
+        models = [ModelCase(m.name, m.path, epochs=1, rows=512) for m in chosen]
+        if not args.cases:
+            cases = ["elasticps-sync-2ps", "ddp", "compute-limit"]
         # Target 0 is reached after one epoch: the code path runs at the cost
         # of one 1-epoch job of each kind, and one more elasticps job.
         tta_model, target, tta_reps, test_rows = models[0], 0.0, 1, 200

@@ -11,10 +11,12 @@ A model file is a plain Python file. ``elasticps`` imports it in every trainer
     these columns.
 
 ``Model``
-    A ``torch.nn.Module`` subclass, constructed with no arguments. Another
-    class name can be chosen with ``--model-class``. Every trainer builds it
-    under the same ``torch.manual_seed``, so all trainers start from identical
-    parameters. All parameters must be float32.
+    A ``torch.nn.Module`` subclass, constructed with the keyword arguments of
+    ``--model-args`` (none by default). Another class name can be chosen with
+    ``--model-class``. Every trainer builds it under the same
+    ``torch.manual_seed``, so all trainers start from identical parameters.
+    All parameters must be float32. Buffers (BatchNorm statistics) are model
+    state too: the parameter servers carry and save them.
 
 ``loss(outputs, targets) -> Tensor``
     The scalar mean loss of one mini-batch. Trainers call ``backward()`` on it
@@ -23,9 +25,16 @@ A model file is a plain Python file. ``elasticps`` imports it in every trainer
 ``batch_to_tensors(batch) -> (inputs, targets)``
     Turns one mini-batch, a ``pyarrow.Table`` holding (at least) ``COLUMNS``,
     into the model's input and the loss's target. ``Model()(inputs)`` must be
-    valid; for classification, ``outputs`` is float32 [B, classes] and
-    ``targets`` int64 [B], which is what ``elasticps evaluate`` assumes when it
-    computes accuracy as ``argmax(outputs, dim=1) == targets``.
+    valid. Any shapes train; the evaluation adds to the loss the metrics that
+    fit them: for classification (``outputs`` float32 [B, classes],
+    ``targets`` int64 [B], as here) the accuracy,
+    ``argmax(outputs, dim=1) == targets``.
+
+``metrics()`` (optional)
+    Returns fresh ``torchmetrics`` metrics by name, reported by every
+    evaluation after the default ones.
+
+The whole contract is ``docs/model-contract.md``.
 
 A model file should import only installed packages (its directory is not added
 to ``sys.path``) and should do no work at import time beyond definitions.

@@ -10,6 +10,7 @@ The Python API:
 - :func:`train` runs a job (in-process with ``cluster=None``, or on local
   servers with :class:`Local`) and returns a :class:`ParameterSet`;
 - :func:`infer` runs a model, or a sub-network of it, with a ParameterSet;
+- :func:`evaluate_model` reports a model's mean loss and metrics on test data;
 - :mod:`elasticps.parameters` creates, saves and loads parameter sets;
 - :mod:`elasticps.events` are the events an ``event_handler`` receives;
 - :mod:`elasticps.updater` are the optimizers (with learning-rate schedules)
@@ -42,7 +43,7 @@ from elasticps.errors import (
 if TYPE_CHECKING:
     from elasticps import events, kvstore, nn, parameters, updater
     from elasticps.api.cluster import Local, Parquet
-    from elasticps.api.train import infer, train
+    from elasticps.api.train import evaluate_model, infer, train
     from elasticps.dist import LaunchResult, dist_train
     from elasticps.parameters import ParameterSet
 
@@ -60,6 +61,7 @@ _LAZY = {
     "Local": ("elasticps.api.cluster", "Local"),
     "Parquet": ("elasticps.api.cluster", "Parquet"),
     "infer": ("elasticps.api.train", "infer"),
+    "evaluate_model": ("elasticps.api.train", "evaluate_model"),
     "train": ("elasticps.api.train", "train"),
     "LaunchResult": ("elasticps.dist", "LaunchResult"),
     "dist_train": ("elasticps.dist", "dist_train"),
@@ -102,6 +104,7 @@ __all__ = [
     "UserError",
     "__version__",
     "dist_train",
+    "evaluate_model",
     "events",
     "infer",
     "kvstore",

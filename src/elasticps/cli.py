@@ -51,6 +51,8 @@ from elasticps.config import (
     PSConfig,
     TrainerConfig,
     UpdateMode,
+    model_args_text,
+    parse_model_args,
 )
 from elasticps.errors import (
     ConfigError,
@@ -206,6 +208,13 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         "--model-class",
         default=_env("model-class", "Model"),
         help="name of the torch.nn.Module class in the model file",
+    )
+    p.add_argument(
+        "--model-args",
+        default=str(_env("model-args", "")),
+        help="keyword arguments of the model class's constructor, a JSON object such as "
+        "'{\"hidden\": 256}' (recorded with the checkpoints, so that evaluate and --resume "
+        "rebuild the same model)",
     )
     p.add_argument("--batch-size", type=int, default=int(str(_env("batch-size", 32))))
     p.add_argument(
@@ -413,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on a Parquet file")
     ev.add_argument("--model", type=Path, required=True)
     ev.add_argument("--model-class", default="Model")
+    ev.add_argument(
+        "--model-args",
+        default=None,
+        help="the model constructor's keyword arguments, a JSON object (default: those "
+        "the checkpoint's manifest records)",
+    )
     _add_output(ev, "the run's directory (its model.safetensors), or a checkpoint directory",
                 old=("--checkpoint",))  # fmt: skip
     ev.add_argument("--data", type=Path, required=True)
@@ -523,6 +538,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         job=args.job,
         model_path=args.model,
         model_class=args.model_class,
+        model_args=args.model_args,
         data=args.data,
         output=args.output,
         **_trainer_range(args.trainers, args.initial_trainers),
@@ -726,8 +742,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.bad_records == "skip":
         line["records_skipped"] = result.records_skipped
     if result.evaluation is not None:
-        line["accuracy"] = result.evaluation["accuracy"]
-        line["loss"] = result.evaluation["loss"]
+        # The metrics that fit the model (accuracy...), its own, then the loss.
+        for key, value in result.evaluation.items():
+            if key != "samples":
+                line[key] = value
         line["test_samples"] = int(result.evaluation["samples"])
         if "auc" in result.evaluation:
             line["auc"] = round(result.evaluation["auc"], 4)
@@ -787,8 +805,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.evaluate import evaluate
     from elasticps.model_file import load_model_file
 
-    spec = load_model_file(args.model, args.model_class)
-    tensors, _ = load_checkpoint(args.output)
+    tensors, manifest = load_checkpoint(args.output)
+    recorded = manifest.get("model_args")
+    if args.model_args is not None:
+        model_args = parse_model_args(args.model_args)
+    else:
+        model_args = recorded if isinstance(recorded, dict) else {}
+    spec = load_model_file(args.model, args.model_class, model_args)
     if not args.data.exists():
         raise ConfigError(f"data file not found: {args.data}")
     print(json.dumps(evaluate(spec, tensors, args.data, batch_size=args.batch_size)))
@@ -886,6 +909,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         trainer_id=int(args.trainer_id),
         model_path=Path(args.model),
         model_class=args.model_class,
+        model_args=args.model_args,
         mode=UpdateMode(args.mode),
         batch_size=args.batch_size,
         push_every=args.push_every,
@@ -1041,6 +1065,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     env = {
         "ELASTICPS_MODE": args.mode,
         "ELASTICPS_MODEL_CLASS": args.model_class,
+        "ELASTICPS_MODEL_ARGS": model_args_text(parse_model_args(args.model_args)),
         "ELASTICPS_OPTIMIZER": args.optimizer,
         "ELASTICPS_LR": str(args.lr),
         "ELASTICPS_MOMENTUM": str(args.momentum),

@@ -9,6 +9,7 @@ dataclasses, never an ``argparse.Namespace``. Units are in the names:
 from __future__ import annotations
 
 import enum
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -359,6 +360,37 @@ BAD_RECORDS = ("fail", "skip")
 """Values of ``--bad-records``: what a trainer does with a mini-batch the model file raises on."""
 
 
+def parse_model_args(text: str) -> dict[str, object]:
+    """``--model-args``: the model constructor's keyword arguments, a JSON object.
+
+    Args:
+        text: JSON text such as ``'{"hidden": 256}'``; empty for none.
+
+    Returns:
+        The keyword arguments (``{}`` for an empty text).
+
+    Raises:
+        ConfigError: the text is not JSON, or not a JSON object.
+    """
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--model-args must be a JSON object, got {text!r:.80}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"--model-args must be a JSON object of keyword arguments "
+            f"(e.g. '{{\"hidden\": 256}}'), got {text!r:.80}"
+        )
+    return value
+
+
+def model_args_text(args: dict[str, object]) -> str:
+    """The canonical ``--model-args`` text of ``args`` (sorted keys; ``""`` for none)."""
+    return json.dumps(args, sort_keys=True, separators=(",", ":")) if args else ""
+
+
 def _check_bad_records(value: str) -> None:
     if value not in BAD_RECORDS:
         raise ConfigError(f"--bad-records must be one of {', '.join(BAD_RECORDS)}, got {value!r}")
@@ -372,6 +404,8 @@ class TrainerConfig:
         trainer_id: unique non-negative integer id of the trainer in the job.
         model_path: the user's model file (see the README's model-file contract).
         model_class: name of the ``torch.nn.Module`` class in it.
+        model_args: the class's constructor keyword arguments, a JSON object
+            (``--model-args``); empty for none.
         mode: must match the parameter servers' mode.
         batch_size: rows per mini-batch, >= 1.
         push_every: push accumulated gradients every n mini-batches (1 in sync mode).
@@ -415,9 +449,11 @@ class TrainerConfig:
     ps_transport: str = "auto"
     overlap_push: bool = True
     bad_records: str = "fail"
+    model_args: str = ""
 
     def __post_init__(self) -> None:
         _check_bad_records(self.bad_records)
+        parse_model_args(self.model_args)
         if self.grad_compression not in GRAD_COMPRESSIONS:
             raise ConfigError(
                 f"--grad-compression must be one of {', '.join(GRAD_COMPRESSIONS)}, "
@@ -452,6 +488,9 @@ class JobConfig:
         job: job name.
         model_path: the user's model file.
         model_class: its ``torch.nn.Module`` class.
+        model_args: its constructor's keyword arguments, a JSON object
+            (``--model-args``); empty for none (with ``resume``: those the
+            checkpoint recorded).
         data: a directory holding ``train.parquet`` (and optionally
             ``test.parquet``), or one Parquet file.
         output: directory for the final checkpoint and the run record.
@@ -547,6 +586,7 @@ class JobConfig:
     checkpoint_failures_fatal_after_s: float = DEFAULT_FATAL_AFTER_S
     fallback_output: Path | None = None
     sparse_eviction: str = ""
+    model_args: str = ""
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -557,6 +597,7 @@ class JobConfig:
                 f"got {self.checkpoint_failures_fatal_after_s}"
             )
         _check_bad_records(self.bad_records)
+        parse_model_args(self.model_args)
         if self.spawn not in SPAWN_METHODS:
             raise ConfigError(
                 f"--spawn must be one of {', '.join(SPAWN_METHODS)}, got {self.spawn!r}"

@@ -1,12 +1,22 @@
-"""Evaluate trained parameters on a Parquet dataset: accuracy and mean loss.
+"""Evaluate trained parameters on a Parquet dataset: mean loss and metrics.
 
-Used by ``elasticps evaluate`` on a checkpoint, and by the examples' tests.
+Used by the job's final evaluation, ``--eval-each-pass``, ``elasticps
+evaluate`` on a checkpoint, and the examples' tests. Every model gets the
+sample-weighted mean of its ``loss``; the metrics that fit the shapes of its
+outputs and targets are added (:class:`MetricSet`), then the model file's own
+``metrics()``, if it defines one. Metrics are computed by ``torchmetrics``
+(imported when the first batch is evaluated), and a metric that cannot be
+computed is left out with a warning in the log: a job never fails because of
+its metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +24,10 @@ from torch import Tensor, nn
 from elasticps.data.parquet import RangeReader, check_columns, count_rows
 from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError
 from elasticps.model_file import ModelSpec, describe_model_error
+
+__all__ = ["MetricSet", "evaluate", "evaluate_batches", "load_parameters"]
+
+log = logging.getLogger(__name__)
 
 
 def _shape(values: torch.Size) -> str:
@@ -28,7 +42,8 @@ def load_parameters(model: nn.Module, tensors: Mapping[str, Tensor], *, what: st
 
     Args:
         model: the freshly built model.
-        tensors: name -> tensor, names as in ``model.state_dict()``.
+        tensors: name -> tensor, names as in ``model.state_dict()``
+            (parameters and persistent buffers).
         what: how to name the model in error messages.
 
     Raises:
@@ -60,6 +75,255 @@ def load_parameters(model: nn.Module, tensors: Mapping[str, Tensor], *, what: st
         raise ModelContractError(f"cannot load parameters into {what}: {message}") from exc
 
 
+def _number(value: float) -> float:
+    """A metric value as reported: a float of float32 precision (7 significant digits)."""
+    return float(f"{value:.7g}")
+
+
+def _flatten(name: str, value: object, out: dict[str, float]) -> None:
+    """A metric's computed value as ``name -> float`` entries (``name.i``, ``name.key``)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _flatten(f"{name}.{key}", item, out)
+        return
+    tensor = torch.as_tensor(value).detach().reshape(-1)
+    if tensor.numel() == 1:
+        out[name] = _number(float(tensor[0]))
+        return
+    for i, item in enumerate(tensor.tolist()):
+        out[f"{name}.{i}"] = _number(float(item))
+
+
+class _Metrics:
+    """Named metric objects updated together; one that fails is dropped with a warning."""
+
+    def __init__(self, metrics: Mapping[str, Any], what: str) -> None:
+        self._metrics = dict(metrics)
+        self._what = what
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        for name in list(self._metrics):
+            try:
+                self._metrics[name].update(preds, target)
+            except Exception as exc:
+                log.warning("metric %r of %s left out: %s", name, self._what, _one_line(exc))
+                del self._metrics[name]
+
+    def compute(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, metric in self._metrics.items():
+            try:
+                values: dict[str, float] = {}
+                _flatten(name, metric.compute(), values)
+            except Exception as exc:
+                log.warning("metric %r of %s left out: %s", name, self._what, _one_line(exc))
+                continue
+            out.update({k: v for k, v in values.items() if math.isfinite(v)})
+        return out
+
+
+def _one_line(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+_CLASSES = "classes"
+_SAME_SHAPE = "same shape"
+
+
+def _kind(outputs: Tensor, targets: Tensor) -> str | None:
+    """Which default metrics fit one batch's shapes, or None."""
+    if not outputs.dtype.is_floating_point or outputs.dim() == 0:
+        return None
+    rows = outputs.shape[0]
+    if (
+        outputs.dim() == 2
+        and outputs.shape[1] >= 2
+        and targets.shape == (rows,)
+        and not targets.dtype.is_floating_point
+        and targets.dtype != torch.bool
+    ):
+        return _CLASSES
+    if targets.dim() >= 1 and targets.shape[0] == rows and outputs.numel() == targets.numel():
+        return _SAME_SHAPE
+    return None
+
+
+class MetricSet:
+    """The default metrics that fit a model's shapes, and the model's own, over batches.
+
+    Default metrics, chosen from each batch's shapes (``B`` rows):
+
+    - ``[B, C]`` float outputs (logits, ``C >= 2``) with integer ``[B]``
+      targets: ``accuracy`` (``argmax`` equals the target;
+      ``torchmetrics`` ``MulticlassAccuracy``, micro-averaged);
+    - float outputs with as many elements as the targets (``[B]``, or the
+      targets' own shape): if every target is 0 or 1, the outputs are
+      logits of a binary classifier: ``accuracy`` (logit > 0, i.e.
+      probability > 0.5) and ``auc`` (area under the ROC curve,
+      ``BinaryAUROC``, exact; left out if the targets hold one class only);
+      else a regression: ``mse`` and ``mae`` (``MeanSquaredError``,
+      ``MeanAbsoluteError``);
+    - anything else, or shapes that change from batch to batch: none (the
+      loss alone).
+
+    Args:
+        user_metrics: the model file's ``metrics()`` result (name -> a
+            ``torchmetrics`` metric, or any object with ``update(preds,
+            target)`` and ``compute()``), or None. A name equal to a default
+            metric's replaces it.
+        what: how to name the model in warnings.
+    """
+
+    def __init__(
+        self, user_metrics: Mapping[str, Any] | None = None, *, what: str = "model"
+    ) -> None:
+        self._what = what
+        self._user = _Metrics(user_metrics or {}, what)
+        self._kind: str | None = None
+        self._mixed = False
+        self._classes: _Metrics | None = None
+        self._binary: _Metrics | None = None
+        self._regression: _Metrics | None = None
+        self._all_binary = True
+        self._seen_targets: set[int] = set()
+
+    def update(self, outputs: Tensor, targets: Tensor) -> None:
+        """Update every metric with one batch (``outputs`` detached, no grad)."""
+        self._user.update(outputs, targets)
+        if self._mixed:
+            return
+        kind = _kind(outputs, targets)
+        if self._kind is None and kind is not None and not self._started():
+            self._start(kind, outputs)
+        if kind is None or kind != self._kind:
+            self._mixed = True
+            return
+        if kind == _CLASSES:
+            assert self._classes is not None
+            self._classes.update(outputs, targets)
+            return
+        preds = outputs.reshape(-1).to(torch.float32)
+        target = targets.reshape(-1)
+        assert self._regression is not None and self._binary is not None
+        self._regression.update(preds, target.to(torch.float32))
+        if self._all_binary:
+            ints = target.to(torch.float64)
+            if bool(((ints == 0) | (ints == 1)).all()):
+                self._seen_targets.update(int(v) for v in torch.unique(ints).tolist())
+                self._binary.update(torch.sigmoid(preds), target.to(torch.int64))
+            else:
+                self._all_binary = False
+
+    def _started(self) -> bool:
+        return self._classes is not None or self._regression is not None
+
+    def _start(self, kind: str, outputs: Tensor) -> None:
+        from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
+        from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
+
+        self._kind = kind
+        # One process evaluates: the metrics must not wait for other ranks of a
+        # process group the caller may be in (a DDP worker evaluating).
+        local: dict[str, Any] = {"sync_on_compute": False}
+        if kind == _CLASSES:
+            accuracy = MulticlassAccuracy(
+                num_classes=int(outputs.shape[1]), average="micro", **local
+            )
+            self._classes = _Metrics({"accuracy": accuracy}, self._what)
+        else:
+            self._binary = _Metrics(
+                {"accuracy": BinaryAccuracy(**local), "auc": BinaryAUROC(**local)}, self._what
+            )
+            self._regression = _Metrics(
+                {"mse": MeanSquaredError(**local), "mae": MeanAbsoluteError(**local)}, self._what
+            )
+
+    def compute(self) -> dict[str, float]:
+        """The metrics' values: default ones first, then the model's own."""
+        out: dict[str, float] = {}
+        if not self._mixed:
+            if self._classes is not None:
+                out.update(self._classes.compute())
+            elif self._binary is not None and self._regression is not None:
+                if self._all_binary:
+                    values = self._binary.compute()
+                    if self._seen_targets != {0, 1}:
+                        values.pop("auc", None)  # undefined with one class only
+                    out.update(values)
+                else:
+                    out.update(self._regression.compute())
+        for name, value in self._user.compute().items():
+            out.pop(name, None)
+            out[name] = value
+        return out
+
+
+def _user_metrics(spec: ModelSpec) -> Mapping[str, Any] | None:
+    """The model file's fresh metrics, or None (a broken ``metrics()`` is only logged)."""
+    if spec.metrics is None:
+        return None
+    try:
+        metrics = spec.metrics()
+        if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+            raise TypeError(
+                f"metrics() must return a dict of names to metrics, got {metrics!r:.80}"
+            )
+    except Exception as exc:
+        log.warning("metrics() of model file %s left out: %s", spec.path.name, _one_line(exc))
+        return None
+    return metrics
+
+
+def evaluate_batches(
+    model: nn.Module,
+    loss: Callable[[Tensor, Tensor], Tensor],
+    batches: Iterable[tuple[Tensor, Tensor]],
+    *,
+    metrics: Mapping[str, Any] | None = None,
+    what: str = "model",
+) -> dict[str, float]:
+    """Mean loss and metrics of ``model`` over ``(inputs, targets)`` batches.
+
+    The model runs in eval mode under ``torch.no_grad()``; its training flag
+    is restored afterwards.
+
+    Args:
+        model: the model, with its trained parameters and buffers loaded.
+        loss: ``loss(outputs, targets) -> Tensor``, a scalar mean loss.
+        batches: the mini-batches.
+        metrics: extra metrics by name (see :class:`MetricSet`).
+        what: how to name the model in warnings.
+
+    Returns:
+        The metrics (see :class:`MetricSet`), then ``loss`` (the
+        sample-weighted mean of ``loss`` over the batches, a batch's weight
+        being ``len(targets)``) and ``samples`` (the number of samples, a float).
+
+    Raises:
+        DataError: no batch, or no sample.
+        Exception: whatever ``model`` or ``loss`` raises.
+    """
+    scores = MetricSet(metrics, what=what)
+    loss_sum = 0.0
+    samples = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for inputs, targets in batches:
+                outputs = model(inputs)
+                rows = len(targets)
+                loss_sum += float(loss(outputs, targets)) * rows
+                samples += rows
+                scores.update(outputs, targets)
+    finally:
+        model.train(was_training)
+    if samples == 0:
+        raise DataError("no samples to evaluate")
+    return {**scores.compute(), "loss": loss_sum / samples, "samples": float(samples)}
+
+
 def evaluate(
     spec: ModelSpec,
     tensors: Mapping[str, Tensor],
@@ -68,7 +332,7 @@ def evaluate(
     batch_size: int = 500,
     tables: Mapping[str, object] | None = None,
 ) -> dict[str, float]:
-    """Compute the accuracy and mean loss of a model on a Parquet file.
+    """Compute the mean loss and the metrics of a model on a Parquet file.
 
     The model is built with ``spec.build()`` and loaded with ``tensors``; the
     file is read in row ranges of ``batch_size`` rows with a
@@ -77,7 +341,8 @@ def evaluate(
 
     Args:
         spec: the loaded model file.
-        tensors: name -> tensor, the model's full ``state_dict`` (e.g. from
+        tensors: name -> tensor, the model's full ``state_dict`` (parameters
+            and persistent buffers; e.g. from
             :func:`elasticps.checkpoint.load_checkpoint`).
         data_path: a Parquet file with the columns ``spec.columns``.
         batch_size: rows per forward pass (>= 1).
@@ -86,19 +351,16 @@ def evaluate(
             the first batch.
 
     Returns:
-        ``{"accuracy": ..., "loss": ..., "samples": ...}``: the fraction of
-        rows where ``argmax(outputs, dim=1) == targets``; the sample-weighted
-        mean of ``spec.loss`` over the batches; and the row count (a float).
-        A model whose outputs are one logit per row (``[B]``, binary
-        classification against float 0/1 targets) is right where ``(logit > 0) ==
-        target``, and gets ``"auc"`` too (ROC AUC, scikit-learn's
-        ``roc_auc_score``; absent when the targets hold one class only).
+        The metrics that fit the model's shapes and its file's own
+        ``metrics()`` (see :class:`MetricSet`; ``accuracy`` for class
+        scores), then ``loss``, the sample-weighted mean of ``spec.loss``
+        over the batches, and ``samples``, the row count (a float).
 
     Raises:
         ConfigError: ``batch_size`` < 1.
         DataError: the file is missing, not Parquet, lacks a column, or is empty.
-        ModelContractError: ``tensors`` do not match the model, or the model's
-            outputs are not [B, classes] with int64 [B] targets.
+        ModelContractError: ``tensors`` do not match the model, or the loss
+            is not a scalar.
         BadRecordError: the model file's ``batch_to_tensors``, ``forward`` or
             ``loss`` raised on a batch (a bad record); one line naming the
             model file's line and the rows.
@@ -119,56 +381,37 @@ def evaluate(
         if not isinstance(tables, TableSet):
             raise ModelContractError(f"{what}: tables must be a TableSet")
         tables.bind(model)
-    model.eval()
+    position = {"start": 0, "end": 0, "called": "batch_to_tensors"}
 
-    correct = 0
-    loss_sum = 0.0
-    logits: list[Tensor] = []
-    labels: list[Tensor] = []
-    with RangeReader() as reader, torch.no_grad():
+    def batches(reader: RangeReader) -> Iterable[tuple[Tensor, Tensor]]:
         for start in range(0, total_rows, batch_size):
             end = min(start + batch_size, total_rows)
-            batch = reader.read_rows(data_path, start, end, spec.columns)
-            called = "batch_to_tensors"
-            try:
-                inputs, targets = spec.batch_to_tensors(batch)
-                called = "forward"
-                outputs = model(inputs)
-                binary = (
-                    outputs.dim() == 1
-                    and outputs.shape == targets.shape
-                    and targets.is_floating_point()
-                )
-                if not binary and (outputs.dim() != 2 or targets.shape != (end - start,)):
-                    raise ModelContractError(
-                        f"{what}: evaluation needs outputs [B, classes] and targets [B] "
-                        f"with B={end - start}; got outputs {_shape(outputs.shape)}, "
-                        f"targets {_shape(targets.shape)}"
-                    )
-                called = "loss"
-                loss_sum += float(spec.loss(outputs, targets)) * (end - start)
-            except (ModelContractError, DataError):
-                raise
-            except Exception as exc:
-                raise BadRecordError(
-                    f"{describe_model_error(exc, spec.path, str(spec.path), called)}; on rows "
-                    f"[{start}, {end}) of {data_path}"
-                ) from exc
-            if binary:
-                correct += int(((outputs > 0).to(targets.dtype) == targets).sum())
-                logits.append(outputs.detach().reshape(-1))
-                labels.append(targets.detach().reshape(-1))
-            else:
-                correct += int((outputs.argmax(dim=1) == targets).sum())
-    result = {
-        "accuracy": correct / total_rows,
-        "loss": loss_sum / total_rows,
-        "samples": float(total_rows),
-    }
-    if logits:
-        y = torch.cat(labels).numpy()
-        if len(set(y.tolist())) == 2:
-            from sklearn.metrics import roc_auc_score  # type: ignore[import-untyped]
+            position.update(start=start, end=end, called="batch_to_tensors")
+            inputs, targets = spec.batch_to_tensors(
+                reader.read_rows(data_path, start, end, spec.columns)
+            )
+            position["called"] = "forward"
+            yield inputs, targets
 
-            result["auc"] = float(roc_auc_score(y, torch.cat(logits).numpy()))
-    return result
+    def checked_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        position["called"] = "loss"
+        value = spec.loss(outputs, targets)
+        if value.dim() != 0:
+            raise ModelContractError(
+                f"{what}: loss must return a scalar, got shape {_shape(value.shape)}"
+            )
+        return value
+
+    with RangeReader() as reader:
+        try:
+            return evaluate_batches(
+                model, checked_loss, batches(reader), metrics=_user_metrics(spec), what=what
+            )
+        except (ModelContractError, DataError):
+            raise
+        except Exception as exc:
+            called = str(position["called"])
+            raise BadRecordError(
+                f"{describe_model_error(exc, spec.path, str(spec.path), called)}; on rows "
+                f"[{position['start']}, {position['end']}) of {data_path}"
+            ) from exc

@@ -5,7 +5,7 @@ A model file is a plain Python file (see ``examples/mnist_mlp.py``) that defines
     COLUMNS = ("pixels", "label")      # Parquet columns it reads
 
     class Model(torch.nn.Module):      # name chosen by --model-class (default "Model");
-        ...                            # constructed with no arguments
+        ...                            # constructed with --model-args (default none)
 
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
         ...                            # scalar mean loss over the mini-batch
@@ -13,9 +13,13 @@ A model file is a plain Python file (see ``examples/mnist_mlp.py``) that defines
     def batch_to_tensors(batch: pyarrow.Table) -> tuple[Tensor, Tensor]:
         ...                            # (inputs, targets) of one mini-batch
 
+    def metrics() -> dict[str, Metric]:  # optional: fresh torchmetrics objects by name
+        ...
+
 Every trainer loads the same file and calls :meth:`ModelSpec.instantiate` with
 the job's seed, so all trainers start from identical parameters. Parameters
-must be float32 (the tensor plane carries float32 only), see :func:`check_model`.
+must be float32 (the tensor plane carries float32 only), and persistent
+buffers float32, float16, bfloat16, integer or bool, see :func:`check_model`.
 
 Every violation is reported as a one-line
 :class:`~elasticps.errors.ModelContractError`.
@@ -30,16 +34,17 @@ import inspect
 import itertools
 import sys
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import pyarrow as pa
 import torch
 from torch import Tensor, nn
 
+from elasticps.buffers import buffer_specs
 from elasticps.errors import ModelContractError
 
 __all__ = [
@@ -67,13 +72,19 @@ class ModelSpec:
         path: absolute path of the model file.
         model_class: name of the ``nn.Module`` subclass in the file.
         columns: Parquet columns that ``batch_to_tensors`` reads.
-        build: constructs a fresh model (the class, called with no arguments).
-            Raises :class:`ModelContractError` if the constructor fails.
+        build: constructs a fresh model (the class, called with
+            ``model_args``). Raises :class:`ModelContractError` if the
+            constructor fails.
         loss: ``loss(outputs, targets) -> Tensor``, a scalar mean loss over the
             mini-batch.
         batch_to_tensors: ``batch_to_tensors(batch) -> (inputs, targets)`` for
             one mini-batch given as a ``pyarrow.Table`` with (at least)
             ``columns``.
+        metrics: the file's optional ``metrics()``: returns fresh metric
+            objects by name (``torchmetrics`` metrics) for evaluation; None
+            if the file defines none.
+        model_args: the keyword arguments ``build`` passes to the class
+            (``--model-args``).
     """
 
     path: Path
@@ -82,6 +93,8 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     loss: Callable[[Tensor, Tensor], Tensor]
     batch_to_tensors: Callable[[pa.Table], tuple[Tensor, Tensor]]
+    metrics: Callable[[], Mapping[str, Any]] | None = None
+    model_args: Mapping[str, object] = field(default_factory=dict)
 
     def instantiate(self, seed: int) -> nn.Module:
         """Build the model with parameters initialised from ``seed``.
@@ -99,7 +112,8 @@ class ModelSpec:
 
         Raises:
             ModelContractError: the constructor fails, or the model has
-                non-float32 or no trainable parameters.
+                non-float32 or no trainable parameters, or a buffer of a
+                dtype that cannot be carried.
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -117,7 +131,9 @@ def check_model(model: nn.Module, *, what: str = "model") -> None:
 
     Raises:
         ModelContractError: a parameter is not float32 (the tensor plane
-            carries float32 only), or the model has no trainable parameters.
+            carries float32 only), the model has no trainable parameters, or
+            a persistent buffer is float64, complex or of another dtype the
+            tensor plane cannot carry exactly (see :mod:`elasticps.buffers`).
     """
     wrong_dtype = [
         f"{name} ({str(param.dtype).removeprefix('torch.')})"
@@ -129,6 +145,7 @@ def check_model(model: nn.Module, *, what: str = "model") -> None:
         raise ModelContractError(f"{what}: parameters must be float32; found {shown}")
     if not any(param.requires_grad for param in model.parameters()):
         raise ModelContractError(f"{what} has no trainable parameters")
+    buffer_specs(model, what=what)
 
 
 def _unique_module_name(path: Path) -> str:
@@ -251,7 +268,11 @@ def _columns(module: ModuleType, shown: str) -> tuple[str, ...]:
     return columns
 
 
-def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
+def load_model_file(
+    path: str | Path,
+    model_class: str = "Model",
+    model_args: Mapping[str, object] | None = None,
+) -> ModelSpec:
     """Import a model file and check it against the contract.
 
     The file is executed as a module under a unique name, so loading two files
@@ -261,6 +282,8 @@ def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
     Args:
         path: the model file, e.g. ``examples/mnist_mlp.py``.
         model_class: name of the ``torch.nn.Module`` subclass to train.
+        model_args: keyword arguments of its constructor (``--model-args``);
+            None for none.
 
     Returns:
         The validated :class:`ModelSpec`.
@@ -269,8 +292,9 @@ def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
         ModelContractError: the file is missing, raises while importing, lacks
             the class (the message lists the ``nn.Module`` subclasses it does
             define), the class is not an ``nn.Module`` subclass, ``loss`` or
-            ``batch_to_tensors`` is missing or not callable, or ``COLUMNS`` is
-            missing or not a tuple of strings.
+            ``batch_to_tensors`` is missing or not callable, ``metrics`` is
+            defined but not callable, or ``COLUMNS`` is missing or not a
+            tuple of strings.
     """
     shown = str(path)
     resolved = Path(path).resolve()
@@ -283,13 +307,20 @@ def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
         module, "batch_to_tensors", "batch_to_tensors(batch) -> (inputs, targets)", shown
     )
     columns = _columns(module, shown)
+    metrics = (
+        _callable(module, "metrics", "metrics() -> dict of metrics", shown)
+        if getattr(module, "metrics", None) is not None
+        else None
+    )
+    kwargs = dict(model_args or {})
+    called = f"{model_class}(**{kwargs!r})" if kwargs else f"{model_class}()"
 
     def build() -> nn.Module:
         try:
-            model = cls()
+            model = cls(**kwargs)
         except Exception as exc:
             raise ModelContractError(
-                f"cannot construct {model_class}() from model file {shown}: {_one_line(exc)}"
+                f"cannot construct {called} from model file {shown}: {_one_line(exc)}"
             ) from exc
         return model
 
@@ -300,6 +331,8 @@ def load_model_file(path: str | Path, model_class: str = "Model") -> ModelSpec:
         build=build,
         loss=cast(Callable[[Tensor, Tensor], Tensor], loss),
         batch_to_tensors=cast(Callable[[pa.Table], tuple[Tensor, Tensor]], batch_to_tensors),
+        metrics=cast(Callable[[], Mapping[str, Any]] | None, metrics),
+        model_args=kwargs,
     )
 
 

@@ -15,6 +15,12 @@ entries.
 >>> ps.shapes()["weight"]
 (2, 3)
 
+A model's persistent buffers (BatchNorm's running statistics) are model
+state too: :func:`elasticps.train` returns them in its set, under their
+``state_dict()`` names and in their own dtypes, and :meth:`ParameterSet.copy_into`
+and :func:`elasticps.infer` use those the set holds (a set without them
+leaves the model's own).
+
 Sets save and load as safetensors (no pickle), see :meth:`ParameterSet.save`
 and :func:`load`.
 
@@ -38,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from elasticps.buffers import model_buffers
 from elasticps.errors import ConfigError, DataError, MissingParameterError
 
 if TYPE_CHECKING:
@@ -133,7 +140,7 @@ class ParameterSet(Mapping[str, torch.Tensor]):
         return {n: tuple(t.shape) for n, t in self._tensors.items()}
 
     def dtypes(self) -> dict[str, torch.dtype]:
-        """Name -> dtype (float32 for anything elasticps trained)."""
+        """Name -> dtype (float32 for trained parameters; buffers keep their own)."""
         return {n: t.dtype for n, t in self._tensors.items()}
 
     def numel(self) -> int:
@@ -182,6 +189,25 @@ class ParameterSet(Mapping[str, torch.Tensor]):
         """Names of ``model``'s parameters that the set lacks, in model order."""
         return [n for n, _ in model.named_parameters() if n not in self._tensors]
 
+    def buffers_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The set's tensors for ``model``'s persistent buffers that it holds, by name.
+
+        Raises:
+            ConfigError: a shape differs from the model's.
+        """
+        out = {}
+        for n, b in model_buffers(model):
+            t = self._tensors.get(n)
+            if t is None:
+                continue
+            if tuple(t.shape) != tuple(b.shape):
+                raise ConfigError(
+                    f"buffer {n} has shape {tuple(t.shape)} in the set but "
+                    f"{tuple(b.shape)} in {type(model).__name__}"
+                )
+            out[n] = t
+        return out
+
     def tensors_for(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The set's tensors for exactly ``model``'s parameters, by name.
 
@@ -209,6 +235,10 @@ class ParameterSet(Mapping[str, torch.Tensor]):
 
     def copy_into(self, model: nn.Module, *, strict: bool = True) -> list[str]:
         """Copy the set's values into ``model``'s parameters, in place, by name.
+
+        The model's persistent buffers that the set holds are copied too (in
+        the buffer's dtype); those it lacks keep their values, whatever
+        ``strict`` says.
 
         Args:
             model: the module to fill.
@@ -239,6 +269,9 @@ class ParameterSet(Mapping[str, torch.Tensor]):
                         f"{tuple(p.shape)} in {type(model).__name__}"
                     )
                 p.copy_(t)
+            buffers = dict(model_buffers(model))
+            for n, t in self.buffers_for(model).items():
+                buffers[n].copy_(t)
         if len(self._tables):
             self._tables.bind(model, strict=False)
         return missing

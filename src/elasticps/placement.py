@@ -10,12 +10,18 @@ model's parameters are views into it. The flat order is chosen so that each
 shard's data is a few contiguous ranges of that buffer:
 
     [whole params of shard 0][whole params of shard 1]...[big param 0][big param 1]...
+    [buffers of shard 0][buffers of shard 1]...
 
 A big parameter is contiguous in the flat buffer (so it can back a model
 parameter), and its ``i``-th slice belongs to shard ``i``. On the wire a
 shard's body is the concatenation of its ranges in order, which is also the
 layout of the shard's own flat buffer on the parameter server. Both sides
 send and receive straight from these ranges, without copies.
+
+A model's persistent buffers (BatchNorm statistics, see :mod:`elasticps.buffers`)
+come last, each whole on the shard given by the CRC-32 of its name, in its
+encoded size (float32 elements). On each shard they follow its parameters,
+so a shard's buffers are one contiguous tail of its flat buffer.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from elasticps.buffers import BufferSpec, describe_buffers
 from elasticps.errors import ConfigError
 
 DEFAULT_BIG_ARRAY_BOUND = 1_000_000
@@ -85,6 +92,8 @@ class ShardLayout:
             trainer's flat buffer, in shard-buffer order.
         shapes: ``(name, shape)`` of every parameter with a piece here, so that
             a reshape that keeps the element count changes the fingerprint.
+        buffers: ``(name, dtype)`` of every buffer here (its piece holds its
+            encoded values, see :mod:`elasticps.buffers`).
     """
 
     index: int
@@ -92,19 +101,25 @@ class ShardLayout:
     numel: int
     ranges: tuple[tuple[int, int], ...]
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    buffers: tuple[BufferSpec, ...] = ()
 
     def describe(self) -> dict[str, object]:
         """The layout as sent in a HELLO frame: JSON-ready, order-preserving.
 
         ``pieces`` lists ``[name, param_start, param_end]`` in shard-buffer
-        order; ``shapes`` maps each parameter name to its full shape.
+        order; ``shapes`` maps each parameter (and buffer) name to its full
+        shape; ``buffers``, present only if the shard holds buffers, maps
+        each buffer name to its dtype.
         """
-        return {
+        described: dict[str, object] = {
             "shard": self.index,
             "numel": self.numel,
             "pieces": [[p.name, p.param_start, p.param_end] for p in self.pieces],
             "shapes": {name: list(shape) for name, shape in self.shapes},
         }
+        if self.buffers:
+            described["buffers"] = describe_buffers(self.buffers)
+        return described
 
     @property
     def fingerprint(self) -> str:
@@ -122,8 +137,10 @@ class Placement:
         num_shards: number of parameter-server shards.
         big_array_bound: element count above which a parameter is sliced.
         shards: one layout per shard.
-        flat_offsets: parameter name -> element offset in the flat buffer.
+        flat_offsets: parameter (and buffer) name -> element offset in the
+            flat buffer.
         total_numel: size of the flat buffer, in elements.
+        buffers: the model's persistent buffers, after the parameters.
     """
 
     params: tuple[ParamSpec, ...]
@@ -132,6 +149,12 @@ class Placement:
     shards: tuple[ShardLayout, ...]
     flat_offsets: dict[str, int] = field(hash=False)
     total_numel: int
+    buffers: tuple[BufferSpec, ...] = ()
+
+    @property
+    def params_numel(self) -> int:
+        """Elements of the flat buffer that hold parameters (the buffers follow them)."""
+        return sum(p.numel for p in self.params)
 
     def param(self, name: str) -> ParamSpec:
         """Look up a parameter by name; KeyError if absent."""
@@ -162,14 +185,17 @@ def plan_placement(
     params: Sequence[ParamSpec],
     num_shards: int,
     big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND,
+    buffers: Sequence[BufferSpec] = (),
 ) -> Placement:
-    """Place parameters on shards.
+    """Place parameters (and buffers) on shards.
 
     Args:
         params: parameters in model order; names must be unique.
         num_shards: number of parameter servers, >= 1.
         big_array_bound: parameters with more elements than this are sliced
             evenly across all shards; >= 1.
+        buffers: the model's persistent buffers; each goes whole to
+            ``stable_shard(name)``, never sliced.
 
     Returns:
         The placement, identical for identical arguments in any process.
@@ -184,9 +210,9 @@ def plan_placement(
         raise ConfigError(f"big_array_bound must be >= 1, got {big_array_bound}")
     if not params:
         raise ConfigError("the model has no parameters to place")
-    names = [p.name for p in params]
+    names = [p.name for p in params] + [b.name for b in buffers]
     if len(set(names)) != len(names):
-        raise ConfigError("parameter names must be unique")
+        raise ConfigError("parameter and buffer names must be unique")
 
     whole: list[list[ParamSpec]] = [[] for _ in range(num_shards)]
     big: list[ParamSpec] = []
@@ -214,11 +240,21 @@ def plan_placement(
                 pieces[s].append(Piece(p.name, lo, hi, s, shard_fill[s], flat + lo))
                 shard_fill[s] += hi - lo
         flat += p.numel
+    shard_buffers: list[list[BufferSpec]] = [[] for _ in range(num_shards)]
+    for b in buffers:
+        shard_buffers[stable_shard(b.name, num_shards)].append(b)
+    for s in range(num_shards):
+        for b in shard_buffers[s]:
+            flat_offsets[b.name] = flat
+            pieces[s].append(Piece(b.name, 0, b.encoded_numel, s, shard_fill[s], flat))
+            shard_fill[s] += b.encoded_numel
+            flat += b.encoded_numel
+    shapes.update({b.name: b.shape for b in buffers})
 
     shards = []
     for s in range(num_shards):
         # A shard may hold nothing when a few parameters hash to the same PS;
-        # that PS then idles, and clients skip it.
+        # trainers still push their (empty) bodies to it, for the push keys.
         shards.append(
             ShardLayout(
                 index=s,
@@ -228,6 +264,7 @@ def plan_placement(
                     (p.flat_offset, p.flat_offset + p.numel) for p in pieces[s] if p.numel
                 ),
                 shapes=tuple((p.name, shapes[p.name]) for p in pieces[s]),
+                buffers=tuple(shard_buffers[s]),
             )
         )
     return Placement(
@@ -237,6 +274,7 @@ def plan_placement(
         shards=tuple(shards),
         flat_offsets=flat_offsets,
         total_numel=flat,
+        buffers=tuple(buffers),
     )
 
 

@@ -130,16 +130,102 @@ def test_empty_data_and_bad_batch_size_are_rejected(spec: ModelSpec, tmp_path: P
         evaluate(spec, RIGGED, tmp_path / "absent.parquet")
 
 
-def test_outputs_that_are_not_class_scores_are_a_contract_error(tmp_path: Path) -> None:
-    source = textwrap.dedent(THRESHOLD_MODEL).replace(
-        "return self.linear(inputs)", "return self.linear(inputs).sum(dim=1)"
-    )
-    source = source.replace("F.cross_entropy(outputs, targets)", "outputs.mean()")
-    path = tmp_path / "scalar.py"
-    path.write_text(source)
+SHAPES_MODEL = """
+import torch
+
+COLUMNS = ("x", "y")
+
+class Model(torch.nn.Module):
+    def __init__(self, outputs=1):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, outputs)
+
+    def forward(self, inputs):
+        return self.linear(inputs).squeeze(1)
+
+def loss(outputs, targets):
+    return ((outputs - targets.float()) ** 2).mean()
+
+def batch_to_tensors(batch):
+    x = torch.tensor(batch.column("x").to_pylist(), dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(batch.column("y").to_pylist(), dtype=torch.float32)
+    return x, y
+"""
+
+IDENTITY = {"linear.weight": torch.tensor([[1.0]]), "linear.bias": torch.zeros(1)}
+
+
+def shapes_spec(
+    tmp_path: Path, extra: str = "", args: dict[str, object] | None = None
+) -> ModelSpec:
+    path = tmp_path / "shapes.py"
+    path.write_text(textwrap.dedent(SHAPES_MODEL) + textwrap.dedent(extra))
+    return load_model_file(path, model_args=args)
+
+
+def test_a_regression_gets_its_loss_mse_and_mae(tmp_path: Path) -> None:
+    targets = [0.0, 2.0, 1.0, 3.0]  # not all 0 or 1: a regression
+    data = write_data(tmp_path / "d.parquet", XS, [0, 2, 1, 3])
+    result = evaluate(shapes_spec(tmp_path), IDENTITY, data, batch_size=3)
+    errors = [x - y for x, y in zip(XS, targets, strict=True)]
+    mse = sum(e * e for e in errors) / 4
+    assert list(result) == ["mse", "mae", "loss", "samples"]
+    assert result["mse"] == pytest.approx(mse, rel=1e-6)
+    assert result["loss"] == pytest.approx(mse, rel=1e-6)
+    assert result["mae"] == pytest.approx(sum(abs(e) for e in errors) / 4, rel=1e-6)
+
+
+def test_one_logit_with_zero_one_targets_gets_accuracy_and_auc(tmp_path: Path) -> None:
+    # Logits x: positive means class 1; the third row (0.5, target 0) is wrong.
+    xs, labels = [-2.0, -1.0, 0.5, 3.0, 2.0], [0, 0, 0, 1, 1]
+    table = pa.table({"x": pa.array(xs, pa.float32()), "y": pa.array(labels, pa.int64())})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=2)
+    result = evaluate(shapes_spec(tmp_path), IDENTITY, tmp_path / "d.parquet", batch_size=2)
+    assert list(result) == ["accuracy", "auc", "loss", "samples"]
+    assert result["accuracy"] == pytest.approx(0.8)
+    assert result["auc"] == 1.0  # every positive's logit is above every negative's
+
+
+def test_shapes_it_cannot_judge_get_the_loss_alone(tmp_path: Path) -> None:
+    extra = """
+    def batch_to_tensors(batch):
+        x = torch.tensor(batch.column("x").to_pylist(), dtype=torch.float32).unsqueeze(1)
+        return x, torch.zeros(1)
+    def loss(outputs, targets):
+        return outputs.mean() * 0 + targets.sum()
+    """
     data = write_data(tmp_path / "d.parquet", XS, [0, 0, 1, 1])
-    with pytest.raises(ModelContractError, match=r"outputs \[B, classes\].*got outputs \[4\]"):
-        evaluate(load_model_file(path), RIGGED, data)
+    result = evaluate(shapes_spec(tmp_path, extra), IDENTITY, data)
+    assert list(result) == ["loss", "samples"]
+
+
+def test_the_model_files_own_metrics_are_reported_and_a_broken_one_is_left_out(
+    tmp_path: Path,
+) -> None:
+    extra = """
+    def metrics():
+        from torchmetrics.regression import MeanSquaredError, R2Score
+
+        class Broken:
+            def update(self, preds, target):
+                raise RuntimeError("no")
+            def compute(self):
+                return 0.0
+
+        return {"r2": R2Score(), "rmse": MeanSquaredError(squared=False), "broken": Broken()}
+    """
+    data = write_data(tmp_path / "d.parquet", XS, [0, 2, 1, 3])
+    result = evaluate(shapes_spec(tmp_path, extra), IDENTITY, data)
+    assert list(result) == ["mse", "mae", "r2", "rmse", "loss", "samples"]
+    assert result["rmse"] == pytest.approx(math.sqrt(result["mse"]), rel=1e-5)
+
+
+def test_model_args_build_the_model_they_name(tmp_path: Path) -> None:
+    spec = shapes_spec(tmp_path, args={"outputs": 2})
+    assert spec.model_args == {"outputs": 2}
+    assert spec.build().state_dict()["linear.weight"].shape == (2, 1)
+    with pytest.raises(ModelContractError, match=r"cannot construct Model\(\*\*\{'width'"):
+        shapes_spec(tmp_path, args={"width": 3}).build()
 
 
 def test_example_checkpoint_evaluates_on_converted_mnist(tmp_path: Path) -> None:

@@ -289,3 +289,21 @@ def test_example_batches_from_range_reads_match_the_full_table(
     # Standardised with the MNIST mean/std: background pixels map to -0.1307 / 0.3081.
     assert float(full_inputs.min()) == pytest.approx(-0.1307 / 0.3081, abs=1e-6)
     assert abs(float(full_inputs.mean())) < 0.2
+
+
+def test_a_metrics_name_that_is_not_callable_is_a_contract_error(tmp_path: Path) -> None:
+    path = write_model(tmp_path, GOOD + "\nmetrics = 3\n")
+    with pytest.raises(ModelContractError, match=r"'metrics' in model file .* is not callable"):
+        load_model_file(path)
+    assert load_model_file(write_model(tmp_path, GOOD, "plain.py")).metrics is None
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{hidden: 3}", "7"])
+def test_model_args_must_be_a_json_object(text: str) -> None:
+    from elasticps.config import parse_model_args
+    from elasticps.errors import ConfigError
+
+    assert parse_model_args("") == {}
+    assert parse_model_args('{"hidden": 256}') == {"hidden": 256}
+    with pytest.raises(ConfigError, match="--model-args must be a JSON object"):
+        parse_model_args(text)

@@ -51,6 +51,8 @@ PUBLIC_MODULES = (
     "elasticps.dist",
     "elasticps.nn",
     "elasticps.tables",
+    "elasticps.buffers",
+    "elasticps.evaluate",
 )
 # Modules checked for docstrings only, not yet for their "Raises:" sections:
 # the config dataclasses raise ConfigError from __post_init__ without saying

@@ -10,7 +10,10 @@ updater's ``torch.optim`` optimizer at the scheduled learning rate, keeping
 frozen parameters bit-identical. In-process, that shard lives in this
 process and holds every parameter; with ``Local`` the PS processes hold it.
 So in sync mode with one trainer both give the same parameters (within
-float32 rounding of the sample-weighted mean).
+float32 rounding of the sample-weighted mean). The model's persistent
+buffers (BatchNorm statistics) are trained state too: both paths carry them
+as the trainers do (:mod:`elasticps.buffers`) and return them in the
+:class:`~elasticps.parameters.ParameterSet`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +40,7 @@ import elasticps.nn as enn
 from elasticps import updater as updater_mod
 from elasticps.api.cluster import Local, Parquet
 from elasticps.api.servers import LocalServers, ServersConfig
+from elasticps.buffers import model_buffers
 from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
 from elasticps.coord.store import JobStore, TrainerMap, Watch
 from elasticps.data.parquet import RangeReader, check_columns, count_rows
@@ -78,7 +83,7 @@ from elasticps.trainer.worker import (
     table_entries,
 )
 
-__all__ = ["infer", "train"]
+__all__ = ["evaluate_model", "infer", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +107,8 @@ def train(
     num_passes: int = 1,
     cluster: Local | None = Local(),  # noqa: B008 (a frozen value)
     parameters: Mapping[str, Tensor] | None = None,
+    test_reader: Reader | Parquet | None = None,
+    metrics: Callable[[], Mapping[str, Any]] | None = None,
 ) -> ParameterSet:
     """Train ``model`` and return its trained parameters.
 
@@ -139,9 +146,19 @@ def train(
         parameters: initial values by name (a ParameterSet from an earlier
             job); model parameters it lacks keep the model's values, extra
             names are ignored.
+        test_reader: test data (a reader function or a Parquet dataset):
+            the model is evaluated at the end of every pass (see
+            :func:`evaluate_model`), and each :class:`~elasticps.events.EndPass`
+            event's ``metrics`` get the results, prefixed ``test_``
+            (``test_loss``, ``test_accuracy``...). The evaluation pauses the
+            trainer that ends the pass.
+        metrics: with ``test_reader``: returns fresh metric objects by name
+            for each evaluation (see :func:`evaluate_model`).
 
     Returns:
-        The trained parameters, float32 tensors by name, shaped as in ``model``.
+        The trained parameters, float32 tensors by name, shaped as in
+        ``model``, and its persistent buffers (BatchNorm's running
+        statistics), in their own dtypes.
 
     Raises:
         ConfigError: bad arguments (unknown frozen pattern, shape mismatch...).
@@ -176,17 +193,86 @@ def train(
         )
     else:
         spec = in_process_spec(template, loss_fn)
-    job = _Job(spec, reader, optimizer, frozen, num_passes, _EventHub(event_handler))
+    hub = _EventHub(event_handler)
+    if test_reader is not None:
+        if not (callable(test_reader) or isinstance(test_reader, Parquet)):
+            raise ConfigError(
+                "test_reader must be a function yielding (inputs, targets) or a Parquet"
+            )
+        hub.test = (test_reader, metrics)
+    job = _Job(spec, reader, optimizer, frozen, num_passes, hub)
     if cluster is None:
         return _train_in_process(job)
     return _train_local(job, cluster)
+
+
+def evaluate_model(
+    model: nn.Module,
+    parameters: Mapping[str, Tensor] | None,
+    reader: Reader | Parquet,
+    loss_fn: LossFn,
+    *,
+    metrics: Callable[[], Mapping[str, Any]] | None = None,
+) -> dict[str, float]:
+    """The mean loss and the metrics of ``model`` with ``parameters`` on test data.
+
+    The same evaluation as the CLI's (:func:`elasticps.evaluate.evaluate`):
+    the model runs in eval mode without gradients; the loss is the
+    sample-weighted mean of ``loss_fn`` over the batches, and the metrics
+    that fit the shapes of the outputs and targets are added (``accuracy``
+    for class scores; ``accuracy`` and ``auc`` for one logit per sample with
+    0/1 targets; ``mse`` and ``mae`` for other outputs shaped as their
+    targets; see :class:`elasticps.evaluate.MetricSet`), then ``metrics()``'s.
+
+    Args:
+        model: the module; it is not changed (a copy is evaluated).
+        parameters: name -> tensor, e.g. the result of :func:`train`
+            (parameters, and buffers it holds); None evaluates the model's
+            own values.
+        reader: a reader function yielding ``(inputs, targets)``, or a
+            :class:`~elasticps.api.cluster.Parquet` dataset.
+        loss_fn: ``loss_fn(outputs, targets) -> Tensor``, a scalar mean loss.
+        metrics: returns fresh metric objects by name (``torchmetrics``
+            metrics, or anything with ``update(preds, target)`` and
+            ``compute()``); None for the default metrics only.
+
+    Returns:
+        The metrics, then ``loss`` and ``samples``.
+
+    Raises:
+        MissingParameterError: ``parameters`` lacks some of the model's
+            parameters.
+        ConfigError: a shape differs from the model's.
+        DataError: the data holds no sample.
+    """
+    copy_ = copy.deepcopy(model)
+    if parameters is not None:
+        ParameterSet(parameters).copy_into(copy_)
+    return _evaluate_model(copy_, loss_fn, reader, metrics)
+
+
+def _evaluate_model(
+    model: nn.Module,
+    loss_fn: LossFn,
+    reader: Reader | Parquet,
+    metrics: Callable[[], Mapping[str, Any]] | None,
+) -> dict[str, float]:
+    from elasticps.evaluate import evaluate_batches
+
+    batches = (batch for _, batch in _in_process_batches(reader))
+    return evaluate_batches(
+        model, loss_fn, batches, metrics=metrics() if metrics is not None else None,
+        what=type(model).__name__,
+    )  # fmt: skip
 
 
 def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) -> object:
     """Run ``model(inputs)`` with the values of ``parameters``, without gradients.
 
     Works for any sub-network: only the parameters ``model`` has are looked
-    up, by name (``model.named_parameters()``), so a set trained on a whole
+    up, by name (``model.named_parameters()``), and its persistent buffers
+    that the set holds (BatchNorm statistics; the model's own otherwise), so a
+    set trained on a whole
     GAN runs its generator alone if the names agree (build the sub-network
     under the same attribute names, or pass a sub-set). The model is not
     changed (``torch.func.functional_call``); it runs in eval mode, and its
@@ -207,7 +293,7 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
         ConfigError: a shape differs from the model's.
     """
     params = parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
-    values = params.tensors_for(model)
+    values = {**params.tensors_for(model), **params.buffers_for(model)}
     was_training = model.training
     model.eval()
     with _tables_bound(model, params):
@@ -253,6 +339,10 @@ class _EventHub:
 
     def __init__(self, handler: EventHandler | None) -> None:
         self.handler = handler
+        # Test data and metrics for the end of every pass (train's test_reader).
+        self.test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None] | None = None
+        # Evaluates the current model: set by the training path once it can pull.
+        self.evaluate_now: Callable[[], dict[str, float]] | None = None
         self._lock = threading.Lock()
         self._pass = -1
         self._pass_cost = 0.0
@@ -330,13 +420,16 @@ class _EventHub:
         cost = self._pass_cost / self._pass_samples if self._pass_samples else math.nan
         self._last_pass_cost = cost
         self._last_pass = self._pass
+        metrics = {"samples": self._pass_samples}
+        if self.evaluate_now is not None:
+            metrics.update({f"test_{k}": v for k, v in self.evaluate_now().items()})
         self.handler(
             EndPass(
                 pass_id=self._pass,
                 batch_id=self._pass_batches,
                 cost=cost,
                 model_version=self._version,
-                metrics={"samples": self._pass_samples},
+                metrics=metrics,
             )
         )
         self._pass_cost = self._pass_samples = 0.0
@@ -420,7 +513,15 @@ def _in_process_batches(reader: Reader | Parquet) -> Iterator[tuple[int, Batch]]
 
 
 def _result(flat: FlatModel) -> ParameterSet:
-    return ParameterSet({n: p.detach() for n, p in flat.model.named_parameters()})
+    """The model's parameters and buffers, after taking the buffers' last pulled values."""
+    if flat.buffers is not None:
+        flat.buffers.adopt(flat.params, force=True)
+    return ParameterSet(
+        {
+            **{n: p.detach() for n, p in flat.model.named_parameters()},
+            **dict(model_buffers(flat.model)),
+        }
+    )
 
 
 def _metrics(flat: FlatModel, num_passes: int, trainers: int) -> dict[str, float]:
@@ -455,6 +556,16 @@ def _train_in_process(job: _Job) -> ParameterSet:
     tables = shard.tables
     shard.values.copy_(flat.params)  # what a trainer's INIT_VALUES does
     shard.set_live_trainers({0})
+    if hub.test is not None:
+        test_reader, test_metrics = hub.test
+
+        def evaluate_now() -> dict[str, float]:
+            model = copy.deepcopy(flat.model)
+            if flat.buffers is not None:  # the values pulled last (the server's)
+                ParameterSet(_result(flat)).copy_into(model)
+            return _evaluate_model(model, spec.loss, test_reader, test_metrics)
+
+        hub.evaluate_now = evaluate_now
     hub.begin(_metrics(flat, num_passes, 1), shard.version)
     # In this thread: what the handler raises propagates as is.
     on_event = hub.deliver if hub.handler is not None else None
@@ -468,6 +579,8 @@ def _train_in_process(job: _Job) -> ParameterSet:
                         )
                     )
                 rows_batch = _rows_batch(tables, specs)
+                if flat.buffers is not None:
+                    flat.buffers.adopt(flat.params)
                 with (
                     rows_batch.bind(flat.model)
                     if rows_batch is not None
@@ -491,6 +604,8 @@ def _train_in_process(job: _Job) -> ParameterSet:
                     if tables is not None and rows_batch is not None
                     else None
                 )
+                if flat.buffers is not None:
+                    flat.buffers.write_increments(flat.grads)
                 shard.push(0, flat.grads, shard.version, len(targets), rows=rows)
                 flat.params.copy_(shard.values)  # the pull
                 flat.zero_grad()
@@ -614,6 +729,8 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
             for i in range(cluster.trainers)
         ]
         watch = _watch_trainers(store, hub) if hub.handler is not None else None
+        if hub.test is not None and hub.handler is not None:
+            hub.evaluate_now = _pass_evaluator(spec, cluster, servers, hub.test)
         try:
             hub.begin(_metrics(probe, num_passes, cluster.trainers), 0)
             _run_trainer_threads(job, configs, batch_reader, servers)
@@ -624,6 +741,9 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
         result, version = servers.run_supervised(lambda: _pull_final(spec, cluster, servers))
         if enn.table_specs(probe_model):
             result = ParameterSet(dict(result), _final_tables(servers))
+        if hub.evaluate_now is not None and hub.test is not None:
+            # The last pass ends once the servers are gone: evaluate what was pulled.
+            hub.evaluate_now = _evaluator_of(spec, result, hub.test)
         if cluster.checkpoint_dir is not None:
             from elasticps.launcher.local import checkpoint_job
 
@@ -767,6 +887,37 @@ def _final_tables(servers: LocalServers) -> TableSet:
         addresses = [slot.address for slot in servers.ps_slots()]
         take_consistent_checkpoint(addresses, Path(tmp), ledger_revision=None, extra={})
         return load_tables(tmp)
+
+
+def _pass_evaluator(
+    spec: ModelSpec,
+    cluster: Local,
+    servers: LocalServers,
+    test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None],
+) -> Callable[[], dict[str, float]]:
+    """Evaluates the model the servers hold now (a pull, as the final one does)."""
+
+    def evaluate_now() -> dict[str, float]:
+        result, _ = _pull_final(spec, cluster, servers)
+        return _evaluator_of(spec, result, test)()
+
+    return evaluate_now
+
+
+def _evaluator_of(
+    spec: ModelSpec,
+    values: ParameterSet,
+    test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None],
+) -> Callable[[], dict[str, float]]:
+    """Evaluates the model with ``values`` on the test data."""
+    test_reader, test_metrics = test
+
+    def evaluate_now() -> dict[str, float]:
+        model = spec.instantiate(0)
+        values.copy_into(model)
+        return _evaluate_model(model, spec.loss, test_reader, test_metrics)
+
+    return evaluate_now
 
 
 def _pull_final(spec: ModelSpec, cluster: Local, servers: LocalServers) -> tuple[ParameterSet, int]:

@@ -56,8 +56,9 @@ from typing import IO, NoReturn, TypeVar, cast
 import torch
 from tqdm import tqdm
 
+from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
-from elasticps.config import JobConfig, ManagerConfig
+from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, is_transient
 from elasticps.data.parquet import (
@@ -75,6 +76,7 @@ from elasticps.errors import (
     ElasticPSError,
     JobFailedError,
     JobUserError,
+    LayoutMismatchError,
     RemoteError,
     ServiceUnavailableError,
 )
@@ -119,6 +121,7 @@ from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
 from elasticps.snapshot import (
     load_consistent_checkpoint,
+    read_snapshot_manifest,
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
@@ -264,6 +267,41 @@ class LocalLauncher:
         self._num_parameters: int | None = None
         self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
         self._health_due = 0.0
+        # The model constructor's keyword arguments: --model-args, or with
+        # --resume those the checkpoint recorded (see model_args()).
+        self._model_args: dict[str, object] | None = None
+
+    def model_args(self) -> dict[str, object]:
+        """The model constructor's keyword arguments for this job.
+
+        ``--model-args``; with ``--resume`` and no ``--model-args``, those the
+        checkpoint's manifest records (``extra.model_args``).
+
+        Raises:
+            ConfigError: ``--model-args`` is not a JSON object, or differs
+                from the checkpoint's.
+        """
+        if self._model_args is not None:
+            return self._model_args
+        cfg = self.config
+        given = parse_model_args(cfg.model_args)
+        args = given
+        if cfg.resume is not None and (cfg.resume / "manifest.json").is_file():
+            try:
+                extra = read_snapshot_manifest(cfg.resume).get("extra")
+            except DataError:
+                extra = None  # not a consistent checkpoint: validate() says so
+            recorded = extra.get("model_args") if isinstance(extra, dict) else None
+            if isinstance(recorded, dict):
+                if cfg.model_args.strip() and given != recorded:
+                    raise ConfigError(
+                        f"--model-args {model_args_text(given)} differ from the checkpoint's "
+                        f"{model_args_text(recorded)} (--resume {cfg.resume}); leave "
+                        "--model-args out to rebuild the checkpoint's model"
+                    )
+                args = recorded
+        self._model_args = args
+        return args
 
     # --- public ---------------------------------------------------------------
 
@@ -287,7 +325,7 @@ class LocalLauncher:
                 one-line user errors.
         """
         cfg = self.config
-        spec = load_model_file(cfg.model_path, cfg.model_class)
+        spec = load_model_file(cfg.model_path, cfg.model_class, self.model_args())
         # Built once here, as every trainer will: its constructor and parameters
         # are checked before launch, and its size sizes the checkpoints.
         self._num_parameters = sum(p.numel() for p in spec.instantiate(cfg.seed).parameters())
@@ -495,7 +533,11 @@ class LocalLauncher:
 
                 # A server may still die here: go on restarting it meanwhile.
                 def take_snapshot() -> dict[str, object]:
-                    manifest = checkpoint_job(store, cfg.output / "snapshot", {"job": cfg.job})
+                    manifest = checkpoint_job(
+                        store,
+                        cfg.output / "snapshot",
+                        {"job": cfg.job, "model_args": self.model_args()},
+                    )
                     # Read through etcd restarts, in one snapshot of the ledger.
                     self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
                     return manifest
@@ -558,6 +600,7 @@ class LocalLauncher:
             "job": cfg.job,
             "model_file": str(cfg.model_path),
             "model_class": cfg.model_class,
+            "model_args": self.model_args(),
             "mode": cfg.mode.value,
             "epochs": cfg.epochs,
             "trainers": cfg.trainers,
@@ -620,7 +663,13 @@ class LocalLauncher:
             target.mkdir(parents=True, exist_ok=True)
             snapshot = self._while_supervising(
                 lambda: checkpoint_job(
-                    store, target / "snapshot", {"job": cfg.job, "fallback_for": str(cfg.output)}
+                    store,
+                    target / "snapshot",
+                    {
+                        "job": cfg.job,
+                        "fallback_for": str(cfg.output),
+                        "model_args": self.model_args(),
+                    },
                 )
             )
             tensors, versions = final_parameters(spec, target / "snapshot")
@@ -731,6 +780,7 @@ class LocalLauncher:
                 "--trainer-id", str(index),
                 "--model", str(cfg.model_path),
                 "--model-class", cfg.model_class,
+                "--model-args", model_args_text(self.model_args()),
                 "--mode", cfg.mode.value,
                 "--ps", str(cfg.ps),
                 "--batch-size", str(cfg.batch_size),
@@ -1362,6 +1412,9 @@ class LocalLauncher:
             "state": result.state,
             "epochs": self.config.epochs,
             "progress": self._progress,
+            "model_file": str(self.config.model_path),
+            "model_class": self.config.model_class,
+            "model_args": self.model_args(),
             "trainers": {"initial": self.config.trainers, "min": low, "max": high},
             "scaling": [
                 dataclasses.asdict(r) for r in (self._manager.records() if self._manager else [])
@@ -1528,24 +1581,25 @@ def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
 def final_parameters(
     spec: ModelSpec, snapshot_dir: Path
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The model's parameters from a consistent checkpoint, shaped as the model's.
+    """The model's parameters and buffers from a consistent checkpoint, shaped as the model's.
 
     Returns:
-        ``(tensors, versions)``: parameter name -> tensor of its shape, and
-        each shard's model version.
+        ``(tensors, versions)``: name -> tensor of its shape (parameters
+        float32, persistent buffers in their own dtype: the model's
+        ``state_dict()``), and each shard's model version.
 
     Raises:
         DataError: the checkpoint is unreadable, or does not hold the model's
-            parameters.
+            parameters and buffers.
     """
     checkpoint = load_consistent_checkpoint(snapshot_dir)
     model = spec.instantiate(0)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        flat = checkpoint.values.get(name)
-        if flat is None or flat.numel() != param.numel():
-            raise DataError(f"the final checkpoint in {snapshot_dir} lacks parameter {name!r}")
-        tensors[name] = flat.reshape(param.shape).contiguous()
+    try:
+        tensors = state_from_flat(
+            model, checkpoint.values, what=f"the final checkpoint in {snapshot_dir}"
+        )
+    except LayoutMismatchError as exc:
+        raise DataError(str(exc)) from exc
     shards = checkpoint.meta.get("shards")
     versions = [
         int(entry["version"])

@@ -22,11 +22,12 @@ import queue
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from elasticps.buffers import state_from_flat
 from elasticps.coord.store import JobStore, Watch
 from elasticps.errors import ElasticPSError
 from elasticps.evaluate import evaluate
@@ -47,18 +48,22 @@ class PassEvaluation:
         version: the model version of the snapshot evaluated.
         snapshot_time: Unix time (seconds) at which the snapshot was taken.
         time: Unix time (seconds) at which the evaluation finished.
-        accuracy: share of test samples classified right, in [0, 1].
+        accuracy: share of test samples classified right, in [0, 1]; None
+            for a model without an accuracy (see
+            :class:`~elasticps.evaluate.MetricSet`).
         loss: mean loss over the test samples.
         samples: number of test samples.
+        metrics: every metric of the evaluation (accuracy included), by name.
     """
 
     pass_id: int
     version: int
     snapshot_time: float
     time: float
-    accuracy: float
+    accuracy: float | None
     loss: float
     samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready fields."""
@@ -92,7 +97,7 @@ class PassEvaluator:
     ) -> None:
         self._store = store
         self._spec = spec
-        self._shapes = {n: p.shape for n, p in spec.instantiate(seed).named_parameters()}
+        self._model = spec.instantiate(seed)  # for shapes and buffer dtypes only
         self._test_path = test_path
         self._work_dir = work_dir
         self._passes: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -153,6 +158,12 @@ class PassEvaluator:
         self._snapshots.put(None)
 
     def _evaluate_loop(self) -> None:
+        # The metrics library costs about a second to import: pay it while the
+        # first pass trains, not after it ends.
+        try:
+            import torchmetrics  # noqa: F401
+        except ImportError as exc:
+            log.warning("cannot import torchmetrics: %s", exc)
         while (snapshot := self._snapshots.get()) is not None:
             try:
                 result = self._evaluate(snapshot)
@@ -164,9 +175,10 @@ class PassEvaluator:
                 continue
             with self._lock:
                 self._results.append(result)
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in result.metrics.items())
             log.info(
-                "pass %d: test accuracy %.4f, loss %.4f (model version %d)",
-                result.pass_id, result.accuracy, result.loss, result.version,
+                "pass %d: test %s%sloss %.4f (model version %d)",
+                result.pass_id, shown, ", " if shown else "", result.loss, result.version,
             )  # fmt: skip
 
     def _snapshot(self, pass_id: int) -> _Snapshot:
@@ -183,19 +195,21 @@ class PassEvaluator:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         version = manifest.get("version")
-        tensors = _shaped(values, self._shapes)
+        tensors = _shaped(values, self._model)
         return _Snapshot(pass_id, version if isinstance(version, int) else -1, taken, tensors)
 
     def _evaluate(self, snapshot: _Snapshot) -> PassEvaluation:
-        metrics = evaluate(self._spec, snapshot.tensors, self._test_path)
+        result = evaluate(self._spec, snapshot.tensors, self._test_path)
+        metrics = {k: v for k, v in result.items() if k not in ("loss", "samples")}
         return PassEvaluation(
             pass_id=snapshot.pass_id,
             version=snapshot.version,
             snapshot_time=snapshot.taken,
             time=time.time(),
-            accuracy=float(metrics["accuracy"]),
-            loss=float(metrics["loss"]),
-            samples=int(metrics["samples"]),
+            accuracy=metrics.get("accuracy"),
+            loss=float(result["loss"]),
+            samples=int(result["samples"]),
+            metrics=metrics,
         )
 
 
@@ -207,11 +221,10 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]
 
 
-def _shaped(
-    values: dict[str, torch.Tensor], shapes: dict[str, torch.Size]
-) -> dict[str, torch.Tensor]:
-    """Flattened parameters (by name) reshaped as the model's; ValueError if they differ."""
-    if set(values) != set(shapes):
-        differ = sorted(set(values) ^ set(shapes))
+def _shaped(values: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Flat values (by name) as the model's ``state_dict``; ValueError if they differ."""
+    expected = set(model.state_dict())
+    if set(values) != expected:
+        differ = sorted(set(values) ^ expected)
         raise ValueError(f"the snapshot's parameters differ from the model's: {differ}")
-    return {name: values[name].reshape(shape) for name, shape in shapes.items()}
+    return state_from_flat(model, values, what="the snapshot")

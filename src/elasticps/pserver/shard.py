@@ -63,6 +63,13 @@ is non-zero anywhere in a frozen range is refused with
 accepted, but optimizers with state or weight decay (momentum, Adam) may
 still move a value whose gradient is zero, so the frozen ranges are copied
 before each step and written back after it: frozen values stay bit-identical.
+
+Buffers: a layout may name some pieces as the model's buffers (BatchNorm
+statistics; ``layout["buffers"]``, see :mod:`elasticps.buffers`). A push
+carries their increments where a gradient would be; a step keeps them away
+from the optimizer and adds them (async: each push's; sync: the round's
+sample-weighted mean, or largest for integers, :class:`~elasticps.buffers.BufferRound`).
+Frozen patterns never match buffers.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from elasticps.buffers import BufferLayout, BufferRound
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import (
     ConfigError,
@@ -124,7 +132,8 @@ def frozen_pieces(
     Returns:
         ``(name, start, end)`` element ranges of the shard buffer, in order,
         one per frozen piece (adjacent pieces are not merged, so that errors
-        can name the parameter).
+        can name the parameter). Buffers (``layout["buffers"]``) are never
+        frozen.
 
     Raises:
         LayoutMismatchError: the layout's pieces are malformed or do not add
@@ -134,6 +143,8 @@ def frozen_pieces(
     numel = layout.get("numel")
     if not isinstance(pieces, list):
         raise LayoutMismatchError("layout has no 'pieces' list; cannot locate frozen parameters")
+    buffers = layout.get("buffers")
+    skip = set(buffers) if isinstance(buffers, Mapping) else set()
     out: list[tuple[str, int, int]] = []
     offset = 0
     for piece in pieces:
@@ -147,7 +158,7 @@ def frozen_pieces(
             raise LayoutMismatchError(f"layout piece {piece!r:.80} is not [name, start, end]")
         name, lo, hi = piece[0], piece[1], piece[2]
         size = hi - lo
-        if size and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if size and name not in skip and any(fnmatch.fnmatchcase(name, p) for p in patterns):
             out.append((name, offset, offset + size))
         offset += size
     if offset != numel:
@@ -306,6 +317,8 @@ class ParameterShard:
         self.frozen_patterns = tuple(frozen)
         self.max_staleness = max_staleness
         self._frozen_pieces = frozen_pieces(layout, self.frozen_patterns) if frozen else ()
+        self._buffers = BufferLayout.from_layout(layout)
+        self._buffer_round = BufferRound(self._buffers) if self._buffers is not None else None
         self._schedule = schedule_from_json(optimizer.schedule)
         self._values = torch.zeros(numel, dtype=torch.float32)
         self._rule = make_update_rule(self._values, optimizer)
@@ -896,7 +909,12 @@ class ParameterShard:
         return status
 
     def _step(
-        self, grad: torch.Tensor, rows: RowGrads | None = None, *, round_rows: bool = False
+        self,
+        grad: torch.Tensor,
+        rows: RowGrads | None = None,
+        buffer_increments: list[torch.Tensor] | None = None,
+        *,
+        round_rows: bool = False,
     ) -> None:
         """One optimizer step with ``grad``, at the scheduled lr; frozen values kept.
 
@@ -904,17 +922,30 @@ class ParameterShard:
         (async), or with the sync round's rows (``round_rows``, divided as
         the dense accumulator was).
 
+        Buffers (if the layout has any) get ``buffer_increments`` added (a sync
+        round's), or, if None, the increments in ``grad``'s place for them (an
+        async push's); the optimizer sees zeros there. ``grad`` is left as it was.
+
         Caller holds self._cond; the version is bumped by the caller afterwards.
         """
         lr = self.optimizer_config.lr * self._schedule.factor(self._version)
         values = self._values
         kept = [values[lo:hi].clone() for _, lo, hi in self._frozen_pieces]
+        buffers = self._buffers
+        if buffers is not None:
+            carried = buffers.take(grad)
+            increments = carried if buffer_increments is None else buffer_increments
+            before = buffers.take(values)
+            buffers.zero(grad)
         with self._values_lock.write():
             try:
                 self._rule.step(grad, lr)
             finally:
                 for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
                     values[lo:hi].copy_(old)
+                if buffers is not None:
+                    buffers.apply(values, before, increments)
+                    buffers.put(grad, carried)
             if self.tables is not None:
                 if round_rows:
                     divisor = float(self._acc_samples) if self.reduction == "mean" else 1.0
@@ -1004,6 +1035,8 @@ class ParameterShard:
                 self._acc_samples += num_samples
                 if rows is not None and self.tables is not None:
                     self.tables.accumulate(rows, weight)
+                if self._buffer_round is not None:
+                    self._buffer_round.join(grad, num_samples)
             if key is not None and status is PushStatus.APPLIED:
                 # Held once the round completes (an empty push's key too: its
                 # records were skipped, there is nothing to apply).
@@ -1033,7 +1066,12 @@ class ParameterShard:
         if self._acc_samples > 0:
             if self.reduction == "mean":
                 self._acc.div_(float(self._acc_samples))
-            self._step(self._acc, round_rows=True)
+            rnd = self._buffer_round
+            self._step(
+                self._acc,
+                buffer_increments=rnd.increments() if rnd is not None else None,
+                round_rows=True,
+            )
         elif self._round_has_gradient:
             # Every gradient of the round was a duplicate here (another shard
             # applies it): the version moves as on the shards that apply, so
@@ -1054,6 +1092,8 @@ class ParameterShard:
         self._acc_samples = 0
         if self.tables is not None:
             self.tables.clear_round()
+        if self._buffer_round is not None:
+            self._buffer_round.reset()
         self._contributors.clear()
         self._expected = set()
         self._round_keys = []

@@ -672,10 +672,9 @@ class ParameterClient:
         try:
             first: list[tuple[_ShardConnection, PSSlot]] = []
             for layout in placement.shards:
-                # Also a shard that holds nothing (hash placement left it
-                # empty): it takes part in every push, so that it records the
-                # pushes' records like every other shard and a pass can be
-                # shown complete on it.
+                # A shard that holds nothing (hash placement left it empty) is
+                # still pushed to, with empty bodies: it must hold every record's
+                # push key, or the master's pass check would re-open them forever.
                 conn = _ShardConnection(
                     layout,
                     params,

@@ -6,6 +6,12 @@ gradient buffer, at the offsets the :class:`~elasticps.placement.Placement`
 gives. Autograd accumulates into an existing ``.grad`` in place, so
 ``loss.backward()`` writes the gradient buffer directly, and pulls written
 into the parameter buffer change the model directly.
+
+The model's persistent buffers (BatchNorm statistics) have a place in both
+flat buffers too, after the parameters, but are not views into them (an
+integer buffer cannot be): :class:`~elasticps.buffers.BufferSync` copies
+their increments into the gradient buffer before a push and pulled values
+out of the parameter buffer (see :mod:`elasticps.buffers`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from elasticps.buffers import BufferSync, buffer_specs
 from elasticps.errors import ConfigError, ModelContractError
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, ParamSpec, Placement, plan_placement
 
@@ -47,12 +54,14 @@ class FlatModel:
         placement: where each parameter lives on the parameter servers.
         params: float32 ``[placement.total_numel]``.
         grads: float32 ``[placement.total_numel]``; the ``.grad`` of every parameter.
+        buffers: the account of the model's persistent buffers; None if it has none.
     """
 
     model: torch.nn.Module
     placement: Placement
     params: torch.Tensor
     grads: torch.Tensor
+    buffers: BufferSync | None = None
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer in place (never ``set_to_none``)."""
@@ -74,7 +83,9 @@ def bind_flat_buffers(
 ) -> FlatModel:
     """Move the model's parameters into flat buffers laid out for ``num_shards`` PS.
 
-    The parameter values are kept; gradients start at zero.
+    The parameter values are kept; gradients start at zero. The model's
+    persistent buffers get their place after the parameters, holding their
+    current (encoded) values in ``params`` and zeros in ``grads``.
 
     Args:
         model: the model; modified in place.
@@ -85,10 +96,12 @@ def bind_flat_buffers(
         The bound model.
 
     Raises:
-        ModelContractError: see :func:`param_specs`.
+        ModelContractError: see :func:`param_specs` and
+            :func:`elasticps.buffers.buffer_specs`.
         ConfigError: see :func:`elasticps.placement.plan_placement`.
     """
-    placement = plan_placement(param_specs(model), num_shards, big_array_bound)
+    specs = buffer_specs(model)
+    placement = plan_placement(param_specs(model), num_shards, big_array_bound, specs)
     params = torch.empty(placement.total_numel, dtype=torch.float32)
     grads = torch.zeros(placement.total_numel, dtype=torch.float32)
     with torch.no_grad():
@@ -98,7 +111,10 @@ def bind_flat_buffers(
             params[off : off + n].copy_(p.reshape(-1))
             p.data = params[off : off + n].view_as(p)
             p.grad = grads[off : off + n].view_as(p)
-    return FlatModel(model, placement, params, grads)
+    sync = BufferSync(model, specs, placement.flat_offsets) if specs else None
+    if sync is not None:
+        sync.encode_into(params)
+    return FlatModel(model, placement, params, grads, sync)
 
 
 def frozen_ranges(placement: Placement, patterns: Iterable[str]) -> list[tuple[int, int]]:

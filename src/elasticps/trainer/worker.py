@@ -33,6 +33,13 @@ ids a module meets that the inputs did not announce are pulled on demand),
 and pushes the rows' gradients with the dense gradient, in the same push
 (averaged over the ``push_every`` mini-batches as the dense gradient is).
 Rows of frozen tables are never pushed.
+
+Buffers (BatchNorm statistics): before each forward the trainer takes the
+buffer values of its last pull into the model, if they are new; each push
+carries what the model's buffers did since (increments, see
+:class:`~elasticps.buffers.BufferSync`). A push computed again after a
+STALE answer first takes the freshly pulled values, so its mini-batches
+count once.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import torch
 from torch import Tensor
 
 import elasticps.nn as enn
-from elasticps.config import TrainerConfig, UpdateMode, ledger_only
+from elasticps.config import TrainerConfig, UpdateMode, ledger_only, parse_model_args
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
@@ -611,6 +618,8 @@ class Trainer:
             _ModelCodeError: the model file's forward or loss raised.
             ModelContractError: the loss is not a scalar, or .grad was replaced.
         """
+        if self.flat.buffers is not None:
+            self.flat.buffers.adopt(self.flat.params)
         called = "forward"
         batch = self._sparse_batch(inputs) if self._tables else None
         try:
@@ -758,6 +767,8 @@ class Trainer:
                 grads[lo:hi].zero_()  # pulled, never updated: the PS refuses non-zero gradients
             if acc.batches > 1:
                 grads.div_(acc.batches)  # mean of per-batch mean gradients
+            if self.flat.buffers is not None:
+                self.flat.buffers.write_increments(grads)
             handle = client.push(
                 acc.samples,
                 want_params=want_params or sync,
@@ -815,6 +826,10 @@ class Trainer:
         client.pull()
         if self.config.mode is UpdateMode.SYNC and not client.consistent:
             client.pull_consistent()
+        if self.flat.buffers is not None:
+            # The model's buffers ran these mini-batches already: start them again
+            # from the pulled values (what they did since the last push stays pending).
+            self.flat.buffers.adopt(self.flat.params, force=True)
         self.flat.zero_grad()
         self._sparse_grads = []
         for inputs, targets in acc.window:
@@ -837,6 +852,8 @@ class Trainer:
             self._recompute(client, acc)
             if acc.batches > 1:
                 self.flat.grads.div_(acc.batches)
+            if self.flat.buffers is not None:
+                self.flat.buffers.write_increments(self.flat.grads)
             retry = client.push(
                 acc.samples,
                 want_params=True,
@@ -922,7 +939,9 @@ def run_trainer(config: TrainerConfig, stop: threading.Event) -> None:
         CoordinationError / ServiceUnavailableError: etcd, PS or master unreachable.
     """
     torch.set_num_threads(config.threads)
-    spec = load_model_file(config.model_path, config.model_class)
+    spec = load_model_file(
+        config.model_path, config.model_class, parse_model_args(config.model_args)
+    )
     store = JobStore(config.common.etcd_endpoint, config.common.job)
     try:
         Trainer(config, spec, store, stop).run()
