@@ -583,9 +583,8 @@ def summarize(runs: list[Run], tta: dict[str, Any] | None, models: Sequence[str]
             checks[name] = value >= bar
 
     check("mlp_20m async >= 1.5x ddp", "mlp_20m", "elasticps-async4-2ps/ddp", 1.5)
-    check(
-        "mlp_20m async >= 0.7x compute limit", "mlp_20m", "elasticps-async4-2ps/compute-limit", 0.7
-    )
+    # The compute limit of 2 trainers is compute-2x1 (see benchmarks/README.md).
+    check("mlp_20m async >= 0.7x compute limit", "mlp_20m", "elasticps-async4-2ps/compute-2x1", 0.7)
     check("mlp_20m sync >= 0.8x ddp", "mlp_20m", "elasticps-sync-2ps/ddp", 0.8)
     check("mlp_small async >= 1.5x ddp", "mlp_small", "elasticps-async4-2ps/ddp", 1.5)
     check("cnn sync >= 0.8x ddp", "cnn", "elasticps-sync-2ps/ddp", 0.8)

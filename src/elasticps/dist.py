@@ -152,7 +152,7 @@ def dist_train(
 
     Raises:
         ConfigError: invalid arguments, an unknown role or backend, or the
-            ``kubernetes`` backend (not implemented yet: issue 5).
+            ``kubernetes`` backend (not built: submit the job with ``elasticps submit``).
         JobFailedError: a worker exited with a non-zero status (the others
             are stopped; the message names the exit codes), a server died,
             or the timeout passed.
@@ -167,7 +167,7 @@ def dist_train(
     config = as_config(updater) if updater is not None else OptimizerConfig()
     if backend == "kubernetes":
         raise ConfigError(
-            "dist_train's kubernetes backend is not implemented yet (issue 5); run the job "
+            "dist_train has no kubernetes backend; run the job "
             "with backend='local', or with the Kubernetes launcher (elasticps.launcher.kubernetes)"
         )
     if backend != "local":

@@ -107,7 +107,7 @@ def test_failing_worker_fails_the_launch_and_the_others_are_stopped(tmp_path: Pa
 
 @pytest.mark.usefixtures("outside_a_job")
 def test_kubernetes_backend_is_a_clear_config_error_for_now() -> None:
-    with pytest.raises(ConfigError, match="issue 5"):
+    with pytest.raises(ConfigError, match="no kubernetes backend"):
         dist_train(lambda: None, backend="kubernetes")
     with pytest.raises(ConfigError, match="backend"):
         dist_train(lambda: None, backend="slurm")

@@ -1,4 +1,4 @@
-"""Acceptance 2 of issue 6: a real MNIST job scaled 2 -> 4 -> 1 trainers mid-run.
+"""A real MNIST job scaled 2 -> 4 -> 1 trainers mid-run.
 
 ``elasticps train --trainers 1:4 --initial-trainers 2`` runs the CNN example in
 sync mode; the test scales it with ``elasticps scale`` (which finds the job's

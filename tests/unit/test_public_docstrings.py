@@ -1,6 +1,6 @@
 """Every public name has a docstring, and every callable that raises documents it.
 
-Issue 5, acceptance point 3: every public name in ``elasticps.__init__`` has a
+Every public name in ``elasticps.__init__`` has a
 docstring (with shapes, units and errors), and the docs build from them.
 These checks are inspect-based (objects, signatures and code objects), never
 a regex over source files:
