@@ -7,6 +7,7 @@ are installed. Used by ``tests/unit/test_core_install.py``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from importlib.abc import MetaPathFinder
 
@@ -25,4 +26,37 @@ class _Blocker(MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r} (blocked: core-only)", name=name)
 
 
+# Distribution names of the same packages: a core-only install has no
+# metadata for them either (libraries such as torchmetrics ask the metadata
+# before they import an optional package).
+BLOCKED_DISTRIBUTIONS = frozenset(
+    {
+        "kubernetes", "pyyaml", "mlxtend", "scikit-learn", "matplotlib", "scipy", "pandas",
+        "kubernetes-validate", "aiohttp", "pydantic",
+    }
+)  # fmt: skip
+
+
+def _hidden(name: str) -> bool:
+    return name.lower().replace("_", "-") in BLOCKED_DISTRIBUTIONS
+
+
+_version = importlib.metadata.version
+_distribution = importlib.metadata.distribution
+
+
+def _blocked_version(name: str) -> str:
+    if _hidden(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _version(name)
+
+
+def _blocked_distribution(name: str) -> importlib.metadata.Distribution:
+    if _hidden(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _distribution(name)
+
+
+importlib.metadata.version = _blocked_version
+importlib.metadata.distribution = _blocked_distribution
 sys.meta_path.insert(0, _Blocker())
