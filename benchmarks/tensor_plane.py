@@ -747,12 +747,12 @@ def _report(
     )
 
 
-def _at_most(value: float | None, bar: float) -> bool | None:
-    return None if value is None else value <= bar
+def _at_most(value: float | None, target: float) -> bool | None:
+    return None if value is None else value <= target
 
 
-def _at_least(value: float | None, bar: float) -> bool | None:
-    return None if value is None else value >= bar
+def _at_least(value: float | None, target: float) -> bool | None:
+    return None if value is None else value >= target
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

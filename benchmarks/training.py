@@ -577,10 +577,10 @@ def summarize(runs: list[Run], tta: dict[str, Any] | None, models: Sequence[str]
                     ratios.setdefault(model, {})[f"{case}/{base}"] = round(rate / m[base], 3)
     checks: dict[str, bool] = {}
 
-    def check(name: str, model: str, key: str, bar: float) -> None:
+    def check(name: str, model: str, key: str, target: float) -> None:
         value = ratios.get(model, {}).get(key)
         if value is not None:
-            checks[name] = value >= bar
+            checks[name] = value >= target
 
     check("mlp_20m async >= 1.5x ddp", "mlp_20m", "elasticps-async4-2ps/ddp", 1.5)
     # The compute limit of 2 trainers is compute-2x1 (see benchmarks/README.md).

@@ -23,7 +23,7 @@ after every optimizer step, so they are bit-identical before and after the
 step that froze them (:func:`check_frozen` asserts it).
 
 Run: ``.venv/bin/python examples/gan_frozen.py [--rounds 20] [--cluster none|local]``.
-It prints one JSON line; the stated bar: the generated mean is within 0.5 of
+It prints one JSON line; the stated threshold: the generated mean is within 0.5 of
 MEAN and the generated standard deviation within [0.4, 2.5].
 """
 

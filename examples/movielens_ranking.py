@@ -43,7 +43,7 @@ the servers run lazy Adam on the rows, Adam on the MLP)::
         --batch-size 256 --optimizer adam --lr 0.002 --output runs/movielens
 
 The job's final line reports the test AUC (``auc``) of the trained tables;
-the stated bar, checked in sync and in async mode by
+the stated threshold, checked in sync and in async mode by
 ``tests/integration/test_movielens_example.py``, is ``AUC_BAR`` (0.765). The
 measured figures are in ``benchmarks/README.md``.
 """

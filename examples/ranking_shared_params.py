@@ -31,7 +31,7 @@ RankNet's logistic pairwise loss on ``CE(fA, fQ) - CE(fB, fQ)`` (Burges et
 al. 2005), and accuracy is the fraction of held-out triples ranked right.
 
 Run: ``.venv/bin/python examples/ranking_shared_params.py [--cluster none|local]``.
-It prints one JSON line; the stated bar is accuracy >= 0.9 on held-out triples.
+It prints one JSON line; the stated threshold is accuracy >= 0.9 on held-out triples.
 """
 
 from __future__ import annotations
