@@ -15,18 +15,16 @@ holding every pass's audit (checked on the servers, nothing lost) and the true
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from elasticps.testing import kill_leftovers
 from elasticps.testing.audit import AuditResult, check_run, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -40,26 +38,6 @@ def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("audit")
     write_dataset(out, RECORDS)
     return out
-
-
-def _kill_leftovers(pids_file: Path) -> list[str]:
-    """SIGKILL whatever of ``pids.json`` still runs; return those (should be none)."""
-    alive: list[str] = []
-    if not pids_file.exists():
-        return alive
-    deadline = time.monotonic() + 5.0
-    for role, pid in json.loads(pids_file.read_text()).items():
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                alive.append(f"{role}:{pid}")
-    return alive
 
 
 def run_audit(
@@ -91,7 +69,7 @@ def run_audit(
             env={**os.environ, **(env or {})},
         )
     finally:
-        leftovers = _kill_leftovers(out / "pids.json")
+        leftovers = kill_leftovers(out / "pids.json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not leftovers, f"processes left behind: {leftovers}"
     record = json.loads((out / "run.json").read_text())

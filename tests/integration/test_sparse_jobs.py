@@ -10,14 +10,11 @@ read exactly P, on whichever server holds it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,32 +25,13 @@ import torch
 
 from elasticps.checkpoint import load_checkpoint
 from elasticps.tables import load_tables
+from elasticps.testing import kill_leftovers
 from elasticps.testing.audit import AuditResult, check_counters, sparse_counters, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 RECORDS = 4000
 JOB_TIMEOUT_S = 200.0
-
-
-def _kill_leftovers(pids_file: Path) -> list[str]:
-    """SIGKILL whatever of ``pids.json`` still runs; return those (should be none)."""
-    alive: list[str] = []
-    if not pids_file.exists():
-        return alive
-    deadline = time.monotonic() + 5.0
-    for role, pid in json.loads(pids_file.read_text()).items():
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                alive.append(f"{role}:{pid}")
-    return alive
 
 
 def run_job(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, object]:
@@ -70,7 +48,7 @@ def run_job(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[st
             env={**os.environ, **(env or {})},
         )
     finally:
-        leftovers = _kill_leftovers(out / "pids.json")
+        leftovers = kill_leftovers(out / "pids.json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not leftovers, f"processes left behind: {leftovers}"
     record: dict[str, object] = json.loads((out / "run.json").read_text())

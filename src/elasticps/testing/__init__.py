@@ -6,9 +6,13 @@ Tests wait on conditions with deadlines, never on fixed sleeps: use
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_for(
@@ -42,3 +46,28 @@ def pid_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def kill_leftovers(pids_file: Path, grace_s: float = 5.0) -> list[str]:
+    """SIGKILL the processes of a job's ``pids.json`` still running after ``grace_s``.
+
+    Args:
+        pids_file: the job's ``OUTPUT/pids.json`` (role -> PID); missing is fine.
+        grace_s: how long, in seconds, the processes get to exit on their own.
+
+    Returns:
+        ``"role:pid"`` of each process that had to be killed (a job that ended
+        cleanly leaves none).
+    """
+    killed: list[str] = []
+    if not pids_file.exists():
+        return killed
+    deadline = time.monotonic() + grace_s
+    for role, pid in json.loads(pids_file.read_text()).items():
+        while not pid_gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pid_gone(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(f"{role}:{pid}")
+    return killed
