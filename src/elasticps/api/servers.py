@@ -68,6 +68,7 @@ from elasticps.errors import (
     JobFailedError,
     JobUserError,
 )
+from elasticps.launcher.spawn import run_beside
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
@@ -414,26 +415,7 @@ class LocalServers:
             JobUserError, JobFailedError: as :meth:`check`.
             Exception: what ``work`` raised.
         """
-        done = threading.Event()
-        outcome: list[_T] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                outcome.append(work())
-            except BaseException as exc:  # re-raised in the caller's thread
-                errors.append(exc)
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=run, name="servers-work", daemon=True)
-        thread.start()
-        while not done.wait(_POLL_S):
-            self.check()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return outcome[0]
+        return run_beside(work, self.check, _POLL_S, "servers-work")
 
     def fail(self, action: FailJob) -> None:
         """Raise the error of a :class:`FailJob` decision (see :meth:`decide`).

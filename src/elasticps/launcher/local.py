@@ -97,7 +97,7 @@ from elasticps.launcher.output import (
     remove_previous_run,
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
-from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env
+from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env, run_beside
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
@@ -1203,26 +1203,7 @@ class LocalLauncher:
             JobFailedError: supervision found a failure the job cannot survive.
             Exception: what ``work`` raised.
         """
-        done = threading.Event()
-        outcome: list[_T] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                outcome.append(work())
-            except BaseException as exc:  # re-raised in the supervising thread
-                errors.append(exc)
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=run, name="job-end", daemon=True)
-        thread.start()
-        while not done.wait(_POLL_S):
-            self._supervise()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return outcome[0]
+        return run_beside(work, self._supervise, _POLL_S, "job-end")
 
     def _await_trainers(self) -> None:
         """Give the trainers left time to exit on their own, as get_task tells them.

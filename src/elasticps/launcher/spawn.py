@@ -69,7 +69,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import IO, NoReturn, Protocol
+from typing import IO, NoReturn, Protocol, TypeVar
 
 from elasticps.errors import ElasticPSError
 from elasticps.netutil import die_with_parent_prefix
@@ -620,3 +620,49 @@ def serve(argv: Sequence[str], entry: Entry) -> int:
         sock.close()
     log.debug("fork server ran for %.1f s", time.monotonic() - started)
     return 0
+
+
+_T = TypeVar("_T")
+
+
+def run_beside(work: Callable[[], _T], poll: Callable[[], object], every_s: float, name: str) -> _T:
+    """Run ``work`` in a helper thread while this thread calls ``poll`` every ``every_s`` s.
+
+    For work that needs the job's processes while one may die and be
+    restarted (the final checkpoint, the final pull): the restarts stay in
+    the calling thread, the one that started the children, because a child
+    started with a parent-death signal is signalled when the *thread* that
+    started it exits.
+
+    Args:
+        work: what to run; its result is returned.
+        poll: called in this thread until ``work`` ends (it may raise).
+        every_s: seconds between two calls of ``poll``.
+        name: the helper thread's name.
+
+    Returns:
+        What ``work`` returned.
+
+    Raises:
+        Exception: what ``poll`` or ``work`` raised.
+    """
+    done = threading.Event()
+    outcome: list[_T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    while not done.wait(every_s):
+        poll()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return outcome[0]
