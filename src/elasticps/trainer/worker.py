@@ -129,6 +129,28 @@ N-th push is acknowledged by every PS, before the progress report for it is sent
 Unset in normal runs."""
 
 MAX_STALE_RETRIES = 50
+
+#: The first wait for work after a task, seconds; each further one doubles, up to
+#: the master's ``wait_s``. The work a trainer waits for is usually a pass about to
+#: start (the last task of a pass finishing on another trainer, then the check of
+#: what the servers applied, ~10 ms), so the first asks come soon, and a long wait
+#: settles at the master's pace (a few asks a second per trainer).
+FIRST_IDLE_WAIT_S = 0.01
+
+
+def idle_wait_s(idle: int, master_wait_s: float) -> float:
+    """Seconds to wait before asking again after ``idle`` waits in a row.
+
+    Args:
+        idle: waits for work since the last task (0 for the first).
+        master_wait_s: the master's ``wait_s`` (the longest wait, seconds).
+
+    Returns:
+        ``min(master_wait_s, FIRST_IDLE_WAIT_S * 2**idle)``, in seconds.
+    """
+    return min(master_wait_s, FIRST_IDLE_WAIT_S * 2.0 ** min(idle, 30))
+
+
 """How many times a mini-batch is computed again after STALE answers before giving up."""
 
 
@@ -372,6 +394,7 @@ class Trainer:
         self, master: MasterClient, client: ParameterClient, progress: ProgressReporter
     ) -> None:
         sync = self.config.mode is UpdateMode.SYNC
+        idle = 0  # consecutive waits for work
         while not self.stop.is_set():
             if self._lease_lost.is_set():
                 log.warning("trainer %s: lease lost; registering again", self.name)
@@ -395,8 +418,10 @@ class Trainer:
                     client.push_empty()
                     if client.versions != before:
                         continue
-                self.stop.wait(reply.wait_s)
+                self.stop.wait(idle_wait_s(idle, reply.wait_s))
+                idle += 1
                 continue
+            idle = 0
             self._run_task(reply.task, master, client, progress)
 
     def _run_task(
