@@ -129,6 +129,7 @@ N-th push is acknowledged by every PS, before the progress report for it is sent
 Unset in normal runs."""
 
 MAX_STALE_RETRIES = 50
+"""How many times a mini-batch is computed again after STALE answers before giving up."""
 
 #: The first wait for work after a task, seconds; each further one doubles, up to
 #: the master's ``wait_s``. The work a trainer waits for is usually a pass about to
@@ -149,9 +150,6 @@ def idle_wait_s(idle: int, master_wait_s: float) -> float:
         ``min(master_wait_s, FIRST_IDLE_WAIT_S * 2**idle)``, in seconds.
     """
     return min(master_wait_s, FIRST_IDLE_WAIT_S * 2.0 ** min(idle, 30))
-
-
-"""How many times a mini-batch is computed again after STALE answers before giving up."""
 
 
 class ProgressReporter:
