@@ -22,7 +22,8 @@ which the script measures
   three calls;
 - ``etcd_writes_per_task``: raft proposals etcd committed per task
   (``etcd_server_proposals_committed_total``), and ``etcd_keys_put_per_task``
-  (``etcd_mvcc_put_total``), both from etcd's ``/metrics``;
+  (``etcd_mvcc_put_total``), both from etcd's ``/metrics``, with etcd's WAL
+  fsyncs per second and their mean duration;
 - ``master_cpu_cores``: the master process's CPU seconds per wall second
   (``/proc/<pid>/stat``), ``master_cpu_ms_per_task``, and ``master_rss_mib``
   (``VmRSS`` at the end of the window);
@@ -215,6 +216,8 @@ def etcd_counters(endpoint: str) -> dict[str, float]:
         "etcd_server_proposals_committed_total": "proposals",
         "etcd_mvcc_put_total": "puts",
         "etcd_mvcc_range_total": "ranges",
+        "etcd_disk_wal_fsync_duration_seconds_sum": "fsync_s",
+        "etcd_disk_wal_fsync_duration_seconds_count": "fsyncs",
     }
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
@@ -309,6 +312,7 @@ def run_phase(
         "tasks": tasks,
         "tasks_per_s": round(tasks / args.seconds, 1),
         "offered_tasks_per_s": round(args.trainers / task_s, 1) if task_s > 0 else None,
+        # Calls that started and ended inside the window (long waits straddle its ends).
         "rpcs_per_s": round(len(rpc_lat) / args.seconds, 1),
         "get_task_p50_ms": percentile_ms(get_lat, 0.5),
         "get_task_p99_ms": percentile_ms(get_lat, 0.99),
@@ -316,6 +320,13 @@ def run_phase(
         "rpc_p99_ms": percentile_ms(rpc_lat, 0.99),
         "etcd_writes_per_task": round((etcd1["proposals"] - etcd0["proposals"]) * per_task, 3),
         "etcd_keys_put_per_task": round((etcd1["puts"] - etcd0["puts"]) * per_task, 3),
+        "etcd_fsyncs_per_s": round((etcd1["fsyncs"] - etcd0["fsyncs"]) / args.seconds, 1),
+        "etcd_fsync_ms_mean": round(
+            1000.0
+            * (etcd1["fsync_s"] - etcd0["fsync_s"])
+            / max(1.0, etcd1["fsyncs"] - etcd0["fsyncs"]),
+            3,
+        ),
         "master_cpu_cores": round(master_cpu / args.seconds, 3),
         "master_cpu_ms_per_task": round(1000.0 * master_cpu * per_task, 3),
         "master_rss_mib": rss,
