@@ -242,8 +242,8 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         choices=PLACEMENTS,
         default=_env("placement", DEFAULT_PLACEMENT),
         help="where whole parameters go: balanced (largest first onto the PS with the "
-        "fewest bytes; the default) or hash (CRC-32 of the name, as in earlier releases, "
-        "whose PS checkpoints need it to resume)",
+        "fewest bytes; the default) or hash (CRC-32 of the name, as earlier releases did); "
+        "every process of a job must use the same",
     )
     p.add_argument("--seed", type=int, default=int(str(_env("seed", 0))))
     p.add_argument("--threads", type=int, default=int(str(_env("threads", 1))),
