@@ -66,7 +66,7 @@ from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
 from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
-from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
+from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -233,7 +233,17 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         "--big-array-bound",
         type=int,
         default=int(str(_env("big-array-bound", DEFAULT_BIG_ARRAY_BOUND))),
-        help="parameters with more elements are sliced across all PS",
+        help="parameters with more elements are always sliced evenly across all PS; "
+        "--placement balanced slices smaller ones too where placing one whole would "
+        "leave a PS over 5%% above the mean bytes",
+    )
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=_env("placement", DEFAULT_PLACEMENT),
+        help="where whole parameters go: balanced (largest first onto the PS with the "
+        "fewest bytes; the default) or hash (CRC-32 of the name, as earlier releases did); "
+        "every process of a job must use the same",
     )
     p.add_argument("--seed", type=int, default=int(str(_env("seed", 0))))
     p.add_argument("--threads", type=int, default=int(str(_env("threads", 1))),
@@ -551,6 +561,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         pull_every=args.pull_every,
         optimizer=_optimizer(args),
         big_array_bound=args.big_array_bound,
+        placement=args.placement,
         records_per_task=args.records_per_task,
         task_timeout_s=args.task_timeout_s,
         max_task_timeouts=args.max_task_timeouts,
@@ -916,6 +927,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         pull_every=args.pull_every,
         num_ps=args.ps,
         big_array_bound=args.big_array_bound,
+        placement=args.placement,
         seed=args.seed,
         threads=args.threads,
         connect_timeout_s=args.connect_timeout_s,
@@ -1074,6 +1086,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         "ELASTICPS_PUSH_EVERY": str(args.push_every),
         "ELASTICPS_PULL_EVERY": str(args.pull_every),
         "ELASTICPS_BIG_ARRAY_BOUND": str(args.big_array_bound),
+        "ELASTICPS_PLACEMENT": args.placement,
         "ELASTICPS_SEED": str(args.seed),
         "ELASTICPS_THREADS": str(args.threads),
         "ELASTICPS_LEASE_TTL_S": str(args.lease_ttl_s),

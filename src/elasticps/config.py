@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from elasticps.errors import ConfigError
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
-from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
+from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
 from elasticps.schedules import schedule_from_json
 
 if TYPE_CHECKING:
@@ -396,6 +396,11 @@ def _check_bad_records(value: str) -> None:
         raise ConfigError(f"--bad-records must be one of {', '.join(BAD_RECORDS)}, got {value!r}")
 
 
+def _check_placement(value: str) -> None:
+    if value not in PLACEMENTS:
+        raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """A trainer.
@@ -411,7 +416,10 @@ class TrainerConfig:
         push_every: push accumulated gradients every n mini-batches (1 in sync mode).
         pull_every: pull parameters every m mini-batches (1 in sync mode).
         num_ps: number of parameter servers.
-        big_array_bound: parameters with more elements are sliced over all PS.
+        big_array_bound: parameters with more elements are always sliced over
+            all PS (``balanced`` placement may slice smaller ones too).
+        placement: ``balanced`` (bytes spread evenly over the PS) or ``hash``
+            (the placement of earlier releases); see :mod:`elasticps.placement`.
         seed: seed for the initial parameters (equal on every trainer).
         threads: torch intra-op threads.
         connect_timeout_s: seconds to wait for the PS and the master to appear.
@@ -442,6 +450,7 @@ class TrainerConfig:
     pull_every: int = 1
     num_ps: int = 1
     big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND
+    placement: str = DEFAULT_PLACEMENT
     seed: int = 0
     threads: int = 1
     connect_timeout_s: float = 60.0
@@ -476,6 +485,7 @@ class TrainerConfig:
             raise ConfigError(f"--ps must be >= 1, got {self.num_ps}")
         if self.big_array_bound < 1:
             raise ConfigError(f"--big-array-bound must be >= 1, got {self.big_array_bound}")
+        _check_placement(self.placement)
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
 
@@ -507,7 +517,8 @@ class JobConfig:
         push_every: n, push every n mini-batches.
         pull_every: m, pull every m mini-batches.
         optimizer: optimizer on the PS.
-        big_array_bound: slicing threshold, elements.
+        big_array_bound: slicing threshold, elements (see :class:`TrainerConfig`).
+        placement: placement strategy (see :class:`TrainerConfig`).
         records_per_task: rows per task.
         task_timeout_s: seconds before a pending task is re-dispatched.
         max_task_timeouts: timeouts per task and pass before it fails.
@@ -558,6 +569,7 @@ class JobConfig:
     pull_every: int = 1
     optimizer: OptimizerConfig = OptimizerConfig()
     big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND
+    placement: str = DEFAULT_PLACEMENT
     records_per_task: int = 512
     task_timeout_s: float = 60.0
     max_task_timeouts: int = 3
@@ -591,6 +603,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         check_job_name(self.job)
         check_sparse_eviction(self.sparse_eviction)
+        _check_placement(self.placement)
         if not self.checkpoint_failures_fatal_after_s > 0:
             raise ConfigError(
                 "--checkpoint-failures-fatal-after-s must be > 0, "

@@ -41,7 +41,8 @@ Layout (dist kinds)
 The servers hold one flat buffer per shard, laid out once for all keys (see
 :mod:`elasticps.placement`). So the ``dist_*`` stores collect the ``init``
 calls, and the first ``push`` or ``pull`` commits the layout: keys are
-placed by CRC-32 of their name, and values with more than
+placed by size, largest first onto the server holding the fewest bytes (the
+``balanced`` placement), and values with more than
 ``ELASTICPS_BIGARRAY_BOUND`` elements (default
 :data:`~elasticps.placement.DEFAULT_BIG_ARRAY_BOUND`, MXNet's
 ``MXNET_KVSTORE_BIGARRAY_BOUND``) are sliced evenly across every server.

@@ -1,18 +1,38 @@
 """Placement of parameters on parameter-server shards (pure: no I/O).
 
-A parameter goes whole to one shard, chosen by a stable hash of its name
-(CRC-32, so every process and every run agrees). A parameter with more than
-``big_array_bound`` elements is sliced evenly across all shards instead, as
-MXNet's KVStore does above ``MXNET_KVSTORE_BIGARRAY_BOUND`` (default 1e6).
+A parameter with more than ``big_array_bound`` elements is sliced evenly
+across all shards, as MXNet's KVStore does above
+``MXNET_KVSTORE_BIGARRAY_BOUND`` (default 1e6). Every other parameter goes
+whole to one shard, chosen by one of two strategies (:data:`PLACEMENTS`):
+
+- ``balanced`` (the default) balances bytes. Whole parameters go largest
+  first (ties by name) to the least-loaded shard (ties to the lowest index).
+  While that leaves the most-loaded shard more than
+  :data:`BALANCE_TOLERANCE` above the mean, the largest parameter still
+  placed whole is sliced evenly over all shards too (if each slice gets at
+  least :data:`MIN_SLICE_NUMEL` elements), and the rest placed again. So a
+  model with one dominant tensor (an MLP's first layer, a CNN's first fully
+  connected layer) has it sliced, while its small tensors stay whole. In
+  sync mode the most-loaded shard sets the step time.
+- ``hash`` is the placement of earlier releases, kept for compatibility
+  with them: a whole parameter goes to the CRC-32 of its name modulo the
+  shard count. It can leave one shard with nearly all the bytes.
+
+Every process of a job must use the same placement (the parameter servers
+check the layout's fingerprint). A consistent checkpoint is cut again for
+any layout when a job resumes from it, so it works with either.
+
+Both depend only on the parameters' names, shapes and order, the buffers
+and the arguments, so every process and every run agrees.
 
 Every trainer keeps all its parameters in one flat float32 buffer, and the
 model's parameters are views into it. The flat order is chosen so that each
 shard's data is a few contiguous ranges of that buffer:
 
-    [whole params of shard 0][whole params of shard 1]...[big param 0][big param 1]...
+    [whole params of shard 0][whole params of shard 1]...[sliced param 0][sliced param 1]...
     [buffers of shard 0][buffers of shard 1]...
 
-A big parameter is contiguous in the flat buffer (so it can back a model
+A sliced parameter is contiguous in the flat buffer (so it can back a model
 parameter), and its ``i``-th slice belongs to shard ``i``. On the wire a
 shard's body is the concatenation of its ranges in order, which is also the
 layout of the shard's own flat buffer on the parameter server. Both sides
@@ -31,11 +51,26 @@ import json
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from elasticps.buffers import BufferSpec, describe_buffers
 from elasticps.errors import ConfigError
 
 DEFAULT_BIG_ARRAY_BOUND = 1_000_000
+
+PLACEMENTS: Final = ("balanced", "hash")
+"""The placement strategies; the first is the default."""
+
+DEFAULT_PLACEMENT: Final = "balanced"
+
+BALANCE_TOLERANCE: Final = 0.05
+"""``balanced`` slices parameters until the most-loaded shard holds at most
+this fraction more than the mean (in elements, so in bytes: all float32)."""
+
+MIN_SLICE_NUMEL: Final = 128
+"""``balanced`` slices a parameter below ``big_array_bound`` only if every
+slice gets at least this many elements (512 bytes): each slice is one more
+range to send and apply per step, which costs more than a smaller imbalance."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +170,8 @@ class Placement:
     Attributes:
         params: the parameters, in model order.
         num_shards: number of parameter-server shards.
-        big_array_bound: element count above which a parameter is sliced.
+        big_array_bound: element count above which a parameter is sliced
+            (``balanced`` may slice smaller ones too).
         shards: one layout per shard.
         flat_offsets: parameter (and buffer) name -> element offset in the
             flat buffer.
@@ -150,6 +186,7 @@ class Placement:
     flat_offsets: dict[str, int] = field(hash=False)
     total_numel: int
     buffers: tuple[BufferSpec, ...] = ()
+    strategy: str = DEFAULT_PLACEMENT
 
     @property
     def params_numel(self) -> int:
@@ -165,7 +202,7 @@ class Placement:
 
 
 def stable_shard(name: str, num_shards: int) -> int:
-    """The shard a whole parameter goes to: ``crc32(name) % num_shards``."""
+    """The shard of a buffer (and of a whole parameter under ``hash``): ``crc32(name) % n``."""
     return zlib.crc32(name.encode("utf-8")) % num_shards
 
 
@@ -186,6 +223,7 @@ def plan_placement(
     num_shards: int,
     big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND,
     buffers: Sequence[BufferSpec] = (),
+    strategy: str = DEFAULT_PLACEMENT,
 ) -> Placement:
     """Place parameters (and buffers) on shards.
 
@@ -193,34 +231,53 @@ def plan_placement(
         params: parameters in model order; names must be unique.
         num_shards: number of parameter servers, >= 1.
         big_array_bound: parameters with more elements than this are sliced
-            evenly across all shards; >= 1.
+            evenly across all shards; >= 1. Under ``balanced``, smaller ones
+            (of at least :data:`MIN_SLICE_NUMEL` elements per shard) are
+            sliced too where placing them whole would leave a shard more
+            than :data:`BALANCE_TOLERANCE` above the mean.
         buffers: the model's persistent buffers; each goes whole to
-            ``stable_shard(name)``, never sliced.
+            ``stable_shard(name)``, never sliced (``balanced`` counts their
+            elements when it places the parameters).
+        strategy: one of :data:`PLACEMENTS` (see the module docstring).
 
     Returns:
         The placement, identical for identical arguments in any process.
 
     Raises:
         ConfigError: ``num_shards`` or ``big_array_bound`` < 1, duplicate
-            names, or an empty parameter list.
+            names, an empty parameter list, or an unknown ``strategy``.
     """
     if num_shards < 1:
         raise ConfigError(f"number of parameter servers must be >= 1, got {num_shards}")
     if big_array_bound < 1:
         raise ConfigError(f"big_array_bound must be >= 1, got {big_array_bound}")
+    if strategy not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {', '.join(PLACEMENTS)}, got {strategy!r}")
     if not params:
         raise ConfigError("the model has no parameters to place")
     names = [p.name for p in params] + [b.name for b in buffers]
     if len(set(names)) != len(names):
         raise ConfigError("parameter and buffer names must be unique")
 
+    shard_buffers: list[list[BufferSpec]] = [[] for _ in range(num_shards)]
+    for b in buffers:
+        shard_buffers[stable_shard(b.name, num_shards)].append(b)
+    if num_shards == 1:
+        homes = dict.fromkeys((p.name for p in params), 0)
+    elif strategy == "hash":
+        homes = {
+            p.name: stable_shard(p.name, num_shards) for p in params if p.numel <= big_array_bound
+        }
+    else:
+        buffer_load = [sum(b.encoded_numel for b in bs) for bs in shard_buffers]
+        homes = _balanced_homes(params, num_shards, big_array_bound, buffer_load)
     whole: list[list[ParamSpec]] = [[] for _ in range(num_shards)]
     big: list[ParamSpec] = []
     for p in params:
-        if p.numel > big_array_bound and num_shards > 1:
-            big.append(p)
+        if p.name in homes:
+            whole[homes[p.name]].append(p)
         else:
-            whole[stable_shard(p.name, num_shards)].append(p)
+            big.append(p)
 
     shapes = {p.name: p.shape for p in params}
     flat_offsets: dict[str, int] = {}
@@ -240,9 +297,6 @@ def plan_placement(
                 pieces[s].append(Piece(p.name, lo, hi, s, shard_fill[s], flat + lo))
                 shard_fill[s] += hi - lo
         flat += p.numel
-    shard_buffers: list[list[BufferSpec]] = [[] for _ in range(num_shards)]
-    for b in buffers:
-        shard_buffers[stable_shard(b.name, num_shards)].append(b)
     for s in range(num_shards):
         for b in shard_buffers[s]:
             flat_offsets[b.name] = flat
@@ -253,7 +307,7 @@ def plan_placement(
 
     shards = []
     for s in range(num_shards):
-        # A shard may hold nothing when a few parameters hash to the same PS;
+        # A shard may hold nothing (a few parameters hashed to the same PS);
         # trainers still push their (empty) bodies to it, for the push keys.
         shards.append(
             ShardLayout(
@@ -275,7 +329,41 @@ def plan_placement(
         flat_offsets=flat_offsets,
         total_numel=flat,
         buffers=tuple(buffers),
+        strategy=strategy,
     )
+
+
+def _balanced_homes(
+    params: Sequence[ParamSpec], num_shards: int, big_array_bound: int, buffer_load: list[int]
+) -> dict[str, int]:
+    """The shard of every parameter ``balanced`` keeps whole (the others are sliced).
+
+    Greedy largest-first onto the least-loaded shard (the LPT rule, whose
+    excess over the mean is at most the largest whole item), then slicing the
+    largest whole parameter while the excess is above :data:`BALANCE_TOLERANCE`
+    and its slices would get at least :data:`MIN_SLICE_NUMEL` elements. Each
+    round slices one more parameter, so at most ``len(params)`` rounds.
+    """
+    total = sum(p.numel for p in params) + sum(buffer_load)
+    limit = total / num_shards * (1.0 + BALANCE_TOLERANCE)
+    by_size = sorted(
+        (p for p in params if p.numel <= big_array_bound), key=lambda p: (-p.numel, p.name)
+    )
+    sliced_numel = sum(p.numel for p in params if p.numel > big_array_bound)
+    sliceable = sum(1 for p in by_size if p.numel >= MIN_SLICE_NUMEL * num_shards)
+    for first_whole in range(sliceable + 1):
+        # A sliced parameter adds numel / num_shards to every shard, plus at most 1.
+        loads = [load + sliced_numel // num_shards for load in buffer_load]
+        homes: dict[str, int] = {}
+        for p in by_size[first_whole:]:
+            s = loads.index(min(loads))
+            homes[p.name] = s
+            loads[s] += p.numel
+        if max(loads) <= limit:
+            break
+        if first_whole < sliceable:
+            sliced_numel += by_size[first_whole].numel
+    return homes
 
 
 def _coalesce(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

@@ -220,3 +220,26 @@ def test_sparse_quick_compares_traffic_ddp_and_trainer_memory() -> None:
     assert {"trainer_rss_growth", "large_keys"} <= set(summary)
     if not any(line.get("skipped") for line in lines):
         assert {"elasticps_samples_per_s", "ddp_samples_per_s", "vs_ddp"} <= set(summary)
+
+
+def test_control_plane_quick_measures_each_phase_and_projects_to_many_trainers() -> None:
+    lines = run_quick("control_plane.py")
+
+    start = lines[0]
+    assert start.get("start") is True
+    phases = [line for line in lines if "phase" in line]
+    assert [line["task_s"] for line in phases] == start["task_s"]
+    for line in phases:
+        assert line["tasks"] > 0, line
+        assert 0 < line["get_task_p50_ms"] <= line["get_task_p99_ms"]
+        assert line["etcd_writes_per_task"] > 0
+        assert line["master_cpu_cores"] > 0 and line["master_rss_mib"] > 0
+        assert line["errors"] == 0 and line["ran_out_of_tasks"] is False
+    summary = lines[-1]
+    assert summary.get("summary") is True
+    projection = summary["projection"]
+    assert projection["trainers"] == 10_000
+    assert projection["capacity_tasks_per_s"] > 0 and projection["min_task_s"] > 0
+    assert projection["bottleneck"]
+    assert wait_until_gone([summary["master_pid"], summary["etcd_pid"]]) == []
+    assert processes_matching([start["workdir"], "control_plane.py --client"]) == []

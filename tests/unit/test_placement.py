@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from elasticps.errors import ConfigError
 from elasticps.placement import (
+    PLACEMENTS,
     ParamSpec,
     Piece,
     Placement,
@@ -45,7 +46,7 @@ def expand(ranges: list[tuple[int, int]]) -> list[int]:
 def test_whole_parameter_goes_to_crc32_of_its_name_modulo_shard_count(num_shards: int) -> None:
     params = [ParamSpec(name, (4, 3)) for name in NAMES]
 
-    placement = plan_placement(params, num_shards, big_array_bound=100)
+    placement = plan_placement(params, num_shards, big_array_bound=100, strategy="hash")
 
     for name in NAMES:
         [piece] = pieces_of(placement, name)
@@ -78,8 +79,8 @@ def test_parameter_above_bound_is_sliced_evenly_over_all_shards() -> None:
     assert [s.numel for s in placement.shards] == [4, 3, 3]
 
 
-def test_parameter_at_exactly_the_bound_is_not_sliced() -> None:
-    placement = plan_placement([ParamSpec("edge", (3, 3))], 3, big_array_bound=9)
+def test_parameter_at_exactly_the_bound_is_not_sliced_by_hash_placement() -> None:
+    placement = plan_placement([ParamSpec("edge", (3, 3))], 3, big_array_bound=9, strategy="hash")
 
     [piece] = pieces_of(placement, "edge")
 
@@ -133,14 +134,15 @@ shapes_strategy = st.lists(
     shapes=shapes_strategy,
     num_shards=st.integers(min_value=1, max_value=5),
     bound=st.integers(min_value=1, max_value=60),
+    strategy=st.sampled_from(PLACEMENTS),
 )
 @settings(max_examples=150, deadline=None)
 def test_placement_invariants_hold_for_any_model(
-    shapes: list[tuple[int, ...]], num_shards: int, bound: int
+    shapes: list[tuple[int, ...]], num_shards: int, bound: int, strategy: str
 ) -> None:
     params = specs(*shapes)
 
-    placement = plan_placement(params, num_shards, bound)
+    placement = plan_placement(params, num_shards, bound, strategy=strategy)
 
     total = sum(p.numel for p in params)
     assert placement.total_numel == total
@@ -152,6 +154,7 @@ def test_placement_invariants_hold_for_any_model(
         pieces = pieces_of(placement, spec.name)
         assert expand([(p.param_start, p.param_end) for p in pieces]) == list(range(spec.numel))
         sliced = spec.numel > bound and num_shards > 1
+        # (balanced slices below the bound only parameters far larger than these.)
         assert len(pieces) == (min(spec.numel, num_shards) if sliced else 1)
         for piece in pieces:
             # A parameter (sliced or not) is contiguous in the flat buffer.
@@ -191,7 +194,9 @@ def test_adjacent_pieces_of_a_shard_are_coalesced_into_one_range() -> None:
     names = [n for n in NAMES if zlib.crc32(n.encode()) % 2 == 0]
     assert len(names) >= 2  # precondition of this test: two params on shard 0
 
-    placement = plan_placement([ParamSpec(n, (2,)) for n in names], 2, big_array_bound=100)
+    placement = plan_placement(
+        [ParamSpec(n, (2,)) for n in names], 2, big_array_bound=100, strategy="hash"
+    )
 
     assert placement.shards[0].ranges == ((0, 2 * len(names)),)
 
@@ -251,7 +256,7 @@ def test_invalid_arguments_raise_config_error(
 
 
 def test_shard_with_no_parameters_is_allowed_and_empty() -> None:
-    placement = plan_placement([ParamSpec("only", (6,))], 3, big_array_bound=100)
+    placement = plan_placement([ParamSpec("only", (6,))], 3, big_array_bound=100, strategy="hash")
 
     home = zlib.crc32(b"only") % 3
     for shard in placement.shards:
@@ -261,3 +266,8 @@ def test_shard_with_no_parameters_is_allowed_and_empty() -> None:
             assert shard.numel == 0
             assert shard.pieces == ()
             assert shard.ranges == ()
+
+
+def test_unknown_placement_strategy_raises_config_error() -> None:
+    with pytest.raises(ConfigError, match="balanced, hash"):
+        plan_placement(specs((3,)), 2, strategy="round-robin")

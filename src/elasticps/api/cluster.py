@@ -20,7 +20,7 @@ from torch import Tensor
 from elasticps.config import UpdateMode
 from elasticps.errors import ConfigError
 from elasticps.model_file import load_model_file
-from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
+from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
 
 __all__ = ["Local", "Parquet"]
 
@@ -44,7 +44,11 @@ class Local:
         push_every: async: push accumulated gradients every n mini-batches (1 in sync).
         pull_every: async: pull parameters every m mini-batches (1 in sync).
         batches_per_task: for a reader function: mini-batches per master task, >= 1.
-        big_array_bound: parameters with more elements are sliced across all PS.
+        big_array_bound: parameters with more elements are always sliced
+            across all PS (``balanced`` placement may slice smaller ones too).
+        placement: ``"balanced"`` (bytes spread evenly over the PS) or
+            ``"hash"`` (the placement of earlier releases); see
+            :mod:`elasticps.placement`.
         lease_ttl_s: lease TTL of every role, seconds, >= 1.
         task_timeout_s: seconds before the master re-dispatches a pending task.
         startup_timeout_s: seconds to wait for the servers to come up.
@@ -72,6 +76,7 @@ class Local:
     pull_every: int = 1
     batches_per_task: int = 8
     big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND
+    placement: str = DEFAULT_PLACEMENT
     lease_ttl_s: float = 5.0
     task_timeout_s: float = 60.0
     startup_timeout_s: float = 60.0
@@ -103,6 +108,10 @@ class Local:
             raise ConfigError(f"batches_per_task must be >= 1, got {self.batches_per_task}")
         if self.lease_ttl_s < 1:
             raise ConfigError(f"lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
 
     @property
     def update_mode(self) -> UpdateMode:

@@ -672,7 +672,7 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
     mode = cluster.update_mode
     # Checked before any server starts: bad frozen patterns, files or readers.
     probe_model = spec.instantiate(0)
-    probe = bind_flat_buffers(probe_model, cluster.ps, cluster.big_array_bound)
+    probe = bind_flat_buffers(probe_model, cluster.ps, cluster.big_array_bound, cluster.placement)
     frozen_ranges(probe.placement, dense_frozen_patterns(probe_model, frozen))
     data_files: tuple[Path, ...] = ()
     virtual_records = 0
@@ -724,6 +724,7 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
                 pull_every=cluster.pull_every,
                 num_ps=cluster.ps,
                 big_array_bound=cluster.big_array_bound,
+                placement=cluster.placement,
                 connect_timeout_s=cluster.startup_timeout_s,
             )
             for i in range(cluster.trainers)
@@ -922,7 +923,7 @@ def _evaluator_of(
 
 def _pull_final(spec: ModelSpec, cluster: Local, servers: LocalServers) -> tuple[ParameterSet, int]:
     model = spec.instantiate(0)
-    flat = bind_flat_buffers(model, cluster.ps, cluster.big_array_bound)
+    flat = bind_flat_buffers(model, cluster.ps, cluster.big_array_bound, cluster.placement)
     client = ParameterClient(
         flat.placement,
         servers.ps_slots(),

@@ -787,6 +787,7 @@ class LocalLauncher:
                 "--push-every", str(cfg.push_every),
                 "--pull-every", str(cfg.pull_every),
                 "--big-array-bound", str(cfg.big_array_bound),
+                "--placement", cfg.placement,
                 "--seed", str(cfg.seed),
                 "--threads", str(cfg.threads),
                 "--bad-records", cfg.bad_records,

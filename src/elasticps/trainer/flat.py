@@ -24,7 +24,13 @@ import torch
 
 from elasticps.buffers import BufferSync, buffer_specs
 from elasticps.errors import ConfigError, ModelContractError
-from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, ParamSpec, Placement, plan_placement
+from elasticps.placement import (
+    DEFAULT_BIG_ARRAY_BOUND,
+    DEFAULT_PLACEMENT,
+    ParamSpec,
+    Placement,
+    plan_placement,
+)
 
 
 def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
@@ -79,7 +85,10 @@ class FlatModel:
 
 
 def bind_flat_buffers(
-    model: torch.nn.Module, num_shards: int, big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND
+    model: torch.nn.Module,
+    num_shards: int,
+    big_array_bound: int = DEFAULT_BIG_ARRAY_BOUND,
+    strategy: str = DEFAULT_PLACEMENT,
 ) -> FlatModel:
     """Move the model's parameters into flat buffers laid out for ``num_shards`` PS.
 
@@ -91,6 +100,8 @@ def bind_flat_buffers(
         model: the model; modified in place.
         num_shards: number of parameter servers.
         big_array_bound: slicing threshold, elements.
+        strategy: placement strategy, one of
+            :data:`elasticps.placement.PLACEMENTS`.
 
     Returns:
         The bound model.
@@ -101,7 +112,7 @@ def bind_flat_buffers(
         ConfigError: see :func:`elasticps.placement.plan_placement`.
     """
     specs = buffer_specs(model)
-    placement = plan_placement(param_specs(model), num_shards, big_array_bound, specs)
+    placement = plan_placement(param_specs(model), num_shards, big_array_bound, specs, strategy)
     params = torch.empty(placement.total_numel, dtype=torch.float32)
     grads = torch.zeros(placement.total_numel, dtype=torch.float32)
     with torch.no_grad():

@@ -277,7 +277,9 @@ class Trainer:
             name for name in self._tables if any(fnmatch.fnmatchcase(name, p) for p in frozen)
         )
         self._sparse_grads: list[dict[str, enn.SparseGrad]] = []
-        self.flat: FlatModel = bind_flat_buffers(model, config.num_ps, config.big_array_bound)
+        self.flat: FlatModel = bind_flat_buffers(
+            model, config.num_ps, config.big_array_bound, config.placement
+        )
         self._frozen = frozen_ranges(self.flat.placement, dense_frozen_patterns(model, frozen))
         self._batch_reader = reader
         self._on_event = on_event
@@ -385,7 +387,9 @@ class Trainer:
         exactly the job's starting point (see the README's exactly-once section).
         """
         model = self.spec.instantiate(self.config.seed)
-        fresh = bind_flat_buffers(model, self.config.num_ps, self.config.big_array_bound)
+        fresh = bind_flat_buffers(
+            model, self.config.num_ps, self.config.big_array_bound, self.config.placement
+        )
         return fresh.params
 
     def _loop(
