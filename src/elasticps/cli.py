@@ -802,7 +802,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.checkpoint import load_checkpoint
-    from elasticps.evaluate import evaluate
+    from elasticps.evaluate import checkpoint_tables, evaluate
     from elasticps.model_file import load_model_file
 
     tensors, manifest = load_checkpoint(args.output)
@@ -814,7 +814,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     spec = load_model_file(args.model, args.model_class, model_args)
     if not args.data.exists():
         raise ConfigError(f"data file not found: {args.data}")
-    print(json.dumps(evaluate(spec, tensors, args.data, batch_size=args.batch_size)))
+    # A model with sparse tables is evaluated with its trained rows, which the
+    # checkpoint keeps beside the dense parameters (not in model.safetensors).
+    tables = checkpoint_tables(spec.build(), args.output)
+    result = evaluate(spec, tensors, args.data, batch_size=args.batch_size, tables=tables)
+    print(json.dumps(result))
     return 0
 
 

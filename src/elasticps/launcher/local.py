@@ -80,7 +80,7 @@ from elasticps.errors import (
     RemoteError,
     ServiceUnavailableError,
 )
-from elasticps.evaluate import evaluate
+from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
@@ -125,7 +125,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
-from elasticps.tables import TableSet, load_tables
+from elasticps.tables import TableSet
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
@@ -570,7 +570,12 @@ class LocalLauncher:
                 why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
                 self._save_fallback(tensors, manifest, why)
             evaluation = (
-                self._evaluate(spec, tensors, test, sparse_tables(spec, cfg.output / "snapshot"))
+                self._evaluate(
+                    spec,
+                    tensors,
+                    test,
+                    checkpoint_tables(spec.instantiate(0), cfg.output / "snapshot"),
+                )
                 if test is not None
                 else None
             )
@@ -1544,19 +1549,6 @@ def _continue(pid: int) -> None:
     """SIGCONT a process paused by the chaos schedule (if it still exists)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
-
-
-def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
-    """The trained sparse tables of a model that has any, read from a consistent checkpoint.
-
-    Raises:
-        DataError: the tables' files are corrupt.
-    """
-    from elasticps.nn import table_specs
-
-    if not table_specs(spec.instantiate(0)):
-        return None
-    return load_tables(snapshot_dir)
 
 
 def final_parameters(
