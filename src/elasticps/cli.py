@@ -428,8 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model constructor's keyword arguments, a JSON object (default: those "
         "the checkpoint's manifest records)",
     )
-    _add_output(ev, "the run's directory (its model.safetensors), or a checkpoint directory",
-                old=("--checkpoint",))  # fmt: skip
+    _add_output(ev, "the run's directory (its model.safetensors, and snapshot/ for sparse "
+                "tables), or a checkpoint directory", old=("--checkpoint",))  # fmt: skip
     ev.add_argument("--data", type=Path, required=True)
     ev.add_argument("--batch-size", type=int, default=500)
 
