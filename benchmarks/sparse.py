@@ -110,8 +110,8 @@ def _ps_process(index: int, conn: Connection) -> None:
 
 
 @contextlib.contextmanager
-def servers() -> Iterator[list[str]]:
-    """``NUM_PS`` parameter servers in spawned processes; their addresses."""
+def servers() -> Iterator[tuple[list[str], list[int]]]:
+    """``NUM_PS`` parameter servers in spawned processes; their addresses and PIDs."""
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     try:
@@ -126,7 +126,7 @@ def servers() -> Iterator[list[str]]:
             if not conn.poll(120):
                 raise RuntimeError("a parameter server did not start")
             addresses.append(conn.recv())
-        yield addresses
+        yield addresses, [p.pid for p in procs if p.pid is not None]
     finally:
         for conn in conns:
             with contextlib.suppress(OSError):
@@ -226,8 +226,18 @@ def click_batches(rows: int, batch: int, steps: int, zipf_s: float) -> list[tupl
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def traffic_run(
-    addresses: list[str], sparse: bool, args: argparse.Namespace, trainer_id: int
+    addresses: list[str],
+    sparse: bool,
+    args: argparse.Namespace,
+    trainer_id: int,
+    server_pids: Sequence[int] = (),
 ) -> dict[str, Any]:
     import elasticps.nn as enn
     from elasticps.pserver.sparse_shard import TableEntry
@@ -249,11 +259,13 @@ def traffic_run(
     try:
         with meter.counting():
             client.hello()
-            t0 = 0.0
+            t0 = cpu0 = 0.0
+            server_cpu0 = 0.0
             for step, (inputs, labels) in enumerate(batches):
                 if step == args.warmup:
                     meter.sent = meter.received = 0
-                    t0 = time.perf_counter()
+                    t0, cpu0 = time.perf_counter(), time.process_time()
+                    server_cpu0 = sum(_cpu_s(pid) for pid in server_pids)
                 rows = None
                 if sparse:
                     ids = enn.batch_ids(model, inputs)
@@ -274,6 +286,8 @@ def traffic_run(
                 client.push(len(labels), want_params=True, rows=rows)
                 flat.zero_grad()
             seconds = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+            server_cpu = sum(_cpu_s(pid) for pid in server_pids) - server_cpu0
     finally:
         client.close()
     steps = args.steps
@@ -288,6 +302,9 @@ def traffic_run(
         "sent_per_step": round(meter.sent / steps),
         "received_per_step": round(meter.received / steps),
         "samples_per_s": round(steps * args.batch_size / seconds, 1),
+        # CPU time per step: steadier than samples/s on a loaded machine.
+        "trainer_cpu_ms_per_step": round(1000 * cpu / steps, 2),
+        "servers_cpu_ms_per_step": round(1000 * server_cpu / steps, 2),
     }
 
 
@@ -297,14 +314,14 @@ def traffic(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(args.reps):
         order = [False, True] if rep % 2 == 0 else [True, False]
         for sparse in order:
-            with servers() as addresses:  # fresh servers per run: same starting state
+            with servers() as (addresses, pids):  # fresh servers per run: same starting state
                 trainer_id += 1
-                line = traffic_run(addresses, sparse, args, trainer_id)
+                line = traffic_run(addresses, sparse, args, trainer_id, pids)
             line["rep"] = rep
             emit(line)
             results[line["case"]].append(line)
-    dense = statistics.median(r["bytes_per_step"] for r in results["dense"])
-    sparse = statistics.median(r["bytes_per_step"] for r in results["sparse"])
+    dense = round(statistics.median(r["bytes_per_step"] for r in results["dense"]))
+    sparse = round(statistics.median(r["bytes_per_step"] for r in results["sparse"]))
     touch = statistics.median(r["touch"] for r in results["sparse"])
     ratio = round(dense / sparse, 1)
     verdict(
@@ -320,8 +337,19 @@ def traffic(args: argparse.Namespace) -> dict[str, Any]:
         "dense_bytes_per_step": dense,
         "sparse_bytes_per_step": sparse,
         "traffic_ratio": ratio,
-        "dense_samples_per_s": statistics.median(r["samples_per_s"] for r in results["dense"]),
-        "sparse_samples_per_s": statistics.median(r["samples_per_s"] for r in results["sparse"]),
+        **{
+            f"{case}_samples_per_s": round(
+                statistics.median(r["samples_per_s"] for r in results[case]), 1
+            )
+            for case in ("dense", "sparse")
+        },
+        **{
+            f"{case}_{who}_cpu_ms_per_step": round(
+                statistics.median(r[f"{who}_cpu_ms_per_step"] for r in results[case]), 2
+            )
+            for case in ("dense", "sparse")
+            for who in ("trainer", "servers")
+        },
     }
 
 
