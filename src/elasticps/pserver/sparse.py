@@ -105,6 +105,7 @@ _MIX1: Final = 0xBF58476D1CE4E5B9
 _MIX2: Final = 0x94D049BB133111EB
 _PARTITION_SALT: Final = 0x5DEECE66D2B7E151
 _MAX_LOAD: Final = 0.5
+_SCALAR_PROBES: Final = 8  # _IdIndex.find: probe this few ids one by one
 _SCAN_SHARDS: Final = 8  # Partitioner.split: up to this many shards, scan once per shard
 
 
@@ -534,16 +535,17 @@ def _apply_rule(
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    # The per-row bias corrections are k scalars: numpy computes them (float64,
+    # then float32) at a fraction of the cost of as many small torch calls.
     t = (
-        steps.to(torch.float64)
+        steps.numpy().astype(np.float64)
         if rule.step_count == "row"
-        else torch.full_like(steps, table_step, dtype=torch.float64)
+        else np.full(len(steps), float(table_step))
     )
-    bias1 = 1 - torch.pow(beta1, t)
-    bias2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
-    step_size = (lr / bias1).to(torch.float32)[:, None]
-    denom = (v.sqrt() / bias2_sqrt.to(torch.float32)[:, None]).add_(rule.eps)
-    rows.sub_(m / denom * step_size)
+    step_size = torch.from_numpy((lr / (1.0 - np.power(beta1, t))).astype(np.float32)[:, None])
+    bias2_sqrt = torch.from_numpy(np.sqrt(1.0 - np.power(beta2, t)).astype(np.float32)[:, None])
+    denom = v.sqrt().div_(bias2_sqrt).add_(rule.eps)
+    rows.sub_(m.div(denom).mul_(step_size))
 
 
 def combine_gradients(
@@ -689,6 +691,11 @@ class _IdIndex:
         pending = np.arange(len(ids))
         mask = int(self._mask)
         while pending.size:
+            if pending.size <= _SCALAR_PROBES:
+                # The few ids left sit on long probe chains: a numpy pass per
+                # probe costs more than walking them one by one.
+                self._walk(ids, pos, pending, out)
+                break
             p = pos[pending]
             slot = self._slots[p]
             empty = slot < 0
@@ -697,6 +704,17 @@ class _IdIndex:
             pending = pending[~(empty | hit)]
             pos[pending] = (pos[pending] + 1) & mask
         return out
+
+    def _walk(self, ids: IdArray, pos: IdArray, pending: IdArray, out: IdArray) -> None:
+        """:meth:`find` for ``ids[pending]`` from ``pos``, one id at a time."""
+        keys, slots, mask = self._keys, self._slots, int(self._mask)
+        for i in pending.tolist():
+            p, key = int(pos[i]), int(ids[i])
+            while (slot := int(slots[p])) >= 0:
+                if int(keys[p]) == key:
+                    out[i] = slot
+                    break
+                p = (p + 1) & mask
 
     def insert(self, ids: IdArray, slots: IdArray) -> None:
         """Add ``ids`` (unique, all absent) with their slots, growing the index if needed."""
