@@ -1,11 +1,14 @@
 """Sparse tables: bytes on the wire and samples/s against dense tables and DDP, trainer memory.
 
-Three parts, in one run (each prints JSON lines; a summary line comes last):
+Three parts, in one run (each prints JSON lines; then one ``verdict`` line per
+target of the sparse-tables design, and a summary line last):
 
 1. ``traffic``: one trainer and 2 parameter servers (spawned processes, async
    mode, Adam), a click model with two tables (``user`` and ``item``) of
    ``--rows`` rows of ``--dim`` floats over Zipf ids (the sampler of
-   ``elasticps data clicklog``), and a small MLP. The same model twice: with
+   ``elasticps data clicklog``), and a small MLP. Without ``--rows``, the
+   tables are sized so that a step touches ``--touch`` of their rows (1 %
+   by default). The same model twice: with
    ``torch.nn.Embedding`` tables, which travel whole (every step pushes their
    gradient and pulls them back), and with ``elasticps.nn.Embedding`` tables,
    of which a step pulls the rows of its batch's ids and pushes their
@@ -17,15 +20,23 @@ Three parts, in one run (each prints JSON lines; a summary line comes last):
    trainers, 1 pass: an elasticps job (2 PS, async, the tables sparse on the
    servers) against torch DDP (gloo, 2 processes) with the same model built
    with ``torch.nn.Embedding`` / ``EmbeddingBag(sparse=True)``, ``SparseAdam``
-   for the tables and ``Adam`` for the MLP. samples/s of both: elasticps
-   is ``samples_trained / wall_s`` of the job's final line (launch to final
-   checkpoint, start-up included); DDP is the samples over the wall time of
-   the whole launch, and of its training loop alone.
+   for the tables and ``Adam`` for the MLP. samples/s of both, two ways:
+   over the whole launch (elasticps: ``samples_trained / wall_s`` of the
+   job's final line, launch to final checkpoint; DDP: spawn to join), and
+   over training alone (elasticps: from the first to the last trained
+   samples of the job's progress timeline in ``run.json``, 0.25 s
+   resolution; DDP: its training loop).
 3. ``large``: elasticps jobs (2 trainers, 2 PS, async) on click logs whose
    tables have ``--large-keys`` rows each (several sizes), with each
    trainer's peak resident memory (``VmHWM`` of ``/proc/<pid>/status``,
    polled): a trainer never holds a table, so its memory does not grow
    with the table.
+
+Verdicts (``{"verdict": ..., "target": ..., "measured": ..., "met": ...}``):
+``traffic`` (sparse moves at least 10x fewer bytes per step than dense, at
+about 1 % of rows touched), ``ddp_training`` and ``ddp_whole_run`` (samples/s
+at least 1.5x DDP's), ``trainer_rss`` (the largest trainer peak RSS at the
+largest table at most 1.1x that at the smallest).
 
 Run::
 
@@ -64,10 +75,20 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "movielens_ranking.py"
 NUM_PS = 2
 LR = 1e-3
+TRAFFIC_TARGET = 10.0  # dense bytes / sparse bytes per step, at ~1 % of rows touched
+DDP_TARGET = 1.5  # elasticps samples/s / DDP's
+RSS_TARGET = 1.1  # trainer peak RSS at the largest table / at the smallest
 
 
 def emit(obj: object) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def verdict(name: str, target: str, measured: float | None, met: bool | None) -> dict[str, Any]:
+    """One target's line: what was measured against it and whether it is met (None: not run)."""
+    line = {"verdict": name, "target": target, "measured": measured, "met": met}
+    emit(line)
+    return line
 
 
 # --- 1. traffic -----------------------------------------------------------------------------
@@ -89,8 +110,8 @@ def _ps_process(index: int, conn: Connection) -> None:
 
 
 @contextlib.contextmanager
-def servers() -> Iterator[list[str]]:
-    """``NUM_PS`` parameter servers in spawned processes; their addresses."""
+def servers() -> Iterator[tuple[list[str], list[int]]]:
+    """``NUM_PS`` parameter servers in spawned processes; their addresses and PIDs."""
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     try:
@@ -105,7 +126,7 @@ def servers() -> Iterator[list[str]]:
             if not conn.poll(120):
                 raise RuntimeError("a parameter server did not start")
             addresses.append(conn.recv())
-        yield addresses
+        yield addresses, [p.pid for p in procs if p.pid is not None]
     finally:
         for conn in conns:
             with contextlib.suppress(OSError):
@@ -172,6 +193,25 @@ class Meter:
             module.send_frame, module.recv_header = send, recv_header  # type: ignore[assignment]
 
 
+def rows_for_touch(touch: float, batch: int, zipf_s: float) -> int:
+    """Rows per table such that a batch's unique ids are about ``touch`` of them.
+
+    Zipf ids repeat, so the unique ids of a batch grow slowly with the table:
+    a few fixed-point steps of ``rows = mean unique ids / touch``.
+    """
+    from elasticps.data.clicklog import ZipfSampler
+
+    rng = np.random.default_rng(1)
+    rows = max(1, round(batch / touch))
+    for _ in range(4):
+        sampler = ZipfSampler(rows, zipf_s)
+        unique = statistics.mean(
+            len(np.unique((sampler.sample(rng, batch) * 7919) % rows)) for _ in range(20)
+        )
+        rows = max(1, round(unique / touch))
+    return rows
+
+
 def click_batches(rows: int, batch: int, steps: int, zipf_s: float) -> list[tuple[Any, Tensor]]:
     from elasticps.data.clicklog import ZipfSampler
 
@@ -186,14 +226,25 @@ def click_batches(rows: int, batch: int, steps: int, zipf_s: float) -> list[tupl
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def traffic_run(
-    addresses: list[str], sparse: bool, args: argparse.Namespace, trainer_id: int
+    addresses: list[str],
+    sparse: bool,
+    args: argparse.Namespace,
+    trainer_id: int,
+    server_pids: Sequence[int] = (),
 ) -> dict[str, Any]:
     import elasticps.nn as enn
     from elasticps.pserver.sparse_shard import TableEntry
     from elasticps.trainer.client import ParameterClient
     from elasticps.trainer.flat import bind_flat_buffers
 
+    torch.set_num_threads(1)  # as the product's trainers (--threads 1) and servers
     torch.manual_seed(0)
     model = ClickModel(args.rows, args.dim, sparse=sparse)
     flat = bind_flat_buffers(model, NUM_PS)
@@ -208,11 +259,13 @@ def traffic_run(
     try:
         with meter.counting():
             client.hello()
-            t0 = 0.0
+            t0 = cpu0 = 0.0
+            server_cpu0 = 0.0
             for step, (inputs, labels) in enumerate(batches):
                 if step == args.warmup:
                     meter.sent = meter.received = 0
-                    t0 = time.perf_counter()
+                    t0, cpu0 = time.perf_counter(), time.process_time()
+                    server_cpu0 = sum(_cpu_s(pid) for pid in server_pids)
                 rows = None
                 if sparse:
                     ids = enn.batch_ids(model, inputs)
@@ -233,6 +286,8 @@ def traffic_run(
                 client.push(len(labels), want_params=True, rows=rows)
                 flat.zero_grad()
             seconds = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+            server_cpu = sum(_cpu_s(pid) for pid in server_pids) - server_cpu0
     finally:
         client.close()
     steps = args.steps
@@ -247,6 +302,9 @@ def traffic_run(
         "sent_per_step": round(meter.sent / steps),
         "received_per_step": round(meter.received / steps),
         "samples_per_s": round(steps * args.batch_size / seconds, 1),
+        # CPU time per step: steadier than samples/s on a loaded machine.
+        "trainer_cpu_ms_per_step": round(1000 * cpu / steps, 2),
+        "servers_cpu_ms_per_step": round(1000 * server_cpu / steps, 2),
     }
 
 
@@ -256,21 +314,42 @@ def traffic(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(args.reps):
         order = [False, True] if rep % 2 == 0 else [True, False]
         for sparse in order:
-            with servers() as addresses:  # fresh servers per run: same starting state
+            with servers() as (addresses, pids):  # fresh servers per run: same starting state
                 trainer_id += 1
-                line = traffic_run(addresses, sparse, args, trainer_id)
+                line = traffic_run(addresses, sparse, args, trainer_id, pids)
             line["rep"] = rep
             emit(line)
             results[line["case"]].append(line)
-    dense = statistics.median(r["bytes_per_step"] for r in results["dense"])
-    sparse = statistics.median(r["bytes_per_step"] for r in results["sparse"])
+    dense = round(statistics.median(r["bytes_per_step"] for r in results["dense"]))
+    sparse = round(statistics.median(r["bytes_per_step"] for r in results["sparse"]))
+    touch = statistics.median(r["touch"] for r in results["sparse"])
+    ratio = round(dense / sparse, 1)
+    verdict(
+        "traffic",
+        f"sparse moves >= {TRAFFIC_TARGET:g}x fewer bytes per step than dense at ~1 % of rows "
+        f"touched (touch here {touch:.4f})",
+        ratio,
+        ratio >= TRAFFIC_TARGET and 0.005 <= touch <= 0.02,
+    )
     return {
-        "touch": statistics.median(r["touch"] for r in results["sparse"]),
+        "rows_per_table": args.rows,
+        "touch": touch,
         "dense_bytes_per_step": dense,
         "sparse_bytes_per_step": sparse,
-        "traffic_ratio": round(dense / sparse, 1),
-        "dense_samples_per_s": statistics.median(r["samples_per_s"] for r in results["dense"]),
-        "sparse_samples_per_s": statistics.median(r["samples_per_s"] for r in results["sparse"]),
+        "traffic_ratio": ratio,
+        **{
+            f"{case}_samples_per_s": round(
+                statistics.median(r["samples_per_s"] for r in results[case]), 1
+            )
+            for case in ("dense", "sparse")
+        },
+        **{
+            f"{case}_{who}_cpu_ms_per_step": round(
+                statistics.median(r[f"{who}_cpu_ms_per_step"] for r in results[case]), 2
+            )
+            for case in ("dense", "sparse")
+            for who in ("trainer", "servers")
+        },
     }
 
 
@@ -301,7 +380,26 @@ def run_job(out: Path, args: Sequence[str], *, poll_rss: bool = False) -> dict[s
         raise RuntimeError(f"job failed: {stderr[-2000:]}")
     line: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     line["trainer_peak_rss_bytes"] = peaks
+    line["training_samples_per_s"] = _training_rate(out / "run.json")
     return line
+
+
+def _training_rate(run_json: Path) -> float | None:
+    """samples/s from the last progress point before any sample to the first with all.
+
+    The job's ``timeline`` holds ``[unix time, tasks done, samples]`` points
+    every 0.25 s; start-up and tear-down are left out.
+    """
+    try:
+        timeline = json.loads(run_json.read_text()).get("timeline") or []
+    except (OSError, ValueError):
+        return None
+    if not timeline or timeline[-1][2] <= 0:
+        return None
+    total = timeline[-1][2]
+    start = max((t for t, _, s in timeline if s == 0), default=timeline[0][0])
+    end = min(t for t, _, s in timeline if s == total)
+    return round(total / (end - start), 1) if end > start else None
 
 
 def _pids(out: Path) -> dict[str, int]:
@@ -395,6 +493,7 @@ def ddp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             pq.write_table(table, small / f"{name}.parquet", row_group_size=1000)
         data = small
     rates: dict[str, list[float]] = {"elasticps": [], "ddp": []}
+    loop_rates: dict[str, list[float]] = {"elasticps": [], "ddp": []}
     for rep in range(args.reps):
         for case in ("elasticps", "ddp") if rep % 2 == 0 else ("ddp", "elasticps"):
             if case == "elasticps":
@@ -403,9 +502,10 @@ def ddp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                str(args.epochs), "--batch-size", "256", "--optimizer", "adam",
                                "--lr", str(LR)])  # fmt: skip
                 rate = line["samples_trained"] / line["wall_s"]
+                loop_rate = line["training_samples_per_s"]
                 emit({"part": "ddp", "case": case, "rep": rep, "samples": line["samples_trained"],
                       "wall_s": line["wall_s"], "samples_per_s": round(rate, 1),
-                      "auc": line.get("auc")})  # fmt: skip
+                      "training_samples_per_s": loop_rate, "auc": line.get("auc")})  # fmt: skip
             else:
                 out = work / "ddp.json"
                 port = _free_port()
@@ -427,13 +527,26 @@ def ddp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 loop_rate = result["samples"] / result["loop_s"]
                 emit({"part": "ddp", "case": case, "rep": rep, "samples": result["samples"],
                       "wall_s": round(wall, 2), "samples_per_s": round(rate, 1),
-                      "loop_samples_per_s": round(loop_rate, 1)})  # fmt: skip
+                      "training_samples_per_s": round(loop_rate, 1)})  # fmt: skip
             rates[case].append(rate)
+            if loop_rate is not None:
+                loop_rates[case].append(loop_rate)
     ours, theirs = statistics.median(rates["elasticps"]), statistics.median(rates["ddp"])
+    whole = round(ours / theirs, 2)
+    training = (
+        round(statistics.median(loop_rates["elasticps"]) / statistics.median(loop_rates["ddp"]), 2)
+        if loop_rates["elasticps"] and loop_rates["ddp"]
+        else None
+    )
+    goal = f"elasticps samples/s >= {DDP_TARGET:g}x torch DDP's on the MovieLens model"
+    verdict("ddp_training", f"{goal}, training alone", training,
+            None if training is None else training >= DDP_TARGET)  # fmt: skip
+    verdict("ddp_whole_run", f"{goal}, launch to end", whole, whole >= DDP_TARGET)
     return {
         "elasticps_samples_per_s": round(ours, 1),
         "ddp_samples_per_s": round(theirs, 1),
-        "vs_ddp": round(ours / theirs, 2),
+        "vs_ddp": whole,
+        "vs_ddp_training": training,
     }
 
 
@@ -500,16 +613,29 @@ def large(args: argparse.Namespace, work: Path) -> dict[str, Any]:
               "trainer_peak_rss_bytes": line["trainer_peak_rss_bytes"],
               "max_trainer_rss_over_table": round(peak / table_bytes, 3)})  # fmt: skip
     small, big = min(peaks), max(peaks)
+    growth = round(peaks[big] / peaks[small], 3) if peaks[small] else None
+    verdict(
+        "trainer_rss",
+        f"trainer peak RSS independent of table size: at {big:,} keys per table at most "
+        f"{RSS_TARGET:g}x that at {small:,} ({big // small}x the rows)",
+        growth,
+        None if growth is None else growth <= RSS_TARGET,
+    )
     return {
         "large_keys": sorted(peaks),
-        "trainer_rss_growth": round(peaks[big] / peaks[small], 3) if peaks[small] else None,
+        "trainer_rss_growth": growth,
+        "trainer_peak_rss_bytes": peaks[big],
+        "table_bytes": 2 * big * args.dim * 4,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="traffic,ddp,large", help="comma-separated parts")
-    parser.add_argument("--rows", type=int, default=50_000, help="rows per table (traffic)")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="rows per table (traffic); default: sized by --touch")  # fmt: skip
+    parser.add_argument("--touch", type=float, default=0.01,
+                        help="share of the rows a step uses (traffic, without --rows)")  # fmt: skip
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--zipf-s", type=float, default=1.05)
@@ -523,8 +649,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of every part")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rows, args.steps, args.warmup, args.reps = 5_000, 8, 2, 1
+        args.steps, args.warmup, args.reps = 8, 2, 1
         args.large_keys, args.large_rows = [10_000, 100_000], 4_000
+    if args.rows is None:
+        args.rows = rows_for_touch(args.touch, args.batch_size, args.zipf_s)
     parts = set(args.parts.split(","))
     summary: dict[str, Any] = {"summary": True}
     with tempfile.TemporaryDirectory(prefix="elasticps-sparse-bench-") as tmp:

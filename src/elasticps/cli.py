@@ -438,8 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model constructor's keyword arguments, a JSON object (default: those "
         "the checkpoint's manifest records)",
     )
-    _add_output(ev, "the run's directory (its model.safetensors), or a checkpoint directory",
-                old=("--checkpoint",))  # fmt: skip
+    _add_output(ev, "the run's directory (its model.safetensors, and snapshot/ for sparse "
+                "tables), or a checkpoint directory", old=("--checkpoint",))  # fmt: skip
     ev.add_argument("--data", type=Path, required=True)
     ev.add_argument("--batch-size", type=int, default=500)
 
@@ -813,7 +813,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.checkpoint import load_checkpoint
-    from elasticps.evaluate import evaluate
+    from elasticps.evaluate import checkpoint_tables, evaluate
     from elasticps.model_file import load_model_file
 
     tensors, manifest = load_checkpoint(args.output)
@@ -825,7 +825,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     spec = load_model_file(args.model, args.model_class, model_args)
     if not args.data.exists():
         raise ConfigError(f"data file not found: {args.data}")
-    print(json.dumps(evaluate(spec, tensors, args.data, batch_size=args.batch_size)))
+    # A model with sparse tables is evaluated with its trained rows, which the
+    # checkpoint keeps beside the dense parameters (not in model.safetensors).
+    tables = checkpoint_tables(spec.build(), args.output)
+    result = evaluate(spec, tensors, args.data, batch_size=args.batch_size, tables=tables)
+    print(json.dumps(result))
     return 0
 
 

@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +25,10 @@ from elasticps.data.parquet import RangeReader, check_columns, count_rows
 from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError
 from elasticps.model_file import ModelSpec, describe_model_error
 
-__all__ = ["MetricSet", "evaluate", "evaluate_batches", "load_parameters"]
+if TYPE_CHECKING:
+    from elasticps.tables import TableSet
+
+__all__ = ["MetricSet", "checkpoint_tables", "evaluate", "evaluate_batches", "load_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,60 @@ def load_parameters(model: nn.Module, tensors: Mapping[str, Tensor], *, what: st
     except RuntimeError as exc:  # e.g. a dtype that cannot be copied
         message = " ".join(str(exc).split())
         raise ModelContractError(f"cannot load parameters into {what}: {message}") from exc
+
+
+def checkpoint_tables(model: nn.Module, directory: Path) -> TableSet | None:
+    """The trained sparse tables of ``model``, read from a checkpoint, to evaluate it with.
+
+    A model with :mod:`elasticps.nn` tables keeps their rows on the parameter
+    servers, not in ``model.safetensors``; evaluating it without them would
+    use every row's initial value. The tables are looked for, in order:
+
+    - in ``directory`` itself: a consistent checkpoint (its servers'
+      ``shard-<i>.tables`` parts, e.g. a job's ``OUTPUT/snapshot`` or what
+      ``elasticps checkpoint`` wrote) or a set saved by
+      :meth:`~elasticps.tables.TableSet.save` (a ``sparse/`` directory);
+    - in ``directory/snapshot``: a job's output directory, whose final
+      consistent checkpoint holds them.
+
+    Args:
+        model: the model (built from its model file; only its sparse
+            modules' specs are read).
+        directory: a job's output directory or a checkpoint directory.
+
+    Returns:
+        The tables (:class:`~elasticps.tables.TableSet`, every table whole in
+        memory), or None if the model has no sparse table.
+
+    Raises:
+        DataError: the model has sparse tables but neither place holds any,
+            or their files are missing or corrupt.
+        MissingParameterError: a table of the model is not in the checkpoint.
+        ModelContractError: two modules declare one table name differently.
+    """
+    from elasticps.errors import MissingParameterError
+    from elasticps.nn import table_specs
+    from elasticps.tables import load_tables
+
+    specs = table_specs(model)
+    if not specs:
+        return None
+    root = Path(directory)
+    for candidate in (root, root / "snapshot"):
+        if any(candidate.glob("shard-*.tables")) or (candidate / "sparse").is_dir():
+            tables = load_tables(candidate)
+            missing = sorted(set(specs) - set(tables))
+            if missing:
+                raise MissingParameterError(
+                    f"the checkpoint in {candidate} has no rows for sparse table(s) "
+                    f"{', '.join(missing)}"
+                )
+            return tables
+    raise DataError(
+        f"the model has sparse tables ({', '.join(sorted(specs))}) but {root} holds none: "
+        "give a job's output directory (its snapshot/ holds the trained rows) or a "
+        "consistent checkpoint"
+    )
 
 
 def _number(value: float) -> float:

@@ -227,10 +227,13 @@ class SparseBatch:
                 f"sparse table {name}: supplied rows must be float32 [{len(ids)}, {spec.dim}], "
                 f"got {rows.dtype} {list(rows.shape)}"
             )
-        order = torch.argsort(ids)
-        ids, rows = ids[order], rows[order]
-        if len(ids) > 1 and bool((ids[1:] == ids[:-1]).any()):
-            raise SparseTableError(f"sparse table {name}: supplied ids are not unique")
+        # Ids usually come ascending (torch.unique, as batch_ids gives them):
+        # then there is nothing to sort, and ascending means unique.
+        if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            order = torch.argsort(ids)
+            ids, rows = ids[order], rows[order]
+            if bool((ids[1:] == ids[:-1]).any()):
+                raise SparseTableError(f"sparse table {name}: supplied ids are not unique")
         old = self._cache.get(name)
         if old is not None:
             keep = ~torch.isin(old[0], ids)
@@ -269,7 +272,10 @@ class SparseBatch:
         cached = self._cache.get(spec.name)
         if cached is not None and len(cached[0]):
             pos = torch.searchsorted(cached[0], ids).clamp_(max=len(cached[0]) - 1)
-            missing = ids[cached[0][pos] != ids]
+            found = cached[0][pos] == ids
+            if bool(found.all()):  # the usual case: every id was supplied before forward
+                return self._recorder.record(spec.name, ids, cached[1][pos])
+            missing = ids[~found]
         else:
             missing = ids
         if len(missing):
@@ -633,6 +639,8 @@ def merge_gradients(
     Returns:
         Table name -> :class:`SparseGrad` with unique ascending ids.
     """
+    if len(gradients) == 1 and scale == 1.0:
+        return dict(gradients[0])  # one batch's ids are unique and ascending already
     out: dict[str, SparseGrad] = {}
     names = {name for grads in gradients for name in grads}
     for name in sorted(names):

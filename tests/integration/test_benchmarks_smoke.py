@@ -220,6 +220,11 @@ def test_sparse_quick_compares_traffic_ddp_and_trainer_memory() -> None:
     assert {"trainer_rss_growth", "large_keys"} <= set(summary)
     if not any(line.get("skipped") for line in lines):
         assert {"elasticps_samples_per_s", "ddp_samples_per_s", "vs_ddp"} <= set(summary)
+    # One verdict per target, each with what was measured against it.
+    verdicts = {line["verdict"]: line for line in lines if "verdict" in line}
+    assert {"traffic", "trainer_rss"} <= set(verdicts), verdicts
+    assert all({"target", "measured", "met"} <= set(v) for v in verdicts.values())
+    assert 0.005 <= summary["touch"] <= 0.02  # the tables are sized for ~1 % of rows a step
 
 
 def test_control_plane_quick_measures_each_phase_and_projects_to_many_trainers() -> None:

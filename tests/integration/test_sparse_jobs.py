@@ -153,6 +153,75 @@ def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(tmp_path
     assert torch.equal(touched, torch.from_numpy(np.unique(ids)))  # never-seen rows not stored
 
 
+# --- evaluation with the trained rows ---------------------------------------------------------
+
+LOOKUP_MODEL = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    import elasticps.nn as enn
+
+    COLUMNS = ("ids", "y")
+
+
+    class Model(nn.Module):
+        \"\"\"A lookup table: each id's row is its prediction (zero before training).\"\"\"
+
+        def __init__(self):
+            super().__init__()
+            self.emb = enn.Embedding(20, 1, name="emb", feature="ids", init="zeros")
+            self.bias = nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return self.emb(x["ids"])[:, 0] + self.bias
+
+
+    def loss(outputs, targets):
+        return nn.functional.mse_loss(outputs, targets)
+
+
+    def batch_to_tensors(batch):
+        ids = torch.from_numpy(batch.column("ids").to_numpy().astype("int64"))
+        y = torch.from_numpy(batch.column("y").to_numpy().astype("float32"))
+        return {"ids": ids}, y
+    """
+)
+
+
+def test_pass_evaluations_and_evaluate_command_use_the_trained_rows(tmp_path: Path) -> None:
+    """A model whose predictions are its sparse rows (zeros before training, so
+    a fresh model's test loss is mean(y^2) = 2): the evaluation after the pass
+    and ``elasticps evaluate`` on the output directory read the trained rows
+    from the checkpoint, and both give the job's final test loss."""
+    model_file = tmp_path / "model.py"
+    model_file.write_text(LOOKUP_MODEL)
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, rows in (("train", 800), ("test", 100)):
+        ids = np.arange(rows) % 20
+        y = (ids % 5 - 2).astype(np.float32)  # mean 0, mean square 2
+        pq.write_table(pa.table({"ids": ids, "y": y}), data / f"{name}.parquet")
+    out = tmp_path / "run"
+    record = run_job(out, "--model", str(model_file), "--data", str(data), "--trainers", "1",
+                     "--ps", "2", "--mode", "sync", "--epochs", "1", "--batch-size", "20",
+                     "--optimizer", "sgd", "--lr", "0.5", "--eval-each-pass")  # fmt: skip
+    line = record["line"]
+    assert isinstance(line, dict)
+    final = float(line["loss"])
+    assert final < 0.2, line  # trained rows; fresh ones would give 2.0
+    evaluations = record["pass_evaluations"]
+    assert isinstance(evaluations, list) and [e["pass_id"] for e in evaluations] == [0]
+    assert evaluations[-1]["loss"] == pytest.approx(final, rel=1e-6, abs=1e-9)
+    again = subprocess.run(
+        [sys.executable, "-m", "elasticps", "evaluate", "--model", str(model_file),
+         "--output", str(out), "--data", str(data / "test.parquet")],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout)["loss"] == pytest.approx(final, rel=1e-6, abs=1e-9)
+
+
 # --- exactly-once with sparse rows, through failures -----------------------------------------
 
 

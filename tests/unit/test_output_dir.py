@@ -22,6 +22,7 @@ from elasticps.launcher.output import (
     optimizer_state_tensors,
     previous_run_files,
     remove_previous_run,
+    table_checkpoint_bytes,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -152,6 +153,37 @@ def test_the_checkpoint_estimate_counts_values_state_and_copies() -> None:
     # 1000 float32 parameters with Adam's 2 state tensors, in 3 copies.
     assert CHECKPOINT_COPIES == 3
     assert checkpoint_bytes_estimate(1000, 2) == 1000 * 4 * 3 * 3 + SPACE_MARGIN_BYTES
+
+
+def test_the_checkpoint_estimate_counts_sparse_tables_in_as_many_copies() -> None:
+    from elasticps.pserver.sparse import TableSpec
+
+    fixed = TableSpec("user", dim=16, num_embeddings=1000)
+    hashed = TableSpec("tags", dim=8)  # no size to count
+    # Adam: id, 3 counters, then 16 values and 2 x 16 slots, float32.
+    per_row = 8 + 3 * 8 + 4 * 16 * 3
+    assert table_checkpoint_bytes([fixed, hashed], 2) == 1000 * per_row
+    assert checkpoint_bytes_estimate(10, 2, 1000 * per_row) == (
+        (10 * 4 * 3 + 1000 * per_row) * CHECKPOINT_COPIES + SPACE_MARGIN_BYTES
+    )
+
+
+def test_a_table_checkpoint_with_every_row_stored_fits_its_estimate(tmp_path: Path) -> None:
+    """Every row of a fixed table updated once with Adam, saved as the servers save
+    it: the files take no more than the estimate, and nearly all of it."""
+    import numpy as np
+    import torch
+
+    from elasticps.pserver.sparse import SparseAdam, SparseTable, TableSpec
+    from elasticps.pserver.sparse_checkpoint import save_table
+
+    spec = TableSpec("user", dim=16, num_embeddings=5000)
+    table = SparseTable(spec, SparseAdam())
+    table.apply(np.arange(5000), torch.ones(5000, 16), lr=0.1)
+    save_table(tmp_path, table)
+    on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    estimate = table_checkpoint_bytes([spec], 2)
+    assert 0.95 * estimate <= on_disk <= estimate + (64 << 10)  # + headers and the index
 
 
 def test_too_little_free_space_is_refused_with_both_figures(tmp_path: Path) -> None:

@@ -896,10 +896,17 @@ def _pass_evaluator(
     servers: LocalServers,
     test: tuple[Reader | Parquet, Callable[[], Mapping[str, Any]] | None],
 ) -> Callable[[], dict[str, float]]:
-    """Evaluates the model the servers hold now (a pull, as the final one does)."""
+    """Evaluates the model the servers hold now (a pull, as the final one does).
+
+    A model with sparse tables is evaluated with the servers' rows (a
+    consistent checkpoint of them, as for the final result), not its own.
+    """
+    has_tables = bool(enn.table_specs(spec.instantiate(0)))
 
     def evaluate_now() -> dict[str, float]:
         result, _ = _pull_final(spec, cluster, servers)
+        if has_tables:
+            result = ParameterSet(dict(result), _final_tables(servers))
         return _evaluator_of(spec, result, test)()
 
     return evaluate_now

@@ -80,7 +80,7 @@ from elasticps.errors import (
     RemoteError,
     ServiceUnavailableError,
 )
-from elasticps.evaluate import evaluate
+from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
@@ -95,6 +95,7 @@ from elasticps.launcher.output import (
     optimizer_state_tensors,
     previous_run_files,
     remove_previous_run,
+    table_checkpoint_bytes,
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env, run_beside
@@ -119,13 +120,14 @@ from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import check_port_free
+from elasticps.pserver.sparse import TableSpec
 from elasticps.snapshot import (
     load_consistent_checkpoint,
     read_snapshot_manifest,
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
-from elasticps.tables import TableSet, load_tables
+from elasticps.tables import TableSet
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
@@ -265,6 +267,7 @@ class LocalLauncher:
         self._progress: dict[str, int] = {}
         self._records_skipped = 0
         self._num_parameters: int | None = None
+        self._table_specs: tuple[TableSpec, ...] = ()  # the model's sparse tables
         self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
         self._health_due = 0.0
         # The model constructor's keyword arguments: --model-args, or with
@@ -328,7 +331,7 @@ class LocalLauncher:
         spec = load_model_file(cfg.model_path, cfg.model_class, self.model_args())
         # Built once here, as every trainer will: its constructor and parameters
         # are checked before launch, and its size sizes the checkpoints.
-        self._num_parameters = sum(p.numel() for p in spec.instantiate(cfg.seed).parameters())
+        self._size_model(spec.instantiate(cfg.seed))
         train = resolve_dataset(cfg.data, "train")
         check_columns(train, spec.columns)
         if count_rows(train) == 0:
@@ -395,10 +398,13 @@ class LocalLauncher:
                 )
             removed = remove_previous_run(cfg.output, keep=cfg.resume)
             if self._num_parameters is None:
-                model = spec.instantiate(cfg.seed)
-                self._num_parameters = sum(p.numel() for p in model.parameters())
+                self._size_model(spec.instantiate(cfg.seed))
+            assert self._num_parameters is not None
+            state_tensors = optimizer_state_tensors(cfg.optimizer)
             needed = checkpoint_bytes_estimate(
-                self._num_parameters, optimizer_state_tensors(cfg.optimizer)
+                self._num_parameters,
+                state_tensors,
+                table_checkpoint_bytes(self._table_specs, state_tensors),
             )
             check_free_space(cfg.output, needed)
             log_to_file(self._log_path("launcher"))
@@ -411,6 +417,13 @@ class LocalLauncher:
             + (f"; removed the previous run's {', '.join(removed)}" if removed else ""),
         )
         return lock
+
+    def _size_model(self, model: torch.nn.Module) -> None:
+        """Record what sizes the checkpoints: dense parameters and sparse tables."""
+        from elasticps.nn import table_specs
+
+        self._num_parameters = sum(p.numel() for p in model.parameters())
+        self._table_specs = tuple(table_specs(model).values())
 
     def _evaluate(
         self,
@@ -570,7 +583,12 @@ class LocalLauncher:
                 why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
                 self._save_fallback(tensors, manifest, why)
             evaluation = (
-                self._evaluate(spec, tensors, test, sparse_tables(spec, cfg.output / "snapshot"))
+                self._evaluate(
+                    spec,
+                    tensors,
+                    test,
+                    checkpoint_tables(spec.instantiate(0), cfg.output / "snapshot"),
+                )
                 if test is not None
                 else None
             )
@@ -1545,19 +1563,6 @@ def _continue(pid: int) -> None:
     """SIGCONT a process paused by the chaos schedule (if it still exists)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
-
-
-def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
-    """The trained sparse tables of a model that has any, read from a consistent checkpoint.
-
-    Raises:
-        DataError: the tables' files are corrupt.
-    """
-    from elasticps.nn import table_specs
-
-    if not table_specs(spec.instantiate(0)):
-        return None
-    return load_tables(snapshot_dir)
 
 
 def final_parameters(

@@ -14,7 +14,8 @@ Before it starts anything it checks, here, that:
 - it holds no previous run's state (:func:`previous_run_files`), unless the
   user asked to replace it (``--overwrite``) or to resume (``--resume``);
 - its file system has room for the checkpoints the job will write
-  (:func:`checkpoint_bytes_estimate`).
+  (:func:`checkpoint_bytes_estimate`), sparse tables included
+  (:func:`table_checkpoint_bytes`).
 
 Every failure is a one-line :class:`~elasticps.errors.UserError`.
 """
@@ -30,12 +31,15 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from elasticps.config import OptimizerConfig
 from elasticps.errors import ConfigError, OutputInUseError
+
+if TYPE_CHECKING:
+    from elasticps.pserver.sparse import TableSpec
 
 __all__ = [
     "CHECKPOINT_COPIES",
@@ -51,6 +55,7 @@ __all__ = [
     "optimizer_state_tensors",
     "previous_run_files",
     "remove_previous_run",
+    "table_checkpoint_bytes",
 ]
 
 LOCK_FILE: Final = ".lock"
@@ -137,21 +142,58 @@ def optimizer_state_tensors(optimizer: OptimizerConfig) -> int:
     return 2
 
 
-def checkpoint_bytes_estimate(num_parameters: int, state_tensors: int) -> int:
+_ROW_OVERHEAD_BYTES: Final = 8 + 3 * 8
+"""Bytes a sparse table's checkpoint stores per row besides its values and optimizer
+slots: the int64 id and three int64 counters (count, created and last version)."""
+
+
+def table_checkpoint_bytes(tables: Iterable[TableSpec], state_tensors: int) -> int:
+    """Bytes one checkpoint of a model's sparse tables takes at most.
+
+    Each stored row takes its int64 id, its ``dim`` float32 values,
+    ``state_tensors`` optimizer slots of ``dim`` float32 each and three int64
+    counters: ``32 + 4 x dim x (1 + state_tensors)`` bytes. A fixed table
+    counts all its ``num_embeddings`` rows (rows never updated are not
+    stored, so this bounds it from above). A hashed table has no size to
+    count: it grows with the keys it meets, and adds nothing here.
+
+    Args:
+        tables: the model's tables (:func:`elasticps.nn.table_specs`).
+        state_tensors: optimizer slots per row, as per dense parameter
+            (:func:`optimizer_state_tensors`; the lazy rules keep the same
+            slots as their dense counterparts).
+
+    Returns:
+        Bytes.
+    """
+    return sum(
+        t.num_embeddings * (_ROW_OVERHEAD_BYTES + 4 * t.dim * (1 + state_tensors))
+        for t in tables
+        if t.num_embeddings is not None
+    )
+
+
+def checkpoint_bytes_estimate(num_parameters: int, state_tensors: int, table_bytes: int = 0) -> int:
     """Bytes of checkpoints a job writes into its output directory (an estimate).
 
-    ``num_parameters`` x 4 bytes (float32) x (1 + ``state_tensors``) x
-    :data:`CHECKPOINT_COPIES`, plus :data:`SPACE_MARGIN_BYTES`.
+    (``num_parameters`` x 4 bytes (float32) x (1 + ``state_tensors``) +
+    ``table_bytes``) x :data:`CHECKPOINT_COPIES`, plus
+    :data:`SPACE_MARGIN_BYTES`: the sparse tables are kept in as many copies
+    as the dense parameters (beside each server checkpoint and the final
+    snapshot's shard files).
 
     Args:
         num_parameters: elements over all of the model's parameters.
         state_tensors: optimizer state tensors per parameter
             (:func:`optimizer_state_tensors`).
+        table_bytes: one checkpoint of the sparse tables, bytes
+            (:func:`table_checkpoint_bytes`).
 
     Returns:
         The estimate, bytes.
     """
-    return num_parameters * 4 * (1 + state_tensors) * CHECKPOINT_COPIES + SPACE_MARGIN_BYTES
+    dense = num_parameters * 4 * (1 + state_tensors)
+    return (dense + table_bytes) * CHECKPOINT_COPIES + SPACE_MARGIN_BYTES
 
 
 def _free_bytes(path: Path) -> int:

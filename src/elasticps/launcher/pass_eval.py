@@ -7,7 +7,9 @@ snapshot of every parameter server into a temporary directory
 (:func:`~elasticps.snapshot.take_consistent_checkpoint`: every shard frozen at
 one model version for a few milliseconds), reads it back by parameter name,
 deletes it, and evaluates it with :func:`~elasticps.evaluate.evaluate`, the
-code that evaluates the final model. Trainers go on with the next pass
+code that evaluates the final model. A model with sparse tables is evaluated
+with the snapshot's rows (:func:`~elasticps.evaluate.checkpoint_tables`), read
+before the snapshot is deleted. Trainers go on with the next pass
 meanwhile, so the snapshot holds the few steps they took between the end of
 the pass and the freeze; each result records that model version and the
 moment the snapshot was taken. The results go to the launcher's log and to
@@ -30,9 +32,10 @@ import torch
 from elasticps.buffers import state_from_flat
 from elasticps.coord.store import JobStore, Watch
 from elasticps.errors import ElasticPSError
-from elasticps.evaluate import evaluate
+from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.model_file import ModelSpec
 from elasticps.snapshot import load_consistent_checkpoint, take_consistent_checkpoint
+from elasticps.tables import TableSet
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +195,17 @@ class PassEvaluator:
                 extra={"pass": pass_id, "purpose": "evaluation"},
             )
             values = load_consistent_checkpoint(directory).values
+            tables = checkpoint_tables(self._model, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         version = manifest.get("version")
         tensors = _shaped(values, self._model)
-        return _Snapshot(pass_id, version if isinstance(version, int) else -1, taken, tensors)
+        return _Snapshot(
+            pass_id, version if isinstance(version, int) else -1, taken, tensors, tables
+        )
 
     def _evaluate(self, snapshot: _Snapshot) -> PassEvaluation:
-        result = evaluate(self._spec, snapshot.tensors, self._test_path)
+        result = evaluate(self._spec, snapshot.tensors, self._test_path, tables=snapshot.tables)
         metrics = {k: v for k, v in result.items() if k not in ("loss", "samples")}
         return PassEvaluation(
             pass_id=snapshot.pass_id,
@@ -219,6 +225,7 @@ class _Snapshot:
     version: int
     taken: float  # Unix time, seconds
     tensors: dict[str, torch.Tensor]
+    tables: TableSet | None  # the sparse tables' rows, if the model has any
 
 
 def _shaped(values: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -105,6 +105,8 @@ _MIX1: Final = 0xBF58476D1CE4E5B9
 _MIX2: Final = 0x94D049BB133111EB
 _PARTITION_SALT: Final = 0x5DEECE66D2B7E151
 _MAX_LOAD: Final = 0.5
+_SCALAR_PROBES: Final = 8  # _IdIndex.find: probe this few ids one by one
+_SCAN_SHARDS: Final = 8  # Partitioner.split: up to this many shards, scan once per shard
 
 
 # --- hashing -------------------------------------------------------------------------------
@@ -123,11 +125,19 @@ def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     Returns:
         uint64 array of the same shape.
     """
+    if x.ndim:
+        # Array arithmetic wraps silently; only 0-d (scalar) arithmetic warns,
+        # and entering errstate costs more than hashing a batch's ids.
+        return _splitmix64(x)
     with np.errstate(over="ignore"):
-        z = x + np.uint64(_GAMMA)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
-        return z ^ (z >> np.uint64(31))
+        return _splitmix64(x)
+
+
+def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    z = x + np.uint64(_GAMMA)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    return z ^ (z >> np.uint64(31))
 
 
 def name_hash(name: str) -> int:
@@ -525,16 +535,17 @@ def _apply_rule(
     m, v = state["exp_avg"], state["exp_avg_sq"]
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    # The per-row bias corrections are k scalars: numpy computes them (float64,
+    # then float32) at a fraction of the cost of as many small torch calls.
     t = (
-        steps.to(torch.float64)
+        steps.numpy().astype(np.float64)
         if rule.step_count == "row"
-        else torch.full_like(steps, table_step, dtype=torch.float64)
+        else np.full(len(steps), float(table_step))
     )
-    bias1 = 1 - torch.pow(beta1, t)
-    bias2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
-    step_size = (lr / bias1).to(torch.float32)[:, None]
-    denom = (v.sqrt() / bias2_sqrt.to(torch.float32)[:, None]).add_(rule.eps)
-    rows.sub_(m / denom * step_size)
+    step_size = torch.from_numpy((lr / (1.0 - np.power(beta1, t))).astype(np.float32)[:, None])
+    bias2_sqrt = torch.from_numpy(np.sqrt(1.0 - np.power(beta2, t)).astype(np.float32)[:, None])
+    denom = v.sqrt().div_(bias2_sqrt).add_(rule.eps)
+    rows.sub_(m.div(denom).mul_(step_size))
 
 
 def combine_gradients(
@@ -680,6 +691,11 @@ class _IdIndex:
         pending = np.arange(len(ids))
         mask = int(self._mask)
         while pending.size:
+            if pending.size <= _SCALAR_PROBES:
+                # The few ids left sit on long probe chains: a numpy pass per
+                # probe costs more than walking them one by one.
+                self._walk(ids, pos, pending, out)
+                break
             p = pos[pending]
             slot = self._slots[p]
             empty = slot < 0
@@ -688,6 +704,17 @@ class _IdIndex:
             pending = pending[~(empty | hit)]
             pos[pending] = (pos[pending] + 1) & mask
         return out
+
+    def _walk(self, ids: IdArray, pos: IdArray, pending: IdArray, out: IdArray) -> None:
+        """:meth:`find` for ``ids[pending]`` from ``pos``, one id at a time."""
+        keys, slots, mask = self._keys, self._slots, int(self._mask)
+        for i in pending.tolist():
+            p, key = int(pos[i]), int(ids[i])
+            while (slot := int(slots[p])) >= 0:
+                if int(keys[p]) == key:
+                    out[i] = slot
+                    break
+                p = (p + 1) & mask
 
     def insert(self, ids: IdArray, slots: IdArray) -> None:
         """Add ``ids`` (unique, all absent) with their slots, growing the index if needed."""
@@ -867,7 +894,11 @@ class Partitioner:
         A trainer sends ``ids[out[s]]`` to shard ``s`` and writes the rows it
         gets back to ``rows[out[s]]``.
         """
+        if self.num_shards == 1:
+            return [np.arange(len(ids), dtype=np.int64)]
         shard = self.shard_of(ids)
+        if self.num_shards <= _SCAN_SHARDS:  # one pass per shard beats a sort
+            return [np.flatnonzero(shard == s) for s in range(self.num_shards)]
         order = np.argsort(shard, kind="stable")
         counts = np.bincount(shard, minlength=self.num_shards)
         return list(np.split(order.astype(np.int64), np.cumsum(counts)[:-1]))
@@ -1143,7 +1174,7 @@ class SparseTable:
                 if len(arr)
                 else (np.zeros((0, self.spec.dim), np.float32))
             )
-            return torch.from_numpy(np.array(out, dtype=np.float32, copy=True))
+            return torch.from_numpy(out)  # a gather is a fresh array already
         out = np.empty((len(arr), self.spec.dim), dtype=np.float32)
         if present.any():
             out[present] = self._columns["rows"].gather(_Locator(slots[present], self.chunk_rows))
@@ -1151,7 +1182,9 @@ class SparseTable:
         out[absent] = initial_rows(self.spec, arr[absent])
         return torch.from_numpy(out)
 
-    def apply(self, ids: Tensor | IdArray, grads: Tensor, lr: float) -> None:
+    def apply(
+        self, ids: Tensor | IdArray, grads: Tensor, lr: float, *, checked: bool = False
+    ) -> None:
         """One optimizer step: update rows ``ids`` with ``grads``, and bump :attr:`version`.
 
         Rows absent so far are allocated at their initial value first. An
@@ -1163,12 +1196,20 @@ class SparseTable:
             ids: int64 ``[k]``, unique.
             grads: float32 ``[k, dim]``: the gradient of each row.
             lr: learning rate of this step, > 0.
+            checked: the caller has already checked that ``ids`` are a 1-d
+                int64 array, unique and in range (a parameter server checks
+                a push's ids as it receives them): only the shapes are checked
+                again.
 
         Raises:
             SparseTableError: ids not int64 1-d or not unique, out of a fixed
                 table's range, or grads of the wrong dtype or shape.
         """
-        arr = self._check_ids(ids, "ids")
+        if checked and isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
+            arr = ids
+        else:
+            arr = self._check_ids(ids, "ids")
+            checked = False
         if not isinstance(grads, Tensor) or grads.dtype != torch.float32:
             raise SparseTableError(f"sparse table {self.spec.name}: grads must be float32")
         if tuple(grads.shape) != (len(arr), self.spec.dim):
@@ -1176,7 +1217,7 @@ class SparseTable:
                 f"sparse table {self.spec.name}: grads must be [{len(arr)}, {self.spec.dim}], "
                 f"got {list(grads.shape)}"
             )
-        if len(np.unique(arr)) != len(arr):
+        if not checked and len(arr) > 1 and len(np.unique(arr)) != len(arr):
             raise SparseTableError(f"sparse table {self.spec.name}: pushed ids are not unique")
         self.version += 1
         if not len(arr):

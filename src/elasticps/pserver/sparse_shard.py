@@ -414,7 +414,7 @@ class ShardTables:
                 table.apply(np.zeros(0, np.int64), torch.zeros(0, entry.spec.dim), lr)
             else:
                 rows = torch.from_numpy(np.ascontiguousarray(grads.grads[t]))
-                table.apply(grads.ids[t], rows, lr)
+                table.apply(grads.ids[t], rows, lr, checked=True)  # by split_ids
         self._after_step()
 
     def accumulate(self, grads: RowGrads, weight: float) -> None:
@@ -449,7 +449,8 @@ class ShardTables:
                 ids = unique
             if divisor != 1.0:
                 rows = rows / divisor
-            table.apply(ids, rows.contiguous(), lr)
+            # Checked by split_ids as each push came; unique once summed.
+            table.apply(ids.numpy(), rows.contiguous(), lr, checked=True)
         self.clear_round()
         self._after_step()
 

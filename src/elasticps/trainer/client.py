@@ -129,6 +129,9 @@ class _Rows:
     counts: np.ndarray
     ids: np.ndarray
     rows: np.ndarray | None = None
+    # Per table (client order): where this server's ids sit in the caller's
+    # ids of that table, to put the pulled rows back (empty: none here).
+    positions: tuple[np.ndarray, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -667,6 +670,7 @@ class ParameterClient:
         self._conns: list[_ShardConnection] = []
         self.tables = tuple(tables)
         self._table_index = {t.spec.name: i for i, t in enumerate(self.tables)}
+        self._partitioners = [t.partitioner for t in self.tables]
         self._background: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
@@ -976,7 +980,10 @@ class ParameterClient:
             SparseTableError: an id out of a fixed table's range.
         """
         n = len(self.tables)
-        parts: dict[int, tuple[np.ndarray, list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
+        parts: dict[
+            int, tuple[np.ndarray, list[np.ndarray], list[np.ndarray | None], list[np.ndarray]]
+        ] = {}
+        no_ids = np.zeros(0, np.int64)
         for name, value in rows.items():
             t = self._table_index.get(name)
             if t is None:
@@ -994,25 +1001,24 @@ class ParameterClient:
                 grads = np.ascontiguousarray(
                     grads_t.detach().to(torch.float32).reshape(len(ids), -1).numpy()
                 )
-            for shard, pos in enumerate(self.tables[t].partitioner.split(ids)):
+            for shard, pos in enumerate(self._partitioners[t].split(ids)):
                 if not len(pos):
                     continue
-                counts, id_parts, row_parts = parts.setdefault(
-                    shard, (np.zeros(n, np.int64), [[] for _ in range(n)], [[] for _ in range(n)])
+                counts, id_parts, row_parts, positions = parts.setdefault(
+                    shard, (np.zeros(n, np.int64), [no_ids] * n, [None] * n, [no_ids] * n)
                 )
-                counts[t] += len(pos)
-                id_parts[t].append(ids[pos])
+                counts[t] = len(pos)
+                id_parts[t] = ids[pos]
+                positions[t] = pos
                 if grads is not None:
-                    row_parts[t].append(grads[pos].reshape(-1))
+                    row_parts[t] = grads[pos].reshape(-1)
         out = {}
-        for shard, (counts, id_parts, row_parts) in parts.items():
-            flat_ids = np.concatenate([a for p in id_parts for a in p]).astype(np.int64)
+        for shard, (counts, id_parts, row_parts, positions) in parts.items():
             flat_rows = None
-            if with_grads:
-                flat_rows = np.ascontiguousarray(
-                    np.concatenate([a for p in row_parts for a in p]), dtype=np.float32
-                )
-            out[shard] = _Rows(counts, flat_ids, flat_rows)
+            if with_grads:  # in table order, as the ids
+                present = [r for r in row_parts if r is not None]
+                flat_rows = np.concatenate(present) if present else np.zeros(0, np.float32)
+            out[shard] = _Rows(counts, np.concatenate(id_parts), flat_rows, tuple(positions))
         return out
 
     def pull_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -1039,28 +1045,21 @@ class ParameterClient:
         by_index = {c.layout.index: c for c in self._conns}
         targets = [by_index[s] for s in sorted(requests)]
         replies = self._fan_out(lambda c: c.pull_rows(requests[c.layout.index]), targets)
-        out: dict[str, torch.Tensor] = {}
-        flat_ids = {
-            name: np.asarray(v.detach().reshape(-1).to(torch.int64)) for name, v in ids.items()
-        }
-        for name, arr in flat_ids.items():
-            dim = self.tables[self._table_index[name]].spec.dim
-            out[name] = torch.empty(len(arr), dim, dtype=torch.float32)
-        # Scatter each server's reply back to the ids' positions.
+        outs: dict[int, np.ndarray] = {}
+        for name, v in ids.items():
+            t = self._table_index[name]
+            outs[t] = np.empty((v.numel(), self.tables[t].spec.dim), dtype=np.float32)
+        # Put each server's reply back at its ids' positions (found by the split).
         for conn, flat in zip(targets, replies, strict=True):
-            shard = conn.layout.index
+            request = requests[conn.layout.index]
             offset = 0
-            counts = requests[shard].counts
-            for t, entry in enumerate(self.tables):
-                k = int(counts[t])
+            for t, k in enumerate(request.counts.tolist()):
                 if not k:
                     continue
-                name = entry.spec.name
-                pos = entry.partitioner.split(flat_ids[name])[shard]
-                rows = flat[offset : offset + k * entry.spec.dim].reshape(k, entry.spec.dim)
-                out[name][torch.from_numpy(pos)] = torch.from_numpy(rows)
-                offset += k * entry.spec.dim
-        return out
+                dim = self.tables[t].spec.dim
+                outs[t][request.positions[t]] = flat[offset : offset + k * dim].reshape(k, dim)
+                offset += k * dim
+        return {name: torch.from_numpy(outs[self._table_index[name]]) for name in ids}
 
     def pull(self) -> None:
         """Receive every shard's parameters into the flat parameter buffer.
