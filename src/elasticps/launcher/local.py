@@ -61,6 +61,7 @@ from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, is_transient
+from elasticps.data.kafka import load_client_config
 from elasticps.data.parquet import (
     check_columns,
     check_no_nulls,
@@ -329,15 +330,26 @@ class LocalLauncher:
         # Built once here, as every trainer will: its constructor and parameters
         # are checked before launch, and its size sizes the checkpoints.
         self._num_parameters = sum(p.numel() for p in spec.instantiate(cfg.seed).parameters())
-        train = resolve_dataset(cfg.data, "train")
-        check_columns(train, spec.columns)
-        if count_rows(train) == 0:
-            raise DataError(f"{train} has no rows")
-        if cfg.bad_records != "skip":
-            check_no_nulls(train, spec.columns)
         test: Path | None = None
-        if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
-            test = cfg.data / "test.parquet"
+        if cfg.stream:
+            # A stream's records are checked as they are read; its test set is named.
+            from elasticps.extras import require_extra
+
+            require_extra("kafka", "--data kafka://")
+            load_client_config(cfg.kafka_config)
+            train = Path(cfg.stream)
+            if cfg.test_data is not None:
+                test = resolve_dataset(cfg.test_data, "test")
+        else:
+            train = resolve_dataset(cfg.data, "train")
+            check_columns(train, spec.columns)
+            if count_rows(train) == 0:
+                raise DataError(f"{train} has no rows")
+            if cfg.bad_records != "skip":
+                check_no_nulls(train, spec.columns)
+            if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
+                test = cfg.data / "test.parquet"
+        if test is not None:
             check_columns(test, spec.columns)
             # Evaluation skips nothing, whatever --bad-records says.
             check_no_nulls(
@@ -726,12 +738,19 @@ class LocalLauncher:
         common = ["--job", cfg.job, "--etcd", etcd_endpoint, "--lease-ttl-s", str(cfg.lease_ttl_s)]
         # One active master and cfg.standby_masters standbys waiting on the lock;
         # only the first binds --master-port.
+        stream = [
+            "--task-window-s", str(cfg.task_window_s),
+            *(["--kafka-config", str(cfg.kafka_config.resolve())] if cfg.kafka_config else []),
+            *(["--until-offset", str(cfg.until_offset)] if cfg.until_offset is not None else []),
+            *(["--until-time", repr(cfg.until_time)] if cfg.until_time is not None else []),
+        ] if cfg.stream else []  # fmt: skip
         for i in range(1 + cfg.standby_masters):
             self._spawn(
                 f"master-{i}",
                 [
                     "master", *common,
-                    "--data", str(train),
+                    "--data", cfg.stream or str(train),
+                    *stream,
                     "--epochs", str(cfg.epochs),
                     "--records-per-task", str(cfg.records_per_task),
                     "--task-timeout-s", str(cfg.task_timeout_s),
@@ -790,6 +809,7 @@ class LocalLauncher:
                 "--seed", str(cfg.seed),
                 "--threads", str(cfg.threads),
                 "--bad-records", cfg.bad_records,
+                *(["--kafka-config", str(cfg.kafka_config.resolve())] if cfg.kafka_config else []),
             ),
             env={LOG_FILE_ENV: str(self._log_path(f"trainer-{index}"))},
         )  # fmt: skip

@@ -1,0 +1,263 @@
+"""The master's stream feeder: reads a Kafka topic, cuts its offsets into tasks, ends the stream.
+
+The feeder is the I/O shell around :class:`~elasticps.data.kafka.WindowCutter`.
+One thread on the active master:
+
+1. reads where each partition's tasks end from the queue (the ledger), so a
+   master that takes over, or a job resumed from a checkpoint, cuts on from
+   exactly there;
+2. assigns every partition of the topic to one consumer (no group, no
+   rebalancing) at those offsets, or at the beginning of a partition with
+   no task yet;
+3. feeds every record it reads to the cutter, and adds the ranges that close
+   to the queue (``MasterService.add_tasks``: persisted before any trainer
+   can be handed them);
+4. seals the stream once every partition reached ``until_offset``, or the
+   wall clock passed ``until_time``, after cutting what it has;
+5. publishes the lag every second under ``stream/lag`` in etcd: per
+   partition, the records read but not yet trained, and the age of the
+   oldest of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elasticps.coord.store import JobStore
+from elasticps.data.kafka import KafkaSource, StreamLimits, WindowCutter, consumer_settings
+from elasticps.errors import CoordinationError, DataError, ElasticPSError
+from elasticps.master.service import MasterService
+from elasticps.master.taskqueue import DataRange
+
+__all__ = ["LAG_EVERY_S", "StreamFeeder", "lag_of"]
+
+log = logging.getLogger(__name__)
+
+LAG_EVERY_S = 1.0
+"""Seconds between two publications of the lag."""
+
+_POLL_S = 0.05
+_TOPIC_WAIT_S = 30.0
+
+
+def lag_of(
+    heads: dict[int, int],
+    untrained: dict[int, tuple[int, int | None]],
+    arrived: dict[tuple[int, int], float],
+    now_wall: float,
+) -> dict[str, object]:
+    """The lag of a stream, JSON-ready (pure).
+
+    Args:
+        heads: partition -> one past the last offset read.
+        untrained: partition -> (first untrained offset, start of its task or
+            None if every task is done), from the queue.
+        arrived: (partition, task start) -> wall-clock arrival time of the
+            task's first record, seconds since the epoch.
+        now_wall: the wall-clock time, seconds since the epoch.
+
+    Returns:
+        ``{"partitions": {p: {"head", "behind", "oldest_untrained_age_s"}},
+        "records_behind", "oldest_untrained_age_s"}``; an age is None where
+        nothing read is untrained.
+    """
+    parts: dict[str, dict[str, object]] = {}
+    total = 0
+    oldest: float | None = None
+    for p, head in sorted(heads.items()):
+        first, task_start = untrained.get(p, (head, None))
+        if task_start is None:
+            first = max(first, 0)
+        behind = max(0, head - first)
+        age: float | None = None
+        if behind and task_start is not None and (p, task_start) in arrived:
+            age = round(max(0.0, now_wall - arrived[(p, task_start)]), 3)
+        elif behind:
+            # Records read and not yet in a task: the window holds them.
+            age = None
+        parts[str(p)] = {"head": head, "behind": behind, "oldest_untrained_age_s": age}
+        total += behind
+        if age is not None:
+            oldest = age if oldest is None else max(oldest, age)
+    return {"partitions": parts, "records_behind": total, "oldest_untrained_age_s": oldest}
+
+
+class StreamFeeder:
+    """Cuts a topic into tasks for the master's queue until the stream ends.
+
+    Args:
+        source: the topic.
+        client: ``--kafka-config`` settings.
+        limits: window size and the stream's end.
+        service: the active master's service.
+        store: the job's store (for ``stream/lag``).
+        stop: set when the master stops; the feeder then returns.
+        on_error: called with the exception if the feeder fails (the master
+            then stops with it).
+    """
+
+    def __init__(  # noqa: PLR0917 (the feeder's collaborators, each named)
+        self,
+        source: KafkaSource,
+        client: dict[str, str],
+        limits: StreamLimits,
+        service: MasterService,
+        store: JobStore,
+        stop: threading.Event,
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self._source = source
+        self._client = client
+        self._limits = limits
+        self._service = service
+        self._store = store
+        self._stop = stop
+        self._on_error = on_error
+        self._thread = threading.Thread(target=self._run, name="stream-feeder", daemon=True)
+
+    def start(self) -> None:
+        """Start the feeder's thread."""
+        self._thread.start()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Wait for the thread (after ``stop`` was set)."""
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            self._feed()
+        except ElasticPSError as exc:
+            if not self._stop.is_set():
+                log.error("stream feeder failed: %s", exc)
+                self._on_error(exc)
+        except Exception as exc:  # a bug or a client error: stop the master with it
+            if not self._stop.is_set():
+                log.exception("stream feeder failed")
+                self._on_error(exc)
+
+    def _feed(self) -> None:
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        ends, sealed = self._service.stream_state()
+        if sealed:
+            return
+        source = self._source
+        cut_to = {KafkaSource.parse_partition_file(f)[1]: end for f, end in ends.items()}
+        cutter = WindowCutter(self._limits, cut_to)
+        consumer = Consumer(consumer_settings(source, self._client))
+        try:
+            partitions = self._partitions(consumer)
+            consumer.assign(
+                [
+                    TopicPartition(
+                        source.topic, p, start if start is not None else OFFSET_BEGINNING
+                    )
+                    for p in partitions
+                    for start in [cutter.start_offset(p)]
+                ]
+            )
+            log.info(
+                "reading %s, partitions %s, from offsets %s",
+                source.url,
+                partitions,
+                {p: cutter.start_offset(p) for p in partitions},
+            )
+            # (partition, task start) -> arrival of the task's first record, and
+            # partition -> arrival of the first record of its open window.
+            arrived: dict[tuple[int, int], float] = {}
+            window_ts: dict[int, float] = {}
+            next_lag = time.monotonic()
+            while not self._stop.is_set():
+                messages = consumer.consume(num_messages=1000, timeout=_POLL_S)
+                now = time.monotonic()
+                ranges: list[tuple[int, int, int]] = []
+                for message in messages:
+                    if message.error() is not None:
+                        log.warning("reading %s: %s", source.url, message.error())
+                        continue
+                    partition, offset = message.partition(), message.offset()
+                    if cutter.start_offset(partition) in (None, offset):
+                        window_ts[partition] = _arrival(message)
+                    ranges += _stamp(cutter.observe(partition, offset, now), arrived, window_ts)
+                ranges += _stamp(cutter.tick(now), arrived, window_ts)
+                ended = cutter.all_ended(partitions) or (
+                    self._limits.until_time is not None and time.time() >= self._limits.until_time
+                )
+                if ended:
+                    ranges += _stamp(cutter.flush(), arrived, window_ts)
+                if ranges:
+                    self._service.add_tasks(
+                        [DataRange(source.partition_file(p), a, b) for p, a, b in ranges]
+                    )
+                if ended:
+                    self._service.seal()
+                    log.info("stream %s ended; its last tasks are queued", source.url)
+                    self._publish_lag(cutter, arrived)
+                    return
+                if now >= next_lag:
+                    self._publish_lag(cutter, arrived)
+                    next_lag = now + LAG_EVERY_S
+        finally:
+            consumer.close()
+
+    def _partitions(self, consumer: Any) -> list[int]:
+        """The topic's partitions, waiting up to 30 s for the topic to exist."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + _TOPIC_WAIT_S
+        while True:
+            try:
+                meta = consumer.list_topics(self._source.topic, timeout=5.0)
+                topic = meta.topics.get(self._source.topic)
+                if topic is not None and topic.error is None and topic.partitions:
+                    return sorted(topic.partitions)
+                problem = "it does not exist" if topic is None else str(topic.error)
+            except KafkaException as exc:
+                problem = str(exc)
+            if time.monotonic() >= deadline or self._stop.is_set():
+                raise DataError(
+                    f"--data {self._source.url}: cannot read the topic's partitions ({problem})"
+                )
+            self._stop.wait(0.5)
+
+    def _publish_lag(self, cutter: WindowCutter, arrived: dict[tuple[int, int], float]) -> None:
+        untrained = {
+            KafkaSource.parse_partition_file(f)[1]: v
+            for f, v in self._service.untrained_from().items()
+        }
+        lag = lag_of(cutter.heads(), untrained, arrived, time.time())
+        for key in [k for k in arrived if _trained(k, untrained)]:
+            del arrived[key]
+        try:
+            self._store.put_json(self._store.keys.stream_lag, lag)
+        except CoordinationError as exc:
+            log.debug("could not publish the lag: %s", exc)
+
+
+def _stamp(
+    closed: list[tuple[int, int, int]],
+    arrived: dict[tuple[int, int], float],
+    window_ts: dict[int, float],
+) -> list[tuple[int, int, int]]:
+    """Remember when the first record of each closed range arrived; return the ranges."""
+    for p, a, _ in closed:
+        arrived[(p, a)] = window_ts.get(p, time.time())
+    return closed
+
+
+def _trained(key: tuple[int, int], untrained: dict[int, tuple[int, int | None]]) -> bool:
+    """Whether the task starting at ``key`` is wholly trained (its arrival is no longer needed)."""
+    p, start = key
+    first_task = untrained.get(p, (0, 0))[1]
+    return first_task is None or start < first_task
+
+
+def _arrival(message: Any) -> float:
+    """A message's timestamp (produce or log-append time), seconds since the epoch;
+    the time it was read where it has none."""
+    kind, ms = message.timestamp()
+    return ms / 1000.0 if kind != 0 and ms > 0 else time.time()
