@@ -498,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Parquet files to cut into tasks, or one kafka://HOST:PORT/TOPIC "
                         "(or --virtual-records)")  # fmt: skip
     _add_stream_flags(master)
+    master.add_argument("--stream-resume", type=Path, default=_env("stream-resume", None),
+                        help="a stream job's consistent checkpoint: go on from the "
+                        "offsets it holds")  # fmt: skip
     master.add_argument("--host", default=_env("host", "127.0.0.1"))
     master.add_argument(
         "--virtual-records", type=int, default=int(str(_env("virtual-records", 0))),
@@ -930,6 +933,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         task_window_s=args.task_window_s,
         until_offset=None if args.until_offset is None else int(args.until_offset),
         until_time=None if args.until_time is None else _wall_time(args.until_time),
+        stream_resume=args.stream_resume,
         records_per_task=args.records_per_task,
         num_passes=args.epochs,
         task_timeout_s=args.task_timeout_s,

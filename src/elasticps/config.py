@@ -208,6 +208,8 @@ class MasterConfig:
             (exclusive); None: no such end.
         until_time: a stream ends at this wall-clock time, seconds since the
             epoch; None: no such end.
+        stream_resume: a consistent checkpoint of a stream job whose offsets
+            the stream goes on from (its untrained ranges first), or None.
     """
 
     common: CommonConfig
@@ -226,6 +228,7 @@ class MasterConfig:
     task_window_s: float = 5.0
     until_offset: int | None = None
     until_time: float | None = None
+    stream_resume: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.checkpoint_every_s > 0:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from elasticps.testing import kill_leftovers, wait_for
@@ -25,6 +26,7 @@ from elasticps.testing.broker import Broker, create_topic, produce_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PARTITIONS = 2
 PER_PARTITION = 600
 RECORDS = PARTITIONS * PER_PARTITION
@@ -70,7 +72,13 @@ def produce_audit_rows(broker: Broker, topic: str, out: Path, seconds: float) ->
 
 
 def run_stream_job(
-    broker: Broker, topic: str, audit_dir: Path, out: Path, chaos: str
+    broker: Broker,
+    topic: str,
+    audit_dir: Path,
+    out: Path,
+    *,
+    chaos: str = "",
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
     cmd = [
         sys.executable, "-m", "elasticps", "train",
@@ -82,7 +90,7 @@ def run_stream_job(
         "--push-every", "1", "--big-array-bound", "500", "--trainers", "2", "--ps", "2",
         "--mode", "async", "--batch-size", "10", "--lease-ttl-s", "2",
         "--checkpoint-every-s", "1", "--no-progress",
-        *(["--chaos", chaos] if chaos else []),
+        *(["--chaos", chaos] if chaos else []), *extra,
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=150)
@@ -119,3 +127,116 @@ def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
     assert isinstance(chaos, list)
     killed = {r["target"] for r in chaos if r["action"] == "kill" and r["pid"] is not None}
     assert killed == {"trainer", "ps", "master"}, chaos
+
+
+def test_a_stopped_stream_job_resumes_from_exactly_the_offsets_its_checkpoint_holds(
+    broker: Broker, tmp_path: Path
+) -> None:
+    audit_dir = tmp_path / "audit"
+    write_dataset(audit_dir, RECORDS)
+    topic = "audit-resume"
+    create_topic(broker.bootstrap, topic, PARTITIONS)
+    produce_json(
+        broker.bootstrap,
+        topic,
+        ({"idx": i} for i in range(RECORDS)),
+        partition_of=lambda i: i % PARTITIONS,
+    )
+    first = tmp_path / "first"
+    stopper = threading.Thread(target=stop_when_training, args=(first,), daemon=True)
+    stopper.start()
+    _, record = run_stream_job(broker, topic, audit_dir, first)
+    assert record["state"] == "stopped"
+    stream = record["stream"]
+    assert isinstance(stream, dict)
+    offsets = stream["offsets"]
+    assert isinstance(offsets, dict) and offsets, stream
+    trained = sum(b - a for entry in offsets.values() for a, b in entry["trained"])
+    assert 0 < trained < RECORDS, offsets
+    assert (first / "latest" / "model.safetensors").exists()
+
+    second = tmp_path / "second"
+    _, record = run_stream_job(
+        broker, topic, audit_dir, second, extra=("--resume", str(first / "snapshot"))
+    )
+    assert record["state"] == "finished"
+    audit = check_run(second, passes=1)
+    assert audit.exactly_once, audit.as_dict()
+    assert (second / "latest").resolve().name  # the final model is published as latest
+
+
+def stop_when_training(out: Path) -> None:
+    """Ask a job to stop (as ``elasticps stop`` does) once it has trained for a while."""
+    ps_log = out / "logs" / "ps-0.log"
+
+    def training() -> bool:
+        return ps_log.exists() and "first gradient accepted" in ps_log.read_text()
+
+    wait_for(training, "the first gradient", timeout_s=90, interval_s=0.05)
+    time.sleep(1.0)  # train part of the stream
+    (out / ".stop").write_text("{}\n")
+
+
+def test_mnist_from_a_stream_reaches_the_accuracy_of_the_same_job_from_files(
+    broker: Broker, mnist_dir: Path, tmp_path: Path
+) -> None:
+    """One partition and windows that close by count, so that the stream's tasks are the
+    file's row ranges; the producer writes while the job trains."""
+    rows = pq.read_table(mnist_dir / "train.parquet").to_pylist()
+    topic = "mnist"
+    create_topic(broker.bootstrap, topic, 1)
+    job = [
+        "--model", str(EXAMPLES / "mnist_mlp.py"), "--trainers", "2", "--ps", "2",
+        "--mode", "sync", "--batch-size", "32", "--records-per-task", "250",
+        "--no-progress", "--lease-ttl-s", "2",
+    ]  # fmt: skip
+    files = run_job([*job, "--data", str(mnist_dir), "--output", str(tmp_path / "files")])
+
+    stream_out = tmp_path / "stream"
+    master_log = stream_out / "logs" / "master-0.log"
+
+    def produce() -> None:
+        wait_for(
+            lambda: master_log.exists() and "reading kafka://" in master_log.read_text(),
+            "the master to read the topic",
+            timeout_s=60,
+        )
+        for start in range(0, len(rows), 500):
+            produce_json(broker.bootstrap, topic, rows[start : start + 500])
+            time.sleep(0.2)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    stream_args = [
+        *job,
+        "--data", f"kafka://{broker.bootstrap}/{topic}",
+        "--until-offset", str(len(rows)), "--task-window-s", "30",
+        "--test-data", str(mnist_dir / "test.parquet"), "--output", str(stream_out),
+    ]  # fmt: skip
+    stream = run_job(stream_args)
+    producer.join(timeout=30)
+    assert stream["samples_trained"] == len(rows) == files["samples_trained"]
+    assert stream["exactly_once"] is True
+    assert isinstance(stream["accuracy"], float) and isinstance(files["accuracy"], float)
+    assert files["accuracy"] > 0.8, files
+    assert abs(stream["accuracy"] - files["accuracy"]) <= 0.01, (stream, files)
+
+
+def run_job(args: list[str]) -> dict[str, object]:
+    """``elasticps train`` with ``args``; its result line."""
+    out = Path(args[args.index("--output") + 1])
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "elasticps", "train", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+    finally:
+        leftovers = kill_leftovers(out / "pids.json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not leftovers, f"processes left behind: {leftovers}"
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert isinstance(line, dict)
+    return line

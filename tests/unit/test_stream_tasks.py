@@ -16,7 +16,7 @@ from elasticps.data.kafka import (
 )
 from elasticps.errors import ConfigError, DataError, InvalidRecordError
 from elasticps.master.ledger import ledger_writes
-from elasticps.master.stream import lag_of
+from elasticps.master.stream import committed_offsets, lag_of, resume_point
 from elasticps.master.taskqueue import (
     DataRange,
     Dispatch,
@@ -26,6 +26,7 @@ from elasticps.master.taskqueue import (
     TaskQueue,
     Wait,
 )
+from elasticps.master.verify import ShardCoverage
 
 SOURCE = KafkaSource.parse("kafka://127.0.0.1:9092/clicks")
 
@@ -174,3 +175,22 @@ def test_client_config_file_takes_key_values_and_refuses_what_elasticps_sets(
         load_client_config(bad)
     with pytest.raises(ConfigError, match="cannot be read"):
         load_client_config(tmp_path / "missing")
+
+
+def test_committed_offsets_are_what_every_server_holds_and_resume_trains_the_rest() -> None:
+    p0, p1 = SOURCE.partition_file(0), SOURCE.partition_file(1)
+    ranges = {0: DataRange(p0, 0, 10), 1: DataRange(p0, 10, 20), 2: DataRange(p1, 5, 15)}
+    shard0 = ShardCoverage(0, sealed=False, intervals=[(0, 0, 10), (1, 0, 4), (2, 0, 10)])
+    shard1 = ShardCoverage(1, sealed=False, intervals=[(0, 0, 10), (1, 0, 2), (2, 0, 6)])
+    offsets = committed_offsets(ranges, [shard0, shard1])
+    assert offsets == {
+        p0: {"start": 0, "end": 20, "trained": [[0, 12]]},
+        p1: {"start": 5, "end": 15, "trained": [[5, 11]]},
+    }
+    cut_to, gaps = resume_point(offsets)
+    assert cut_to == {0: 20, 1: 15}
+    assert gaps == [DataRange(p0, 12, 20), DataRange(p1, 11, 15)]
+    sealed = committed_offsets(ranges, [ShardCoverage(0, sealed=True)])
+    assert resume_point(sealed)[1] == []
+    with pytest.raises(DataError):
+        resume_point({p0: {"start": 0}})

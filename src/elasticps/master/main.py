@@ -38,7 +38,7 @@ import grpc
 from elasticps.config import MasterConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
-from elasticps.errors import CoordinationError, PortInUseError
+from elasticps.errors import CoordinationError, DataError, PortInUseError
 from elasticps.master.align import SyncAligner
 from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.service import MasterService
@@ -258,7 +258,17 @@ def _start_feeder(
 ) -> StreamFeeder:
     """Start cutting the stream into tasks (a stream's master only)."""
     from elasticps.data.kafka import KafkaSource, load_client_config
-    from elasticps.master.stream import StreamFeeder
+    from elasticps.master.stream import StreamFeeder, resume_point
+    from elasticps.snapshot import read_snapshot_manifest
+
+    resume = None
+    if config.stream_resume is not None:
+        extra = read_snapshot_manifest(config.stream_resume).get("extra")
+        stream = extra.get("stream") if isinstance(extra, dict) else None
+        partitions = stream.get("partitions") if isinstance(stream, dict) else None
+        if not isinstance(partitions, dict):
+            raise DataError(f"{config.stream_resume} records no stream offsets to resume from")
+        resume = resume_point(partitions)
 
     feeder = StreamFeeder(
         KafkaSource.parse(config.stream),
@@ -268,6 +278,7 @@ def _start_feeder(
         store,
         stop,
         on_error=lambda exc: step_down(f"reading the stream failed: {exc}"),
+        resume=resume,
     )
     feeder.start()
     return feeder

@@ -21,7 +21,7 @@ from elasticps.errors import ElasticPSError, RemoteError
 from elasticps.master.verify import ShardCoverage, judge_pass, records_missing
 from elasticps.snapshot import ControlClient
 
-__all__ = ["PassVerifier", "ShardController"]
+__all__ = ["PassVerifier", "ShardController", "coverage_report"]
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class PassVerifier:
 
     def _verify(self, pass_id: int) -> None:
         answers = self._controller.request_all({"op": "coverage", "pass": pass_id})
-        reports = [_coverage(index, a) for index, a in sorted(answers.items())]
+        reports = [coverage_report(index, a) for index, a in sorted(answers.items())]
         done = list(self._done_tasks())
         verdict = judge_pass(self._task_records(), done, reports)
         if not verdict.complete:
@@ -260,7 +260,7 @@ class PassVerifier:
             if not isinstance(sealed_through, int) or not answer.get("initialized", True):
                 sealed_through = -1
             for earlier in range(sealed_through + 1, pass_id):
-                report = _coverage(
+                report = coverage_report(
                     index,
                     self._controller.request_all({"op": "coverage", "pass": earlier})[index],
                 )
@@ -279,7 +279,12 @@ class PassVerifier:
         return lost, sorted(passes)
 
 
-def _coverage(index: int, answer: Mapping[str, object]) -> ShardCoverage:
+def coverage_report(index: int, answer: Mapping[str, object]) -> ShardCoverage:
+    """A server's answer to the ``coverage`` op as a :class:`ShardCoverage`.
+
+    Raises:
+        ElasticPSError: a malformed interval.
+    """
     raw = answer.get("intervals", [])
     intervals: list[tuple[int, int, int]] = []
     if isinstance(raw, list):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from elasticps.coord.store import JobStore
@@ -32,8 +32,9 @@ from elasticps.data.kafka import KafkaSource, StreamLimits, WindowCutter, consum
 from elasticps.errors import CoordinationError, DataError, ElasticPSError
 from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import DataRange
+from elasticps.master.verify import ShardCoverage
 
-__all__ = ["LAG_EVERY_S", "StreamFeeder", "lag_of"]
+__all__ = ["LAG_EVERY_S", "StreamFeeder", "committed_offsets", "lag_of", "resume_point"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,113 @@ def lag_of(
     return {"partitions": parts, "records_behind": total, "oldest_untrained_age_s": oldest}
 
 
+Intervals = list[tuple[int, int]]
+
+
+def _merge(intervals: list[tuple[int, int]]) -> Intervals:
+    out: Intervals = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _intersect(a: Intervals, b: Intervals) -> Intervals:
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def committed_offsets(
+    ranges: Mapping[int, DataRange], coverages: Sequence[ShardCoverage]
+) -> dict[str, dict[str, object]]:
+    """What a consistent checkpoint of a stream holds, per partition (pure).
+
+    Args:
+        ranges: task id -> its range, every task of the ledger.
+        coverages: what each initialized parameter server holds of the
+            stream's pass, read while every server was frozen.
+
+    Returns:
+        Task file -> ``{"start", "end", "trained"}``: the first offset of its
+        first task, the end of its last task, and the offset ranges
+        ``[[first, end), ...]`` that every server holds (the records a
+        resume must not train again; the rest of ``[start, end)`` it must).
+    """
+    held: dict[int, Intervals] | None = None
+    for cov in coverages:
+        mine: dict[int, Intervals] = {}
+        if cov.sealed:
+            mine = {t: [(0, r.num_rows)] for t, r in ranges.items()}
+        else:
+            for task, lo, hi in cov.intervals:
+                mine.setdefault(task, []).append((lo, hi))
+            mine = {t: _merge(v) for t, v in mine.items()}
+        held = (
+            mine
+            if held is None
+            else {t: _intersect(held[t], mine[t]) for t in held.keys() & mine.keys()}
+        )
+    out: dict[str, dict[str, object]] = {}
+    trained: dict[str, Intervals] = {}
+    for task, r in ranges.items():
+        entry = out.setdefault(r.file, {"start": r.start, "end": r.end})
+        entry["start"] = min(int(str(entry["start"])), r.start)
+        entry["end"] = max(int(str(entry["end"])), r.end)
+        for lo, hi in (held or {}).get(task, []):
+            trained.setdefault(r.file, []).append((r.start + lo, r.start + min(hi, r.num_rows)))
+    for file, entry in out.items():
+        entry["trained"] = [list(i) for i in _merge(trained.get(file, []))]
+    return out
+
+
+def resume_point(
+    offsets: Mapping[str, Mapping[str, object]],
+) -> tuple[dict[int, int], list[DataRange]]:
+    """Where a resumed stream goes on (pure): the inverse of :func:`committed_offsets`.
+
+    Args:
+        offsets: what a checkpoint's manifest records under ``stream.partitions``.
+
+    Returns:
+        ``(cut_to, gaps)``: partition -> the offset the master cuts on from,
+        and the ranges cut before the checkpoint that no server held whole,
+        to train first.
+
+    Raises:
+        DataError: the record is malformed.
+    """
+    cut_to: dict[int, int] = {}
+    gaps: list[DataRange] = []
+    try:
+        for file, entry in offsets.items():
+            partition = KafkaSource.parse_partition_file(file)[1]
+            start, end = int(str(entry["start"])), int(str(entry["end"]))
+            raw = entry["trained"]
+            assert isinstance(raw, list)
+            at = start
+            for lo, hi in sorted((int(a), int(b)) for a, b in raw):
+                if lo > at:
+                    gaps.append(DataRange(file, at, lo))
+                at = max(at, hi)
+            if at < end:
+                gaps.append(DataRange(file, at, end))
+            cut_to[partition] = end
+    except (KeyError, ValueError, TypeError, AssertionError) as exc:
+        raise DataError(f"the checkpoint's stream offsets are malformed ({exc})") from None
+    return cut_to, gaps
+
+
 class StreamFeeder:
     """Cuts a topic into tasks for the master's queue until the stream ends.
 
@@ -98,6 +206,8 @@ class StreamFeeder:
         stop: set when the master stops; the feeder then returns.
         on_error: called with the exception if the feeder fails (the master
             then stops with it).
+        resume: where a job resumed from a checkpoint goes on
+            (:func:`resume_point`), or None.
     """
 
     def __init__(  # noqa: PLR0917 (the feeder's collaborators, each named)
@@ -109,6 +219,7 @@ class StreamFeeder:
         store: JobStore,
         stop: threading.Event,
         on_error: Callable[[BaseException], None],
+        resume: tuple[dict[int, int], list[DataRange]] | None = None,
     ) -> None:
         self._source = source
         self._client = client
@@ -117,6 +228,7 @@ class StreamFeeder:
         self._store = store
         self._stop = stop
         self._on_error = on_error
+        self._resume = resume
         self._thread = threading.Thread(target=self._run, name="stream-feeder", daemon=True)
 
     def start(self) -> None:
@@ -147,6 +259,13 @@ class StreamFeeder:
             return
         source = self._source
         cut_to = {KafkaSource.parse_partition_file(f)[1]: end for f, end in ends.items()}
+        if self._resume is not None:
+            resumed_to, gaps = self._resume
+            if not ends and gaps:
+                # A resumed job's first tasks: what its checkpoint did not hold.
+                self._service.add_tasks(gaps)
+            for p, end in resumed_to.items():
+                cut_to[p] = max(cut_to.get(p, 0), end)
         cutter = WindowCutter(self._limits, cut_to)
         consumer = Consumer(consumer_settings(source, self._client))
         try:
@@ -196,13 +315,16 @@ class StreamFeeder:
                 if ended:
                     self._service.seal()
                     log.info("stream %s ended; its last tasks are queued", source.url)
-                    self._publish_lag(cutter, arrived)
-                    return
+                    break
                 if now >= next_lag:
                     self._publish_lag(cutter, arrived)
                     next_lag = now + LAG_EVERY_S
         finally:
             consumer.close()
+        # The stream ended: the lag goes on shrinking as its last tasks are trained.
+        while not self._stop.is_set():
+            self._publish_lag(cutter, arrived)
+            self._stop.wait(LAG_EVERY_S)
 
     def _partitions(self, consumer: Any) -> list[int]:
         """The topic's partitions, waiting up to 30 s for the topic to exist."""
