@@ -573,6 +573,9 @@ class LocalLauncher:
 
                 try:
                     snapshot = self._while_supervising(take_snapshot)
+                    if cfg.stream:  # the lag once the last tasks were trained
+                        with contextlib.suppress(ElasticPSError):
+                            self._stream_lag = store.get_json(store.keys.stream_lag)
                 except (OSError, RemoteError) as exc:
                     if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
                         raise

@@ -321,10 +321,11 @@ class StreamFeeder:
                     next_lag = now + LAG_EVERY_S
         finally:
             consumer.close()
-        # The stream ended: the lag goes on shrinking as its last tasks are trained.
+        # The stream ended: the lag goes on shrinking as its last tasks are trained,
+        # published more often, so that the job's record ends with the last of it.
         while not self._stop.is_set():
             self._publish_lag(cutter, arrived)
-            self._stop.wait(LAG_EVERY_S)
+            self._stop.wait(LAG_EVERY_S / 5)
 
     def _partitions(self, consumer: Any) -> list[int]:
         """The topic's partitions, waiting up to 30 s for the topic to exist."""
