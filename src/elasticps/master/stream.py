@@ -71,15 +71,11 @@ def lag_of(
     oldest: float | None = None
     for p, head in sorted(heads.items()):
         first, task_start = untrained.get(p, (head, None))
-        if task_start is None:
-            first = max(first, 0)
         behind = max(0, head - first)
+        # None also where the untrained records are not in a task yet (an open window).
         age: float | None = None
         if behind and task_start is not None and (p, task_start) in arrived:
             age = round(max(0.0, now_wall - arrived[(p, task_start)]), 3)
-        elif behind:
-            # Records read and not yet in a task: the window holds them.
-            age = None
         parts[str(p)] = {"head": head, "behind": behind, "oldest_untrained_age_s": age}
         total += behind
         if age is not None:
