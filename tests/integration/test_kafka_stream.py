@@ -80,8 +80,8 @@ def run_stream_job(
     chaos: str = "",
     extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
-    cmd = [
-        sys.executable, "-m", "elasticps", "train",
+    """An audit-model job on ``topic``: the finished process and its ``run.json``."""
+    proc = train([
         "--model", str(audit_dir / "audit_model.py"),
         "--model-args", json.dumps({"records": RECORDS}),
         "--data", f"kafka://{broker.bootstrap}/{topic}", "--until-offset", str(PER_PARTITION),
@@ -91,14 +91,26 @@ def run_stream_job(
         "--mode", "async", "--batch-size", "10", "--lease-ttl-s", "2",
         "--checkpoint-every-s", "1", "--no-progress",
         *(["--chaos", chaos] if chaos else []), *extra,
-    ]  # fmt: skip
+    ])  # fmt: skip
+    return proc, json.loads((out / "run.json").read_text())
+
+
+def train(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``elasticps train`` with ``args``: exit 0 and no process left behind."""
+    out = Path(args[args.index("--output") + 1])
     try:
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=150)
+        proc = subprocess.run(
+            [sys.executable, "-m", "elasticps", "train", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
     finally:
         leftovers = kill_leftovers(out / "pids.json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not leftovers, f"processes left behind: {leftovers}"
-    return proc, json.loads((out / "run.json").read_text())
+    return proc
 
 
 def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
@@ -162,6 +174,7 @@ def test_a_stopped_stream_job_resumes_from_exactly_the_offsets_its_checkpoint_ho
     assert record["state"] == "finished"
     audit = check_run(second, passes=1)
     assert audit.exactly_once, audit.as_dict()
+    assert record["stream"]["lag"]["records_behind"] == 0, record["stream"]  # type: ignore[index]
     assert (second / "latest").resolve().name  # the final model is published as latest
 
 
@@ -173,7 +186,8 @@ def stop_when_training(out: Path) -> None:
         return ps_log.exists() and "first gradient accepted" in ps_log.read_text()
 
     wait_for(training, "the first gradient", timeout_s=90, interval_s=0.05)
-    time.sleep(1.0)  # train part of the stream
+    # Train part of the stream: until the first model is published (every second).
+    wait_for((out / "latest").exists, "a published model", timeout_s=30, interval_s=0.05)
     (out / ".stop").write_text("{}\n")
 
 
@@ -220,23 +234,14 @@ def test_mnist_from_a_stream_reaches_the_accuracy_of_the_same_job_from_files(
     assert isinstance(stream["accuracy"], float) and isinstance(files["accuracy"], float)
     assert files["accuracy"] > 0.8, files
     assert abs(stream["accuracy"] - files["accuracy"]) <= 0.01, (stream, files)
+    record = json.loads((stream_out / "run.json").read_text())
+    lag = record["stream"]["lag"]
+    assert lag["records_behind"] == 0 and lag["partitions"]["0"]["head"] == len(rows), lag
+    assert (stream_out / "latest" / "model.safetensors").exists()
 
 
 def run_job(args: list[str]) -> dict[str, object]:
     """``elasticps train`` with ``args``; its result line."""
-    out = Path(args[args.index("--output") + 1])
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "elasticps", "train", *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
-    finally:
-        leftovers = kill_leftovers(out / "pids.json")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not leftovers, f"processes left behind: {leftovers}"
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = json.loads(train(args).stdout.strip().splitlines()[-1])
     assert isinstance(line, dict)
     return line

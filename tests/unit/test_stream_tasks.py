@@ -140,7 +140,8 @@ def test_a_stream_has_one_pass() -> None:
 def test_lag_counts_records_read_but_untrained_and_the_age_of_the_oldest() -> None:
     lag = lag_of(
         heads={0: 100, 1: 50},
-        untrained={0: (80, 60), 1: (50, None)},
+        cut={0: 100, 1: 50},
+        untrained={0: (80, 60), 1: (20, None)},  # 1: tasks done to 20, then trained before
         arrived={(0, 60): 1000.0},
         now_wall=1012.5,
     )
@@ -194,3 +195,17 @@ def test_committed_offsets_are_what_every_server_holds_and_resume_trains_the_res
     assert resume_point(sealed)[1] == []
     with pytest.raises(DataError):
         resume_point({p0: {"start": 0}})
+
+
+def test_train_flags_of_a_stream_build_its_job_config() -> None:
+    from elasticps import cli
+
+    stream = ["train", "--model", "m.py", "--data", "kafka://127.0.0.1:9092/clicks"]
+    until = ["--until-time", "2030-01-02T03:04:05+00:00", "--until-offset", "100"]
+    args = cli.parse_args([*stream, *until, "--task-window-s", "2", "--test-data", "d/x.parquet"])
+    config = cli.job_config(args)
+    assert config.stream == "kafka://127.0.0.1:9092/clicks"
+    assert config.until_time == 1893553445.0 and config.until_offset == 100
+    assert config.task_window_s == 2.0 and config.test_data == Path("d/x.parquet")
+    with pytest.raises(ConfigError, match="no passes"):
+        cli.job_config(cli.parse_args([*stream, "--epochs", "2"]))

@@ -358,6 +358,10 @@ class WindowCutter:
             for p in partitions
         )
 
+    def cut_offsets(self) -> dict[int, int]:
+        """Partition -> the first offset not yet in a task."""
+        return {p: part.cut_to for p, part in self._parts.items() if part.cut_to is not None}
+
     def heads(self) -> dict[int, int]:
         """Partition -> one past the last offset seen."""
         return {p: part.head for p, part in self._parts.items() if part.cut_to is not None}

@@ -20,17 +20,24 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elasticps.coord.store import JobStore
 from elasticps.errors import ElasticPSError
 from elasticps.master.shards import coverage_report
-from elasticps.master.stream import committed_offsets
+from elasticps.master.stream import committed_offsets, offsets_of
 from elasticps.master.taskqueue import DataRange
 from elasticps.snapshot import ControlClient
 
-__all__ = ["KEEP_MODELS", "LATEST", "LatestPublisher", "publish_latest", "stream_extra"]
+__all__ = [
+    "KEEP_MODELS",
+    "LATEST",
+    "LatestPublisher",
+    "offsets_of",
+    "publish_latest",
+    "stream_extra",
+]
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +128,3 @@ class LatestPublisher:
         for old in sorted(p for p in models.iterdir() if p.name.isdigit())[:-KEEP_MODELS]:
             shutil.rmtree(old, ignore_errors=True)
         return target
-
-
-def offsets_of(manifest: Mapping[str, object]) -> object:
-    """The stream offsets a checkpoint's manifest records, or None."""
-    extra = manifest.get("extra")
-    stream = extra.get("stream") if isinstance(extra, dict) else None
-    return stream.get("partitions") if isinstance(stream, dict) else None

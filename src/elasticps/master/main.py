@@ -188,11 +188,17 @@ def serve_master(
             return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
         log.info("master of job %s holds the lock (lease %x)", job, lease.id)
         ledger = Ledger(store, lease)
+
+        def on_finished() -> None:
+            if feeder is not None:
+                feeder.publish_final()  # the job's last lag: nothing behind
+            store.set_job_state("finished")
+
         queue, restored = ledger.open(spec, qconfig, time.monotonic())
         service = MasterService(
             queue,
             ledger,
-            on_finished=lambda: store.set_job_state("finished"),
+            on_finished=on_finished,
             on_stepped_down=step_down,
             on_pass_ready=lambda pass_id: None if verifier is None else verifier.start(pass_id),
         )
@@ -258,14 +264,12 @@ def _start_feeder(
 ) -> StreamFeeder:
     """Start cutting the stream into tasks (a stream's master only)."""
     from elasticps.data.kafka import KafkaSource, load_client_config
-    from elasticps.master.stream import StreamFeeder, resume_point
+    from elasticps.master.stream import StreamFeeder, offsets_of, resume_point
     from elasticps.snapshot import read_snapshot_manifest
 
     resume = None
     if config.stream_resume is not None:
-        extra = read_snapshot_manifest(config.stream_resume).get("extra")
-        stream = extra.get("stream") if isinstance(extra, dict) else None
-        partitions = stream.get("partitions") if isinstance(stream, dict) else None
+        partitions = offsets_of(read_snapshot_manifest(config.stream_resume))
         if not isinstance(partitions, dict):
             raise DataError(f"{config.stream_resume} records no stream offsets to resume from")
         resume = resume_point(partitions)

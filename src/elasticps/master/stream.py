@@ -34,7 +34,14 @@ from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import DataRange
 from elasticps.master.verify import ShardCoverage
 
-__all__ = ["LAG_EVERY_S", "StreamFeeder", "committed_offsets", "lag_of", "resume_point"]
+__all__ = [
+    "LAG_EVERY_S",
+    "StreamFeeder",
+    "committed_offsets",
+    "lag_of",
+    "offsets_of",
+    "resume_point",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ _TOPIC_WAIT_S = 30.0
 
 def lag_of(
     heads: dict[int, int],
+    cut: dict[int, int],
     untrained: dict[int, tuple[int, int | None]],
     arrived: dict[tuple[int, int], float],
     now_wall: float,
@@ -55,6 +63,8 @@ def lag_of(
 
     Args:
         heads: partition -> one past the last offset read.
+        cut: partition -> the first offset not yet in a task (below it, every
+            record is in a task, or was trained before a resume).
         untrained: partition -> (first untrained offset, start of its task or
             None if every task is done), from the queue.
         arrived: (partition, task start) -> wall-clock arrival time of the
@@ -70,7 +80,9 @@ def lag_of(
     total = 0
     oldest: float | None = None
     for p, head in sorted(heads.items()):
-        first, task_start = untrained.get(p, (head, None))
+        first, task_start = untrained.get(p, (0, None))
+        if task_start is None:  # every task done: what follows is not yet in a task
+            first = max(first, cut.get(p, head))
         behind = max(0, head - first)
         # None also where the untrained records are not in a task yet (an open window).
         age: float | None = None
@@ -153,6 +165,14 @@ def committed_offsets(
     return out
 
 
+def offsets_of(manifest: Mapping[str, object]) -> object:
+    """The stream offsets a consistent checkpoint's manifest records
+    (``extra.stream.partitions``, see :func:`committed_offsets`), or None."""
+    extra = manifest.get("extra")
+    stream = extra.get("stream") if isinstance(extra, dict) else None
+    return stream.get("partitions") if isinstance(stream, dict) else None
+
+
 def resume_point(
     offsets: Mapping[str, Mapping[str, object]],
 ) -> tuple[dict[int, int], list[DataRange]]:
@@ -225,6 +245,11 @@ class StreamFeeder:
         self._stop = stop
         self._on_error = on_error
         self._resume = resume
+        # What _publish_lag reads, set once the feeder reads the topic; the lock
+        # serialises the feeder's publications with publish_final's.
+        self._lag_lock = threading.Lock()
+        self._cutter: WindowCutter | None = None
+        self._arrived: dict[tuple[int, int], float] = {}
         self._thread = threading.Thread(target=self._run, name="stream-feeder", daemon=True)
 
     def start(self) -> None:
@@ -283,7 +308,8 @@ class StreamFeeder:
             )
             # (partition, task start) -> arrival of the task's first record, and
             # partition -> arrival of the first record of its open window.
-            arrived: dict[tuple[int, int], float] = {}
+            arrived = self._arrived
+            self._cutter = cutter
             window_ts: dict[int, float] = {}
             next_lag = time.monotonic()
             while not self._stop.is_set():
@@ -343,12 +369,23 @@ class StreamFeeder:
                 )
             self._stop.wait(0.5)
 
+    def publish_final(self) -> None:
+        """Publish the lag once more (the job finished: its last tasks are trained)."""
+        if self._cutter is not None:
+            self._publish_lag(self._cutter, self._arrived)
+
     def _publish_lag(self, cutter: WindowCutter, arrived: dict[tuple[int, int], float]) -> None:
+        with self._lag_lock:
+            self._publish_lag_locked(cutter, arrived)
+
+    def _publish_lag_locked(
+        self, cutter: WindowCutter, arrived: dict[tuple[int, int], float]
+    ) -> None:
         untrained = {
             KafkaSource.parse_partition_file(f)[1]: v
             for f, v in self._service.untrained_from().items()
         }
-        lag = lag_of(cutter.heads(), untrained, arrived, time.time())
+        lag = lag_of(cutter.heads(), cutter.cut_offsets(), untrained, arrived, time.time())
         for key in [k for k in arrived if _trained(k, untrained)]:
             del arrived[key]
         try:
