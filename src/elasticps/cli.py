@@ -54,6 +54,7 @@ from elasticps.config import (
     model_args_text,
     parse_model_args,
 )
+from elasticps.data.kafka import is_kafka_url
 from elasticps.errors import (
     ConfigError,
     CoordinationError,
@@ -278,6 +279,47 @@ def _add_task_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=int(str(_env("master-port", 0))))
 
 
+def _add_stream_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a job that trains from a Kafka stream."""
+    p.add_argument("--kafka-config", type=Path, default=_env("kafka-config", None),
+                   help="a Kafka consumer settings file (key=value lines: security.protocol, "
+                   "sasl.*, ssl.*) for --data kafka://...")  # fmt: skip
+    p.add_argument("--task-window-s", type=float,
+                   default=float(str(_env("task-window-s", 5.0))),
+                   help="a stream's task closes this many seconds after its first record "
+                   "arrived, if --records-per-task did not close it first")  # fmt: skip
+    p.add_argument("--until-offset", type=int, default=_env("until-offset", None),
+                   help="a stream ends once every partition reached this offset "
+                   "(exclusive)")  # fmt: skip
+    p.add_argument("--until-time", type=_wall_time, default=_env("until-time", None),
+                   help="a stream ends at this time: ISO 8601 (2026-01-31T12:00:00+00:00) "
+                   "or seconds since the epoch")  # fmt: skip
+
+
+def _data_location(text: str) -> Path | str:
+    """``--data``: a path, or a ``kafka://`` URL kept as text (a Path would fold its ``//``)."""
+    return text if is_kafka_url(text) else Path(text)
+
+
+def _wall_time(text: str | float) -> float:
+    """``--until-time``: ISO 8601 or seconds since the epoch -> seconds since the epoch."""
+    import datetime
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.datetime.fromisoformat(str(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ISO 8601 or seconds since the epoch, got {text!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.astimezone()
+    return when.timestamp()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for docs and tests)."""
     parser = _Parser(prog="elasticps", description=__doc__.split("\n\n")[0])
@@ -311,9 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task_flags(train)
     train.add_argument(
         "--data",
-        type=Path,
+        type=_data_location,
         required=True,
-        help="directory with train.parquet (and test.parquet), or a Parquet file",
+        help="directory with train.parquet (and test.parquet), a Parquet file, "
+        "or a Kafka topic: kafka://HOST:PORT/TOPIC",
+    )
+    _add_stream_flags(train)
+    train.add_argument(
+        "--test-data",
+        type=Path,
+        default=None,
+        help="a stream job's test set (a Parquet file, or a directory with test.parquet), "
+        "evaluated at the end",
     )
     train.add_argument("--output", type=Path, default=Path("runs/latest"),
                        help="the run's directory: checkpoints, run.json, logs")  # fmt: skip
@@ -453,8 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(str(_env("checkpoint-every-s", 30.0))),
         help="sync mode: seconds between the aligned checkpoints of every shard",
     )
-    master.add_argument("--data", type=Path, nargs="+", default=[_env("data", None)],
-                        help="Parquet files to cut into tasks (or --virtual-records)")  # fmt: skip
+    master.add_argument("--data", nargs="+", default=[_env("data", None)],
+                        help="Parquet files to cut into tasks, or one kafka://HOST:PORT/TOPIC "
+                        "(or --virtual-records)")  # fmt: skip
+    _add_stream_flags(master)
+    master.add_argument("--stream-resume", type=Path, default=_env("stream-resume", None),
+                        help="a stream job's consistent checkpoint: go on from the "
+                        "offsets it holds")  # fmt: skip
     master.add_argument("--host", default=_env("host", "127.0.0.1"))
     master.add_argument(
         "--virtual-records", type=int, default=int(str(_env("virtual-records", 0))),
@@ -517,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("trainer-id", None),
     )
     trainer.add_argument("--ps", type=int, default=int(str(_env("ps", 1))))
+    trainer.add_argument("--kafka-config", type=Path, default=_env("kafka-config", None),
+                         help="Kafka consumer settings for the tasks of a stream")  # fmt: skip
     trainer.add_argument("--connect-timeout-s", type=float,
                          default=float(str(_env("connect-timeout-s", 60.0))),
                          help="how long to wait for a lost master or PS to come back")  # fmt: skip
@@ -549,7 +607,13 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         model_path=args.model,
         model_class=args.model_class,
         model_args=args.model_args,
-        data=args.data,
+        data=Path(args.test_data or "") if is_kafka_url(args.data) else Path(args.data),
+        stream=str(args.data) if is_kafka_url(args.data) else "",
+        kafka_config=args.kafka_config,
+        task_window_s=args.task_window_s,
+        until_offset=None if args.until_offset is None else int(args.until_offset),
+        until_time=None if args.until_time is None else _wall_time(args.until_time),
+        test_data=args.test_data,
         output=args.output,
         **_trainer_range(args.trainers, args.initial_trainers),
         stuck_after_s=args.stuck_after_s,
@@ -878,7 +942,13 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
     config = MasterConfig(
         common=_common(args),
-        data_files=tuple(Path(p) for p in args.data if p is not None),
+        data_files=tuple(Path(p) for p in args.data if p is not None and not is_kafka_url(p)),
+        stream=next((p for p in args.data if p is not None and is_kafka_url(p)), ""),
+        kafka_config=args.kafka_config,
+        task_window_s=args.task_window_s,
+        until_offset=None if args.until_offset is None else int(args.until_offset),
+        until_time=None if args.until_time is None else _wall_time(args.until_time),
+        stream_resume=args.stream_resume,
         records_per_task=args.records_per_task,
         num_passes=args.epochs,
         task_timeout_s=args.task_timeout_s,
@@ -938,6 +1008,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         grad_compression=args.grad_compression,
         ps_transport=args.ps_transport,
         bad_records=args.bad_records,
+        kafka_config=args.kafka_config,
     )
     return _run_role(lambda stop: run_trainer(config, stop))
 

@@ -25,6 +25,8 @@ from elasticps.schedules import schedule_from_json
 if TYPE_CHECKING:
     import torch
 
+    from elasticps.data.kafka import StreamLimits
+
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -196,6 +198,18 @@ class MasterConfig:
             shards at one version (:mod:`elasticps.master.align`).
         checkpoint_every_s: sync mode: seconds between the aligned
             checkpoints the master has every shard take, > 0.
+        stream: ``kafka://HOST:PORT/TOPIC``: the data is that topic's stream
+            (one pass, tasks cut as records arrive); ``data_files`` must then be
+            empty. Empty for files.
+        kafka_config: the consumer settings file (``--kafka-config``), or None.
+        task_window_s: a stream's task closes this many seconds after its first
+            record arrived, if ``records_per_task`` did not close it first, > 0.
+        until_offset: a stream ends when every partition reached this offset
+            (exclusive); None: no such end.
+        until_time: a stream ends at this wall-clock time, seconds since the
+            epoch; None: no such end.
+        stream_resume: a consistent checkpoint of a stream job whose offsets
+            the stream goes on from (its untrained ranges first), or None.
     """
 
     common: CommonConfig
@@ -209,6 +223,12 @@ class MasterConfig:
     virtual_records: int = 0
     mode: UpdateMode = UpdateMode.ASYNC
     checkpoint_every_s: float = 30.0
+    stream: str = ""
+    kafka_config: Path | None = None
+    task_window_s: float = 5.0
+    until_offset: int | None = None
+    until_time: float | None = None
+    stream_resume: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.checkpoint_every_s > 0:
@@ -217,7 +237,18 @@ class MasterConfig:
             raise ConfigError(f"--virtual-records must be >= 0, got {self.virtual_records}")
         if self.virtual_records and self.data_files:
             raise ConfigError("the master takes data files or --virtual-records, not both")
-        if not self.data_files and not self.virtual_records:
+        if self.stream:
+            from elasticps.data.kafka import KafkaSource
+
+            KafkaSource.parse(self.stream)
+            self.stream_limits()  # validates the window and the end
+            if self.data_files or self.virtual_records:
+                raise ConfigError("the master takes a kafka:// stream or data files, not both")
+            if self.num_passes != 1:
+                raise ConfigError(
+                    f"a stream has no passes: --epochs must be 1, got {self.num_passes}"
+                )
+        elif not self.data_files and not self.virtual_records:
             raise ConfigError("the master needs at least one data file (or --virtual-records)")
         if self.records_per_task < 1:
             raise ConfigError(f"--records-per-task must be >= 1, got {self.records_per_task}")
@@ -228,6 +259,21 @@ class MasterConfig:
         if self.max_task_timeouts < 0:
             raise ConfigError(f"--max-task-timeouts must be >= 0, got {self.max_task_timeouts}")
         _check_port(self.port, "--master-port")
+
+    def stream_limits(self) -> StreamLimits:
+        """How a stream is cut into tasks and where it ends.
+
+        Raises:
+            ConfigError: a value out of range.
+        """
+        from elasticps.data.kafka import StreamLimits
+
+        return StreamLimits(
+            records_per_task=self.records_per_task,
+            window_s=self.task_window_s,
+            until_offset=self.until_offset,
+            until_time=self.until_time,
+        )
 
 
 @dataclass(frozen=True)
@@ -438,6 +484,8 @@ class TrainerConfig:
             trainer with a :class:`~elasticps.errors.BadRecordError`;
             ``skip``: the mini-batch is dropped and its records are reported
             as skipped (at most ``Task.skip_budget`` per attempt).
+        kafka_config: the consumer settings file (``--kafka-config``) for the
+            tasks of a Kafka stream, or None.
     """
 
     common: CommonConfig
@@ -459,6 +507,7 @@ class TrainerConfig:
     overlap_push: bool = True
     bad_records: str = "fail"
     model_args: str = ""
+    kafka_config: Path | None = None
 
     def __post_init__(self) -> None:
         _check_bad_records(self.bad_records)
@@ -553,6 +602,12 @@ class JobConfig:
         fallback_output: where the trained parameters go when ``output`` cannot
             be written; None picks ``<temp dir>/elasticps-fallback/<job>-<run id>``.
         sparse_eviction: passed to every PS (see :class:`PSConfig`).
+        stream: ``kafka://HOST:PORT/TOPIC`` to train from that stream (then
+            ``data`` is unused and ``epochs`` must be 1); empty for files.
+        kafka_config, task_window_s, until_offset, until_time: a stream's
+            consumer settings file, window and end (see :class:`MasterConfig`).
+        test_data: a stream job's test set (a Parquet file, or a directory
+            with ``test.parquet``) to evaluate at the end, or None.
     """
 
     job: str
@@ -599,9 +654,24 @@ class JobConfig:
     fallback_output: Path | None = None
     sparse_eviction: str = ""
     model_args: str = ""
+    stream: str = ""
+    kafka_config: Path | None = None
+    task_window_s: float = 5.0
+    until_offset: int | None = None
+    until_time: float | None = None
+    test_data: Path | None = None
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.stream:
+            from elasticps.data.kafka import KafkaSource, StreamLimits
+
+            KafkaSource.parse(self.stream)
+            StreamLimits(self.records_per_task, self.task_window_s, self.until_offset)
+            if self.epochs != 1:
+                raise ConfigError(f"a stream has no passes: --epochs must be 1, got {self.epochs}")
+            if self.eval_each_pass:
+                raise ConfigError("--eval-each-pass needs passes; a stream has none")
         check_sparse_eviction(self.sparse_eviction)
         _check_placement(self.placement)
         if not self.checkpoint_failures_fatal_after_s > 0:

@@ -5,6 +5,7 @@ rest comes with extras, declared in ``pyproject.toml``:
 
 - ``kubernetes``: the Kubernetes backend (``elasticps submit``, and
   ``status``/``logs``/``scale``/``delete`` with ``--backend kubernetes``);
+- ``kafka``: training from a Kafka stream (``--data kafka://HOST:PORT/topic``);
 - ``examples``: the example data sets and scripts (``elasticps data mnist``);
 - ``dev``: tests, linters and the documentation site;
 - ``all``: all of them.
@@ -25,6 +26,7 @@ __all__ = ["EXTRA_MODULES", "require_extra"]
 EXTRA_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "kubernetes": ("kubernetes", "yaml"),
     "examples": ("mlxtend",),
+    "kafka": ("confluent_kafka",),
 }
 """The modules each extra brings that elasticps imports (by import name)."""
 

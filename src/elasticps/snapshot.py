@@ -31,7 +31,7 @@ import logging
 import socket
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final, NamedTuple
@@ -150,6 +150,7 @@ def take_consistent_checkpoint(
     extra: Mapping[str, object],
     timeout_s: float = 60.0,
     catch_up_timeout_s: float = DEFAULT_CATCH_UP_TIMEOUT_S,
+    while_frozen: Callable[[Sequence[ControlClient]], Mapping[str, object]] | None = None,
 ) -> dict[str, object]:
     """Freeze every parameter server, snapshot each shard, thaw, write the manifest.
 
@@ -167,6 +168,9 @@ def take_consistent_checkpoint(
         timeout_s: deadline of each request (a snapshot writes a file), seconds.
         catch_up_timeout_s: sync mode: how long a shard may take to reach
             the version the others froze at.
+        while_frozen: called with the servers' clients (index ``i`` at ``i``)
+            after the snapshots, before the thaw; what it returns joins
+            ``extra`` (a stream's trained offsets, from what the servers hold).
 
     Returns:
         The manifest written to ``out_dir/manifest.json``.
@@ -199,6 +203,8 @@ def take_consistent_checkpoint(
         with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="snapshot") as pool:
             futures = {i: pool.submit(clients[i].request, request) for i in todo}
             snaps = {i: f.result() for i, f in futures.items()}
+        if while_frozen is not None:
+            extra = {**extra, **while_frozen(clients)}
     finally:
         for client in frozen:
             try:

@@ -152,6 +152,11 @@ class Keys:
         return self.root + "queue/spec"
 
     @property
+    def stream_lag(self) -> str:
+        """Key of a stream job's lag (records read but not trained, per partition)."""
+        return self.root + "stream/lag"
+
+    @property
     def passes_prefix(self) -> str:
         """Prefix of the per-pass audit summaries."""
         return self.root + "passes/"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -61,6 +62,7 @@ from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 from elasticps.coord.store import JobStore, is_transient
+from elasticps.data.kafka import load_client_config
 from elasticps.data.parquet import (
     check_columns,
     check_no_nulls,
@@ -99,6 +101,7 @@ from elasticps.launcher.output import (
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env, run_beside
+from elasticps.launcher.stream_output import LatestPublisher, offsets_of, stream_extra
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
@@ -244,6 +247,9 @@ class LocalLauncher:
         self._etcd_pid: int | None = None
         self._passes: list[dict[str, object]] = []
         self._passes_missing: list[int] = []
+        # A stream job's last lag (etcd stream/lag) and its final checkpoint's offsets.
+        self._stream_lag: object = None
+        self._stream_offsets: object = None
         self._pass_evaluations: list[PassEvaluation] = []
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
@@ -332,15 +338,26 @@ class LocalLauncher:
         # Built once here, as every trainer will: its constructor and parameters
         # are checked before launch, and its size sizes the checkpoints.
         self._size_model(spec.instantiate(cfg.seed))
-        train = resolve_dataset(cfg.data, "train")
-        check_columns(train, spec.columns)
-        if count_rows(train) == 0:
-            raise DataError(f"{train} has no rows")
-        if cfg.bad_records != "skip":
-            check_no_nulls(train, spec.columns)
         test: Path | None = None
-        if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
-            test = cfg.data / "test.parquet"
+        if cfg.stream:
+            # A stream's records are checked as they are read; its test set is named.
+            from elasticps.extras import require_extra
+
+            require_extra("kafka", "--data kafka://")
+            load_client_config(cfg.kafka_config)
+            train = Path(cfg.stream)
+            if cfg.test_data is not None:
+                test = resolve_dataset(cfg.test_data, "test")
+        else:
+            train = resolve_dataset(cfg.data, "train")
+            check_columns(train, spec.columns)
+            if count_rows(train) == 0:
+                raise DataError(f"{train} has no rows")
+            if cfg.bad_records != "skip":
+                check_no_nulls(train, spec.columns)
+            if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
+                test = cfg.data / "test.parquet"
+        if test is not None:
             check_columns(test, spec.columns)
             # Evaluation skips nothing, whatever --bad-records says.
             check_no_nulls(
@@ -531,10 +548,21 @@ class LocalLauncher:
                     evaluator.start()
                 self._start_trainers(store)
                 self._wait_for_master(store, timeout_s=60)
+                publisher = None
+                if cfg.stream:
+                    publisher = LatestPublisher(
+                        cfg.output,
+                        cfg.checkpoint_every_s,
+                        functools.partial(self._publish_model, store, spec),
+                    )
+                    publisher.start()
                 try:
                     samples = self._watch_training(store)
                 except CheckpointFailureError as exc:
                     self._rescue(store, spec, str(exc))
+                finally:
+                    if publisher is not None:
+                        publisher.close()
                 if self._manager is not None:
                     self._manager.stop()  # the job is finished: nothing more to manage
                 if self._final_state == "stopped" and self._backend is not None:
@@ -550,6 +578,7 @@ class LocalLauncher:
                         store,
                         cfg.output / "snapshot",
                         {"job": cfg.job, "model_args": self.model_args()},
+                        stream=bool(cfg.stream),
                     )
                     # Read through etcd restarts, in one snapshot of the ledger.
                     self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
@@ -557,6 +586,9 @@ class LocalLauncher:
 
                 try:
                     snapshot = self._while_supervising(take_snapshot)
+                    if cfg.stream:  # the lag once the last tasks were trained
+                        with contextlib.suppress(ElasticPSError):
+                            self._stream_lag = store.get_json(store.keys.stream_lag)
                 except (OSError, RemoteError) as exc:
                     if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
                         raise
@@ -582,6 +614,9 @@ class LocalLauncher:
             except OSError as exc:
                 why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
                 self._save_fallback(tensors, manifest, why)
+            if cfg.stream:
+                self._stream_offsets = offsets_of(snapshot)
+                LatestPublisher(cfg.output, cfg.checkpoint_every_s, self._copy_final).publish_once()
             evaluation = (
                 self._evaluate(
                     spec,
@@ -608,6 +643,30 @@ class LocalLauncher:
             self.stop_all()
             etcd.stop()
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _publish_model(self, store: JobStore, spec: ModelSpec, target: Path) -> None:
+        """A stream job's model for ``OUTPUT/latest``: a consistent checkpoint and its model."""
+        cfg = self.config
+        manifest = checkpoint_job(
+            store,
+            target / "snapshot",
+            {"job": cfg.job, "model_args": self.model_args()},
+            retry_s=cfg.checkpoint_every_s,
+            stream=True,
+        )
+        tensors, _ = final_parameters(spec, target / "snapshot")
+        save_checkpoint(
+            target,
+            tensors,
+            {"job": cfg.job, "version": manifest["version"], "stream": offsets_of(manifest)},
+        )
+
+    def _copy_final(self, target: Path) -> None:
+        """The final model (and its consistent checkpoint) for ``OUTPUT/latest``."""
+        out = self.config.output
+        for name in ("model.safetensors", "manifest.json"):
+            shutil.copy2(out / name, target / name)
+        shutil.copytree(out / "snapshot", target / "snapshot")
 
     def _model_manifest(
         self, versions: list[int], snapshot_version: object, samples: int, wall_s: float
@@ -744,12 +803,20 @@ class LocalLauncher:
         common = ["--job", cfg.job, "--etcd", etcd_endpoint, "--lease-ttl-s", str(cfg.lease_ttl_s)]
         # One active master and cfg.standby_masters standbys waiting on the lock;
         # only the first binds --master-port.
+        stream = [
+            "--task-window-s", str(cfg.task_window_s),
+            *(["--kafka-config", str(cfg.kafka_config.resolve())] if cfg.kafka_config else []),
+            *(["--until-offset", str(cfg.until_offset)] if cfg.until_offset is not None else []),
+            *(["--until-time", repr(cfg.until_time)] if cfg.until_time is not None else []),
+            *(["--stream-resume", str(cfg.resume.resolve())] if cfg.resume else []),
+        ] if cfg.stream else []  # fmt: skip
         for i in range(1 + cfg.standby_masters):
             self._spawn(
                 f"master-{i}",
                 [
                     "master", *common,
-                    "--data", str(train),
+                    "--data", cfg.stream or str(train),
+                    *stream,
                     "--epochs", str(cfg.epochs),
                     "--records-per-task", str(cfg.records_per_task),
                     "--task-timeout-s", str(cfg.task_timeout_s),
@@ -809,6 +876,7 @@ class LocalLauncher:
                 "--seed", str(cfg.seed),
                 "--threads", str(cfg.threads),
                 "--bad-records", cfg.bad_records,
+                *(["--kafka-config", str(cfg.kafka_config.resolve())] if cfg.kafka_config else []),
             ),
             env={LOG_FILE_ENV: str(self._log_path(f"trainer-{index}"))},
         )  # fmt: skip
@@ -1151,6 +1219,9 @@ class LocalLauncher:
             while True:
                 self._supervise()
                 self._check_checkpoint_health(store)
+                if cfg.stream:
+                    with contextlib.suppress(ElasticPSError):
+                        self._stream_lag = store.get_json(store.keys.stream_lag)
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
                     self.timeline.append(
@@ -1395,6 +1466,7 @@ class LocalLauncher:
                         if self.config.bad_records == "skip"
                         else {}
                     ),
+                    **_lag_postfix(self._stream_lag),
                 },
                 refresh=False,
             )
@@ -1435,6 +1507,12 @@ class LocalLauncher:
             "pass_evaluations": [e.as_dict() for e in self._pass_evaluations],
             "timeline": self.timeline,
         }
+        if self.config.stream:
+            record["stream"] = {
+                "source": self.config.stream,
+                "lag": self._stream_lag,
+                "offsets": self._stream_offsets,
+            }
         self._write_json("run.json", record)
 
     def _write_json(self, name: str, obj: object) -> None:
@@ -1444,6 +1522,18 @@ class LocalLauncher:
         tmp = self.config.output / f"{name}.tmp"
         tmp.write_text(text)
         tmp.replace(self.config.output / name)
+
+
+def _lag_postfix(lag: object) -> dict[str, str]:
+    """A stream's lag for the progress line: records behind the head, and the
+    age of the oldest untrained record."""
+    if not isinstance(lag, dict):
+        return {}
+    age = lag.get("oldest_untrained_age_s")
+    return {
+        "behind": str(lag.get("records_behind", 0)),
+        **({"lag_s": f"{age:.1f}"} if isinstance(age, int | float) else {}),
+    }
 
 
 class _RandomKills:
@@ -1606,6 +1696,7 @@ def checkpoint_job(
     *,
     timeout_s: float = 30.0,
     retry_s: float = 120.0,
+    stream: bool = False,
 ) -> dict[str, object]:
     """Take a consistent checkpoint of a running job and publish it in etcd.
 
@@ -1623,6 +1714,8 @@ def checkpoint_job(
         extra: more fields for the manifest.
         timeout_s: how long to wait for every PS to be present, seconds.
         retry_s: how long to go on trying through server restarts, seconds.
+        stream: a stream job: record what the servers hold of the stream
+            (:func:`~elasticps.launcher.stream_output.stream_extra`).
 
     Returns:
         The manifest.
@@ -1638,7 +1731,11 @@ def checkpoint_job(
         _, revision = store.get_prefix_json(store.keys.tasks_prefix)
         try:
             manifest = take_consistent_checkpoint(
-                addresses, out_dir.resolve(), ledger_revision=revision, extra=extra
+                addresses,
+                out_dir.resolve(),
+                ledger_revision=revision,
+                extra=extra,
+                while_frozen=functools.partial(stream_extra, store) if stream else None,
             )
             break
         except (ServiceUnavailableError, RemoteError) as exc:

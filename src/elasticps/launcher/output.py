@@ -74,7 +74,7 @@ PREVIOUS_RUN_FILES: Final = (
 )
 """Entries whose presence means the directory holds a previous run's state."""
 
-RUN_FILES: Final = (*PREVIOUS_RUN_FILES, "pids.json", "logs", "config.toml")
+RUN_FILES: Final = (*PREVIOUS_RUN_FILES, "pids.json", "logs", "config.toml", "latest", "models")
 """Everything a job writes in its output directory (``--overwrite`` removes these, nothing else)."""
 
 CHECKPOINT_COPIES: Final = 3

@@ -31,20 +31,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from elasticps.config import MasterConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
-from elasticps.errors import CoordinationError, PortInUseError
+from elasticps.errors import CoordinationError, DataError, PortInUseError
 from elasticps.master.align import SyncAligner
 from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.service import MasterService
 from elasticps.master.shards import PassVerifier, close_quietly
 from elasticps.master.taskqueue import QueueConfig
 from elasticps.proto import master_pb2_grpc
+
+if TYPE_CHECKING:
+    from elasticps.master.stream import StreamFeeder
 
 __all__ = [
     "EXIT_OK",
@@ -88,8 +91,11 @@ def build_spec(config: MasterConfig) -> LedgerSpec:
     Raises:
         DataError: a data file is missing or unreadable.
     """
-    if config.virtual_records:
-        files: tuple[tuple[str, int], ...] = ((VIRTUAL_SOURCE, config.virtual_records),)
+    if config.stream:
+        # A stream's tasks are cut as records arrive; the spec names the topic.
+        files: tuple[tuple[str, int], ...] = ((config.stream, 0),)
+    elif config.virtual_records:
+        files = ((VIRTUAL_SOURCE, config.virtual_records),)
     else:
         files = tuple((str(path), count_rows(path)) for path in config.data_files)
     return LedgerSpec(
@@ -110,6 +116,7 @@ def queue_config(config: MasterConfig) -> QueueConfig:
         max_task_timeouts=config.max_task_timeouts,
         num_passes=config.num_passes,
         verify_passes=not ledger_only(),
+        streaming=bool(config.stream),
     )
 
 
@@ -169,6 +176,7 @@ def serve_master(
     watch: Watch | None = None
     verifier: PassVerifier | None = None
     aligner: SyncAligner | None = None
+    feeder: StreamFeeder | None = None
     health = _add_health(server)
     stop_active: Callable[[], None] | None = None
     try:
@@ -180,18 +188,24 @@ def serve_master(
             return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
         log.info("master of job %s holds the lock (lease %x)", job, lease.id)
         ledger = Ledger(store, lease)
+
+        def on_finished() -> None:
+            if feeder is not None:
+                feeder.publish_final()  # the job's last lag: nothing behind
+            store.set_job_state("finished")
+
         queue, restored = ledger.open(spec, qconfig, time.monotonic())
         service = MasterService(
             queue,
             ledger,
-            on_finished=lambda: store.set_job_state("finished"),
+            on_finished=on_finished,
             on_stepped_down=step_down,
             on_pass_ready=lambda pass_id: None if verifier is None else verifier.start(pass_id),
         )
         active = service
         verifier = PassVerifier(
             store,
-            task_records=queue.task_records(),
+            task_records=service.task_records,
             done_tasks=active.done_tasks,
             reopen=active.reopen,
             complete=active.complete_pass,
@@ -216,6 +230,8 @@ def serve_master(
             stats.total,
         )
         watch = _watch_trainers(store, service)
+        if config.stream:
+            feeder = _start_feeder(config, service, store, stop, step_down)
         if on_active is not None:
             stop_active = on_active(store)
         stop.wait()
@@ -223,6 +239,8 @@ def serve_master(
         if stop_active is not None:
             stop_active()
         close_quietly(verifier)
+        if feeder is not None:
+            feeder.join()
         if aligner is not None:
             aligner.close()
         health.enter_graceful_shutdown()  # readiness probes fail from now on
@@ -235,6 +253,39 @@ def serve_master(
             lease.revoke()  # releases the lock at once, so a standby takes over now
         store.close()
     return EXIT_STEPPED_DOWN if stepped_down.is_set() else EXIT_OK
+
+
+def _start_feeder(
+    config: MasterConfig,
+    service: MasterService,
+    store: JobStore,
+    stop: threading.Event,
+    step_down: Callable[[str], None],
+) -> StreamFeeder:
+    """Start cutting the stream into tasks (a stream's master only)."""
+    from elasticps.data.kafka import KafkaSource, load_client_config
+    from elasticps.master.stream import StreamFeeder, offsets_of, resume_point
+    from elasticps.snapshot import read_snapshot_manifest
+
+    resume = None
+    if config.stream_resume is not None:
+        partitions = offsets_of(read_snapshot_manifest(config.stream_resume))
+        if not isinstance(partitions, dict):
+            raise DataError(f"{config.stream_resume} records no stream offsets to resume from")
+        resume = resume_point(partitions)
+
+    feeder = StreamFeeder(
+        KafkaSource.parse(config.stream),
+        load_client_config(config.kafka_config),
+        config.stream_limits(),
+        service,
+        store,
+        stop,
+        on_error=lambda exc: step_down(f"reading the stream failed: {exc}"),
+        resume=resume,
+    )
+    feeder.start()
+    return feeder
 
 
 def _failed_tasks_of(store: JobStore, pass_id: int) -> list[int]:

@@ -29,6 +29,7 @@ import grpc
 from elasticps.errors import StaleTaskError, SteppedDownError, UnknownTaskError
 from elasticps.master.ledger import Journal
 from elasticps.master.taskqueue import (
+    DataRange,
     Dispatch,
     EventKind,
     Finished,
@@ -213,6 +214,39 @@ class MasterService(master_pb2_grpc.MasterServicer):
             return events
 
         self._mutate_events(mutate)
+
+    def add_tasks(self, ranges: Sequence[DataRange]) -> None:
+        """Add a stream's new tasks, persisted before they can be dispatched.
+
+        Raises:
+            SteppedDownError: the ledger write failed.
+            ConfigError: the queue is not a stream's, or it is sealed.
+        """
+        self._mutate_events(lambda now: self._queue.add_tasks(ranges))
+
+    def seal(self) -> None:
+        """End a stream: its pass ends once every task added so far is done.
+
+        Raises:
+            SteppedDownError: the ledger write failed.
+        """
+        self._mutate_events(lambda now: self._queue.seal())
+
+    def stream_state(self) -> tuple[dict[str, int], bool]:
+        """Each partition's next offset to cut from (``TaskQueue.stream_ends``), and
+        whether the stream is sealed."""
+        with self._lock:
+            return self._queue.stream_ends(), self._queue.sealed
+
+    def task_records(self) -> dict[int, int]:
+        """Task id -> records in the task, for every task so far."""
+        with self._lock:
+            return self._queue.task_records()
+
+    def untrained_from(self) -> dict[str, tuple[int, int | None]]:
+        """``TaskQueue.untrained_from``: per task file, the first untrained record."""
+        with self._lock:
+            return self._queue.untrained_from()
 
     def complete_pass(self, pass_id: int, records_lost: int, passes_lost: Sequence[int]) -> None:
         """Complete a pass the parameter servers were shown to hold (see ``TaskQueue``).

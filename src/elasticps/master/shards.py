@@ -21,7 +21,7 @@ from elasticps.errors import ElasticPSError, RemoteError
 from elasticps.master.verify import ShardCoverage, judge_pass, records_missing
 from elasticps.snapshot import ControlClient
 
-__all__ = ["PassVerifier", "ShardController"]
+__all__ = ["PassVerifier", "ShardController", "coverage_report"]
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ class PassVerifier:
 
     Args:
         store: the job's store.
-        task_records: task id -> records in the task.
+        task_records: returns task id -> records in the task (read at each
+            check: a stream's tasks grow).
         done_tasks: returns the tasks done in the current pass.
         reopen: re-opens tasks at records (task id -> record); the master's
             queue mutation, made durable before it returns.
@@ -172,14 +173,14 @@ class PassVerifier:
         self,
         store: JobStore,
         *,
-        task_records: Mapping[int, int],
+        task_records: Callable[[], Mapping[int, int]],
         done_tasks: Callable[[], Sequence[int]],
         reopen: Callable[[dict[int, int]], None],
         complete: Callable[[int, int, Sequence[int]], None],
         failed_tasks_of: Callable[[int], Sequence[int]],
         stop: threading.Event,
     ) -> None:
-        self._task_records = dict(task_records)
+        self._task_records = task_records
         self._done_tasks = done_tasks
         self._reopen = reopen
         self._complete = complete
@@ -220,9 +221,9 @@ class PassVerifier:
 
     def _verify(self, pass_id: int) -> None:
         answers = self._controller.request_all({"op": "coverage", "pass": pass_id})
-        reports = [_coverage(index, a) for index, a in sorted(answers.items())]
+        reports = [coverage_report(index, a) for index, a in sorted(answers.items())]
         done = list(self._done_tasks())
-        verdict = judge_pass(self._task_records, done, reports)
+        verdict = judge_pass(self._task_records(), done, reports)
         if not verdict.complete:
             log.warning(
                 "pass %d: parameter server(s) %s lack records of %d task(s) (%s records); "
@@ -259,13 +260,14 @@ class PassVerifier:
             if not isinstance(sealed_through, int) or not answer.get("initialized", True):
                 sealed_through = -1
             for earlier in range(sealed_through + 1, pass_id):
-                report = _coverage(
+                report = coverage_report(
                     index,
                     self._controller.request_all({"op": "coverage", "pass": earlier})[index],
                 )
                 failed = set(self._failed_tasks_of(earlier))
-                done = [t for t in self._task_records if t not in failed]
-                missing = records_missing(self._task_records, done, report)
+                task_records = self._task_records()
+                done = [t for t in task_records if t not in failed]
+                missing = records_missing(task_records, done, report)
                 if missing:
                     lost += missing
                     passes.add(earlier)
@@ -277,7 +279,12 @@ class PassVerifier:
         return lost, sorted(passes)
 
 
-def _coverage(index: int, answer: Mapping[str, object]) -> ShardCoverage:
+def coverage_report(index: int, answer: Mapping[str, object]) -> ShardCoverage:
+    """A server's answer to the ``coverage`` op as a :class:`ShardCoverage`.
+
+    Raises:
+        ElasticPSError: a malformed interval.
+    """
     raw = answer.get("intervals", [])
     intervals: list[tuple[int, int, int]] = []
     if isinstance(raw, list):

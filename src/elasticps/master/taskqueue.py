@@ -203,6 +203,10 @@ class QueueConfig:
         verify_passes: a pass with every task done or failed waits for
             :meth:`TaskQueue.complete_pass` (after the shell checked the
             parameter servers) instead of completing by itself.
+        streaming: the data is a stream: the queue may start empty, the shell
+            adds tasks as records arrive (:meth:`TaskQueue.add_tasks`), and the
+            one pass cannot end before :meth:`TaskQueue.seal`. Each task's
+            record then carries its range. Needs ``num_passes == 1``.
 
     Raises:
         ConfigError: a value is out of range.
@@ -212,8 +216,11 @@ class QueueConfig:
     max_task_timeouts: int = 3
     num_passes: int = 1
     verify_passes: bool = False
+    streaming: bool = False
 
     def __post_init__(self) -> None:
+        if self.streaming and self.num_passes != 1:
+            raise ConfigError(f"a stream has one pass, got num_passes={self.num_passes}")
         # ``not x > 0`` also rejects NaN.
         if not self.task_timeout_s > 0:
             raise ConfigError(f"task_timeout_s must be > 0, got {self.task_timeout_s}")
@@ -371,6 +378,10 @@ class EventKind(enum.Enum):
     (with ``verify_passes`` only). Changes nothing durable."""
     REOPENED = "reopened"
     """A done task re-opened at an earlier record (see :meth:`TaskQueue.rewind`)."""
+    ADDED = "added"
+    """A stream's task was added (see :meth:`TaskQueue.add_tasks`)."""
+    SEALED = "sealed"
+    """A stream ended: no task will be added (see :meth:`TaskQueue.seal`)."""
 
 
 TRAINER_LOST = "trainer lost"
@@ -383,7 +394,9 @@ DISPATCH_NOT_RECEIVED = "dispatch not received"
 """Reason of a requeue: the trainer asked for work while the ledger still charged
 it with this task, so the dispatch never reached it (no timeout is counted)."""
 
-QUEUE_EVENTS = frozenset({EventKind.PASS_COMPLETED, EventKind.PASS_STARTED, EventKind.JOB_FINISHED})
+QUEUE_EVENTS = frozenset(
+    {EventKind.PASS_COMPLETED, EventKind.PASS_STARTED, EventKind.JOB_FINISHED, EventKind.SEALED}
+)
 """Event kinds that change the queue's :meth:`TaskQueue.meta` rather than a task."""
 
 
@@ -492,12 +505,14 @@ class TaskQueue:
         config: timeouts and the number of passes.
 
     Raises:
-        ConfigError: ``ranges`` is empty.
+        ConfigError: ``ranges`` is empty (allowed for a stream).
     """
 
     def __init__(self, ranges: Sequence[DataRange], config: QueueConfig) -> None:
-        if not ranges:
+        if not ranges and not config.streaming:
             raise ConfigError("a task queue needs at least one data range")
+        # A stream's pass cannot end before the shell seals it.
+        self._sealed = not config.streaming
         self._config = config
         self._tasks = [_Task(data=r) for r in ranges]
         self._records_total = sum(r.num_rows for r in ranges)
@@ -652,7 +667,75 @@ class TaskQueue:
         used = task.timeout_count if self._in_pass(task) else 0
         return max(0, self._config.max_task_timeouts - used)
 
+    @property
+    def sealed(self) -> bool:
+        """Whether no task will be added: always for files; for a stream, after :meth:`seal`."""
+        return self._sealed
+
+    def stream_ends(self) -> dict[str, int]:
+        """Each task file -> the end of its last task (a stream's partitions: where the
+        next task starts)."""
+        ends: dict[str, int] = {}
+        for task in self._tasks:
+            ends[task.data.file] = max(ends.get(task.data.file, 0), task.data.end)
+        return ends
+
+    def untrained_from(self) -> dict[str, tuple[int, int | None]]:
+        """Per task file: ``(first record not yet trained, the start of its task)``.
+
+        For a stream, the first offset of each partition whose record is not
+        trained yet (a pending task counts its progress), and the first offset
+        of the task that holds it; ``(end of the last task, None)`` where every
+        task is done. O(tasks).
+        """
+        out: dict[str, tuple[int, int | None]] = {}
+        for task in self._tasks:
+            file = task.data.file
+            done = self._in_pass(task) and task.state is TaskState.DONE
+            offset = task.offset if self._in_pass(task) else 0
+            here = (task.data.end, None) if done else (task.data.start + offset, task.data.start)
+            best = out.get(file)
+            if best is None or (here[1] is not None and (best[1] is None or here[0] < best[0])):
+                out[file] = here
+            elif best[1] is None and here[1] is None:
+                out[file] = (max(best[0], here[0]), None)
+        return out
+
     # --- mutations ---------------------------------------------------------
+
+    def add_tasks(self, ranges: Sequence[DataRange]) -> list[TaskEvent]:
+        """Append a stream's new tasks (records that arrived) to the todo queue.
+
+        Args:
+            ranges: the new ranges; their task ids follow the existing ones.
+
+        Returns:
+            One ADDED event per task.
+
+        Raises:
+            ConfigError: the queue is not a stream's, or it is sealed.
+        """
+        if not self._config.streaming or self._sealed:
+            raise ConfigError("tasks can be added only to a stream's queue before it is sealed")
+        events: list[TaskEvent] = []
+        for data in ranges:
+            self._tasks.append(_Task(data=data, pass_id=self._pass_id))
+            self._records_total += data.num_rows
+            events.append(self._event(EventKind.ADDED, len(self._tasks) - 1, trainer_id=None))
+        return events
+
+    def seal(self) -> list[TaskEvent]:
+        """End a stream: no task will be added, and its pass ends once every task is.
+
+        Returns:
+            SEALED, then what ending the pass caused (PASS_READY or
+            PASS_COMPLETED and JOB_FINISHED) if nothing is todo or pending;
+            nothing if already sealed.
+        """
+        if self._sealed:
+            return []
+        self._sealed = True
+        return [self._queue_event(EventKind.SEALED), *self._maybe_advance_pass()]
 
     def get_task(self, trainer_id: str, now: float) -> tuple[GetTaskResult, list[TaskEvent]]:
         """Hand the front of the todo queue to a trainer.
@@ -998,14 +1081,17 @@ class TaskQueue:
         ``segments`` (``[[attempt, from, to], ...]``, with a fourth element,
         the records skipped, when there are any), ``trainer`` (the holder
         while pending, else null) and ``seq`` (order among requeued todo tasks,
-        or null). The deadline is not persisted: monotonic clocks differ between
-        processes, and :meth:`restore` gives pending attempts a fresh one.
+        or null); for a stream, ``data`` (``[file, start, end]``) too. The
+        deadline is not persisted: monotonic clocks differ between processes,
+        and :meth:`restore` gives pending attempts a fresh one.
 
         Raises:
             UnknownTaskError: no such task.
         """
         task = self._task(task_id)
+        data = {"data": [task.data.file, task.data.start, task.data.end]}
         return {
+            **(data if self._config.streaming else {}),
             "pass": task.pass_id,
             "state": task.state.value,
             "attempt": task.attempt,
@@ -1023,15 +1109,18 @@ class TaskQueue:
         """Return the persisted form of the queue-wide state, JSON-ready.
 
         Keys: ``format`` (:data:`QUEUE_FORMAT`), ``pass``, ``num_passes``,
-        ``finished`` and ``done_before`` (tasks done in earlier passes). It
-        changes only with the queue events (see :data:`QUEUE_EVENTS`).
+        ``finished`` and ``done_before`` (tasks done in earlier passes), and
+        for a stream ``sealed``. It changes only with the queue events (see
+        :data:`QUEUE_EVENTS`).
         """
+        sealed = {"sealed": self._sealed} if self._config.streaming else {}
         return {
             "format": QUEUE_FORMAT,
             "pass": self._pass_id,
             "num_passes": self._config.num_passes,
             "finished": self._finished,
             "done_before": self._done_before,
+            **sealed,
         }
 
     @classmethod
@@ -1054,7 +1143,8 @@ class TaskQueue:
         Call :meth:`settle` afterwards and persist its events.
 
         Args:
-            ranges: the data ranges the records were created for.
+            ranges: the data ranges the records were created for (ignored for a
+                stream, whose records carry their ranges).
             config: timeouts and passes; ``num_passes`` must match the meta.
             meta: what :meth:`meta` returned.
             records: task id -> what :meth:`record` returned, for every task.
@@ -1068,8 +1158,12 @@ class TaskQueue:
             InvalidRecordError: the meta or a record is malformed, does not
                 match ``ranges`` or ``config``, or a task has no record.
         """
+        if config.streaming:
+            ranges = [_parse_range(task_id, records[task_id]) for task_id in sorted(records)]
         queue = cls(ranges, config)
         pass_id, finished, done_before = _parse_meta(meta, config)
+        if config.streaming:
+            queue._sealed = meta.get("sealed") is True
         ids = set(records)
         expected = set(range(len(ranges)))
         if ids != expected:
@@ -1083,7 +1177,7 @@ class TaskQueue:
         queue._finished = finished
         queue._done_before = done_before
         queue._tasks = [
-            _parse_record(task_id, records[task_id], ranges[task_id], pass_id)
+            _parse_record(task_id, records[task_id], ranges[task_id], pass_id, config.streaming)
             for task_id in range(len(ranges))
         ]
         queue._rebuild(now)
@@ -1293,8 +1387,9 @@ class TaskQueue:
     def _maybe_advance_pass(self) -> list[TaskEvent]:
         """Audit the pass and start the next one, or finish the job, once no task
         is todo or pending (with ``verify_passes``: announce it, and wait for
-        :meth:`complete_pass`). O(1): task records are reset lazily."""
-        if self._finished or self._num_todo() or self._num_pending:
+        :meth:`complete_pass`); a stream's pass not before it is sealed. O(1):
+        task records are reset lazily."""
+        if self._finished or not self._sealed or self._num_todo() or self._num_pending:
             return []
         if self._config.verify_passes:
             if self._ready:
@@ -1450,7 +1545,7 @@ def _int(what: str, name: str, value: object, low: int, high: int | None = None)
 
 def _parse_meta(meta: Mapping[str, object], config: QueueConfig) -> tuple[int, bool, int]:
     what = "queue meta record"
-    _check_keys(what, meta, _META_KEYS)
+    _check_keys(what, meta, _META_KEYS | ({"sealed"} if config.streaming else set()))
     fmt = meta["format"]
     if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != QUEUE_FORMAT:
         raise InvalidRecordError(
@@ -1469,11 +1564,26 @@ def _parse_meta(meta: Mapping[str, object], config: QueueConfig) -> tuple[int, b
     return pass_id, finished, done_before
 
 
+def _parse_range(task_id: int, record: Mapping[str, object]) -> DataRange:
+    """The range a stream's task record carries (``data``: ``[file, start, end]``)."""
+    what = f"ledger record of task {task_id}"
+    raw = record.get("data") if isinstance(record, Mapping) else None
+    if not isinstance(raw, list) or len(raw) != 3 or not isinstance(raw[0], str):
+        raise InvalidRecordError(f"{what}: 'data' must be [file, start, end], got {raw!r}")
+    start = _int(what, "data start", raw[1], 0)
+    end = _int(what, "data end", raw[2], start + 1)
+    return DataRange(raw[0], start, end)
+
+
 def _parse_record(
-    task_id: int, record: Mapping[str, object], data: DataRange, current_pass: int
+    task_id: int,
+    record: Mapping[str, object],
+    data: DataRange,
+    current_pass: int,
+    streaming: bool = False,
 ) -> _Task:
     what = f"ledger record of task {task_id}"
-    _check_keys(what, record, _RECORD_KEYS)
+    _check_keys(what, record, _RECORD_KEYS | ({"data"} if streaming else set()))
     length = data.num_rows
     pass_id = _int(what, "pass", record["pass"], 0, current_pass)
     try:

@@ -65,6 +65,7 @@ from torch import Tensor
 import elasticps.nn as enn
 from elasticps.config import TrainerConfig, UpdateMode, ledger_only, parse_model_args
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
+from elasticps.data.kafka import KafkaRangeReader, is_kafka_url, load_client_config
 from elasticps.data.parquet import RangeReader, check_columns
 from elasticps.errors import (
     BadRecordError,
@@ -286,6 +287,7 @@ class Trainer:
         self._pass_id = -1
         self._pass_batches = 0
         self.reader = RangeReader()
+        self._stream_reader: KafkaRangeReader | None = None
         self._acc = _Accumulator()
         self._batches = 0
         self._checked_columns: set[str] = set()
@@ -351,6 +353,8 @@ class Trainer:
             progress.close()
             master.close()
             client.close()
+            if self._stream_reader is not None:
+                self._stream_reader.close()
             if self._lease is not None and not self._lease.lost.is_set():
                 self._lease.revoke()
 
@@ -624,8 +628,16 @@ class Trainer:
             for batch_id, item in enumerate(source, start=first):
                 yield batch_id, _as_batch(item, batch_id), 1
             return
-        self._check_columns(task.file)
-        table = self.reader.read_rows(task.file, first, task.end, self.spec.columns)
+        if is_kafka_url(task.file):
+            if self._stream_reader is None:
+                self._stream_reader = KafkaRangeReader(
+                    load_client_config(self.config.kafka_config),
+                    timeout_s=self.config.connect_timeout_s,
+                )
+            table = self._stream_reader.read_rows(task.file, first, task.end, self.spec.columns)
+        else:
+            self._check_columns(task.file)
+            table = self.reader.read_rows(task.file, first, task.end, self.spec.columns)
         for lo in range(0, table.num_rows, self.config.batch_size):
             batch = table.slice(lo, self.config.batch_size)
             yield self._pass_batches, self._to_tensors(batch), batch.num_rows
