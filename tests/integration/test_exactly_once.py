@@ -49,6 +49,7 @@ def run_audit(
     chaos: str = "",
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    timeout_s: float = JOB_TIMEOUT_S,
 ) -> tuple[dict[str, object], AuditResult]:
     cmd = [
         sys.executable, "-m", "elasticps", "train",
@@ -65,7 +66,7 @@ def run_audit(
             check=False,
             capture_output=True,
             text=True,
-            timeout=JOB_TIMEOUT_S,
+            timeout=timeout_s,
             env={**os.environ, **(env or {})},
         )
     finally:
@@ -188,7 +189,7 @@ def _random_schedule(seed: int, kills: int) -> str:
     return ",".join(f"kill:{rng.choice(roles)}@{p:.2f}%" for p in points)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 120)
 @pytest.mark.parametrize("mode", MODES)
 def test_random_kill_soak(audit_dir: Path, tmp_path: Path, mode: str) -> None:
     """Over 50 SIGKILLs of random roles (trainer, PS, active master, etcd) at random
@@ -203,6 +204,9 @@ def test_random_kill_soak(audit_dir: Path, tmp_path: Path, mode: str) -> None:
         epochs=epochs,
         chaos=_random_schedule(11 if mode == "sync" else 12, 60),
         extra=("--standby-masters", "1", "--max-restarts", "100"),
+        # Twice a plain job's allowance: 30 passes under 60 kills, beside
+        # another test's job on a 2-core machine.
+        timeout_s=2 * JOB_TIMEOUT_S,
     )
     assert_exact(record, audit, epochs)
     kills = [r for r in record["chaos"] if r["pid"] is not None]

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvstore_mnist.py"
 SGD_LR1 = updater.SGD(lr=1.0)
-# Accuracy bar of the example on the 1,000 held-out images (it reaches about
+# Accuracy threshold of the example on the 1,000 held-out images (it reaches about
 # 0.92 in both modes); the servers and workers must start and stop in time.
 EXAMPLE_MIN_ACCURACY = 0.85
 EXAMPLE_TIMEOUT_S = 200.0

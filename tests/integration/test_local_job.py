@@ -129,6 +129,24 @@ class Job:
         )
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """As from a terminal, SIGINT interrupts a job started in the block.
+
+    A test runner's worker may ignore SIGINT, and an ignored signal stays
+    ignored in the children it starts (as in any background job); a handled
+    one is reset to its default action in them.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def start_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     """Start ``elasticps train`` jobs; kill by PID whatever is left of them afterwards."""
@@ -139,7 +157,7 @@ def start_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
         stdout_path, stderr_path = tmp_path / f"{name}.stdout", tmp_path / f"{name}.stderr"
         command = [sys.executable, "-m", "elasticps", "train", "--output", str(output)]
         command += ["--no-progress", *map(str, args)]
-        with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
+        with stdout_path.open("wb") as out, stderr_path.open("wb") as err, _sigint_not_ignored():
             proc = subprocess.Popen(
                 command,
                 stdout=out,

@@ -155,7 +155,9 @@ class SyncAligner:
             # open rounds close, then look again. (A restarted shard does not
             # serve until realigned: no waiting then.)
             order = sorted(live)
-            skew_only = all(s.get("serving") for s in live.values())
+            skew_only = all(s.get("serving") for s in live.values()) and (
+                len({s.get("generation") for s in live.values()}) == 1
+            )
             for position in shards_mid_step([freezes[i] for i in order]) if skew_only else []:
                 try:
                     self._controller.request_one(
@@ -168,6 +170,13 @@ class SyncAligner:
                         raise
             states = {i: self._controller.request_one(i, {"op": "checkpoints"}) for i in live}
             if aligned(states):
+                return
+            if skew_only:
+                # Still a step apart (a round that did not close within
+                # _FINISH_ROUND_S, e.g. a trainer being replaced): every shard
+                # went through the same steps so far, so nothing is rolled
+                # back; the next check looks again.
+                log.debug("sync alignment: serving shards a step apart; looking again")
                 return
             target = common_version(states)
             generation = 1 + max(
