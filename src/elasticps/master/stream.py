@@ -321,6 +321,8 @@ class StreamFeeder:
                         log.warning("reading %s: %s", source.url, message.error())
                         continue
                     partition, offset = message.partition(), message.offset()
+                    if partition is None or offset is None:  # not a record
+                        continue
                     if cutter.start_offset(partition) in (None, offset):
                         window_ts[partition] = _arrival(message)
                     ranges += _stamp(cutter.observe(partition, offset, now), arrived, window_ts)

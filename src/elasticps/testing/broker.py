@@ -156,7 +156,8 @@ def create_topic(bootstrap: str, topic: str, partitions: int, timeout_s: float =
         ServiceUnavailableError: the broker did not create it within ``timeout_s``.
     """
     from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     futures = admin.create_topics([NewTopic(topic, num_partitions=partitions)])
