@@ -251,7 +251,11 @@ def test_batchnorm_sync_job_keeps_its_statistics_through_a_ps_kill_and_evaluates
     )  # fmt: skip
 
     record = json.loads((output / "run.json").read_text())
-    assert record["restarts"].get(f"ps-{holder}") == 1, record["restarts"]
+    # Servers claim the lowest free slot, so the process the launcher calls
+    # ps-0 may serve slot 1: the chaos event kills the holder of slot
+    # ``holder``, and the launcher restarts it under its own name.
+    restarted = [n for n, count in record["restarts"].items() if n.startswith("ps-") and count]
+    assert len(restarted) == 1 and record["restarts"][restarted[0]] == 1, record["restarts"]
     assert line["exactly_once"] is True
     assert record["model_args"] == {"hidden": 24}
     saved = load_file(str(output / "model.safetensors"))
@@ -264,7 +268,8 @@ def test_batchnorm_sync_job_keeps_its_statistics_through_a_ps_kill_and_evaluates
     # rollback). Had the counter restarted from 0, it could not exceed
     # version - R.
     versions = json.loads((output / "manifest.json").read_text())["model_versions"]
-    log_text = (output / "logs" / f"ps-{holder}.log").read_text()
+    log_text = (output / "logs" / f"{restarted[0]}.log").read_text()
+    assert f"parameter server {holder} (epoch" in log_text, log_text[-2000:]
     found = re.search(r"restored \d+ parameters at version (\d+)", log_text)
     assert found is not None, log_text[-2000:]
     restored = int(found.group(1))
