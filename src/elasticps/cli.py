@@ -67,6 +67,7 @@ from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND
+from elasticps.storage import Location, is_url, path_or_url
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -301,12 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task_flags(train)
     train.add_argument(
         "--data",
-        type=Path,
+        type=path_or_url,
         required=True,
-        help="directory with train.parquet (and test.parquet), or a Parquet file",
+        help="directory with train.parquet (and test.parquet), a directory or glob of Parquet "
+        "files, or a Parquet file; a path or a URL (s3://, gs://, hdfs://)",
     )
-    train.add_argument("--output", type=Path, default=Path("runs/latest"),
-                       help="the run's directory: checkpoints, run.json, logs")  # fmt: skip
+    train.add_argument("--output", type=path_or_url, default=Path("runs/latest"),
+                       help="the run's directory or URL (s3://, gs://, hdfs://): checkpoints, "
+                       "run.json, logs")  # fmt: skip
     train.add_argument(
         "--trainers",
         default="2",
@@ -373,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between each PS's shard checkpoints",
     )
-    train.add_argument("--resume", type=Path, default=None,
-                       help="start from a consistent checkpoint directory")  # fmt: skip
+    train.add_argument("--resume", type=path_or_url, default=None,
+                       help="start from a consistent checkpoint directory or URL")  # fmt: skip
     _add_sync_reduction(train)
 
     check = sub.add_parser(
@@ -443,8 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(str(_env("checkpoint-every-s", 30.0))),
         help="sync mode: seconds between the aligned checkpoints of every shard",
     )
-    master.add_argument("--data", type=Path, nargs="+", default=[_env("data", None)],
-                        help="Parquet files to cut into tasks (or --virtual-records)")  # fmt: skip
+    master.add_argument("--data", type=path_or_url, nargs="+", default=[_env("data", None)],
+                        help="Parquet files or URLs to cut into tasks "
+                        "(or --virtual-records)")  # fmt: skip
     master.add_argument("--host", default=_env("host", "127.0.0.1"))
     master.add_argument(
         "--virtual-records", type=int, default=int(str(_env("virtual-records", 0))),
@@ -460,9 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--ps-port", type=int, default=int(str(_env("ps-port", 0))))
     ps.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=path_or_url,
         default=_env("checkpoint-dir", None),
-        help="directory for this PS's shard checkpoints (ps-<index>/)",
+        help="directory or URL (s3://, gs://, hdfs://) for this PS's shard checkpoints "
+        "(ps-<index>/)",
     )
     ps.add_argument(
         "--checkpoint-every-s", type=float, default=float(str(_env("checkpoint-every-s", 30.0)))
@@ -474,9 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ps.add_argument(
         "--resume",
-        type=Path,
+        type=path_or_url,
         default=_env("resume", None),
-        help="initialize the shard from this consistent checkpoint",
+        help="initialize the shard from this consistent checkpoint (a directory or URL)",
     )
     ps.add_argument("--claim-timeout-s", type=float,
                     default=float(str(_env("claim-timeout-s", 30.0))))  # fmt: skip
@@ -533,14 +538,25 @@ def _optimizer(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def job_config(args: argparse.Namespace) -> JobConfig:
-    """Build the :class:`JobConfig` of ``elasticps train``."""
+    """Build the :class:`JobConfig` of ``elasticps train``.
+
+    An ``--output`` URL becomes ``output_url``; the launcher's own state then
+    goes to a local directory (:func:`elasticps.jobs.local_dir_for_url`).
+    """
+    from elasticps.jobs import local_dir_for_url
+
+    output, output_url = args.output, ""
+    if is_url(str(args.output)):
+        output_url = Location.of(str(args.output)).url
+        output = local_dir_for_url(output_url, args.job)
     return JobConfig(
         job=args.job,
         model_path=args.model,
         model_class=args.model_class,
         model_args=args.model_args,
         data=args.data,
-        output=args.output,
+        output=output,
+        output_url=output_url,
         **_trainer_range(args.trainers, args.initial_trainers),
         stuck_after_s=args.stuck_after_s,
         ps=args.ps,
@@ -734,7 +750,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 return 130
     line: dict[str, object] = {
         **({"state": result.state} if result.state != "finished" else {}),
-        "checkpoint": str(result.output),
+        "checkpoint": config.output_url or str(result.output),
         "wall_s": round(result.wall_s, 2),
         "samples_trained": result.samples,
         "exactly_once": result.exactly_once,
@@ -760,7 +776,8 @@ def _job_file_text(args: argparse.Namespace) -> str:
         values,
         header=(
             f"The resolved configuration of this run (elasticps {__version__}).",
-            f"Repeat it with: elasticps train --config {args.output / CONFIG_FILE} --overwrite",
+            "Repeat it with: elasticps train --config "
+            f"{Location.of(str(args.output)) / CONFIG_FILE} --overwrite",
         ),
     )
 
@@ -863,7 +880,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
     config = MasterConfig(
         common=_common(args),
-        data_files=tuple(Path(p) for p in args.data if p is not None),
+        data_files=tuple(path_or_url(str(p)) for p in args.data if p is not None),
         records_per_task=args.records_per_task,
         num_passes=args.epochs,
         task_timeout_s=args.task_timeout_s,
@@ -887,10 +904,10 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         optimizer=_optimizer(args),
         host=args.host,
         port=args.ps_port,
-        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_dir=path_or_url(str(args.checkpoint_dir)) if args.checkpoint_dir else None,
         checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_every_versions=args.checkpoint_every_versions,
-        resume_dir=Path(args.resume) if args.resume else None,
+        resume_dir=path_or_url(str(args.resume)) if args.resume else None,
         claim_timeout_s=args.claim_timeout_s,
         frozen=tuple(args.frozen),
         max_staleness=args.max_staleness,

@@ -40,9 +40,9 @@ import torch
 
 from elasticps.errors import DataError, ProtocolError, RemoteError, ServiceUnavailableError
 from elasticps.placement import even_split
-from elasticps.pserver.atomic import write_atomic
 from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
+from elasticps.storage import Location
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -144,7 +144,7 @@ class ControlClient:
 
 def take_consistent_checkpoint(
     addresses: Sequence[str],
-    out_dir: Path,
+    out_dir: Path | Location,
     *,
     ledger_revision: int | None,
     extra: Mapping[str, object],
@@ -154,13 +154,15 @@ def take_consistent_checkpoint(
     """Freeze every parameter server, snapshot each shard, thaw, write the manifest.
 
     The servers write their files themselves, so ``out_dir`` must be the
-    same path for them as for the caller (one machine or a shared file
-    system).
+    same place for them as for the caller: one machine, a shared file
+    system, or a storage URL (``s3://``, ``gs://``, ``hdfs://``; see
+    :mod:`elasticps.storage`). Each shard file is written whole or not at
+    all, and the manifest last.
 
     Args:
         addresses: ``host:port`` of server ``i`` at index ``i``.
-        out_dir: the checkpoint directory; created if missing. Shard files
-            and ``manifest.json`` in it are replaced.
+        out_dir: the checkpoint directory or URL; created if missing. Shard
+            files and ``manifest.json`` in it are replaced.
         ledger_revision: etcd revision of the task ledger this checkpoint goes
             with, recorded in the manifest (None if unknown).
         extra: more JSON-ready fields, recorded under ``"extra"``.
@@ -179,8 +181,8 @@ def take_consistent_checkpoint(
     """
     if not addresses:
         raise ValueError("no parameter server to checkpoint")
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Location.of(out_dir).resolve()
+    out_dir.makedirs()
     clients: list[ControlClient] = []
     frozen: list[ControlClient] = []
     snaps: dict[int, dict[str, object]] = {}
@@ -352,10 +354,14 @@ def build_manifest(
     }
 
 
-def write_manifest(out_dir: Path, manifest: Mapping[str, object]) -> Path:
-    """Write ``out_dir/manifest.json`` atomically and durably; return its path."""
-    path = Path(out_dir) / MANIFEST_FILE
-    write_atomic(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+def write_manifest(out_dir: Path | Location, manifest: Mapping[str, object]) -> Location:
+    """Write ``out_dir/manifest.json`` atomically and durably; return its location.
+
+    Raises:
+        OSError: it cannot be written (a previous manifest is untouched).
+    """
+    path = Location.of(out_dir) / MANIFEST_FILE
+    path.write_atomic((json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return path
 
 
@@ -378,13 +384,13 @@ class ConsistentCheckpoint(NamedTuple):
     meta: dict[str, object]
 
 
-def read_snapshot_manifest(ckpt_dir: Path) -> dict[str, object]:
-    """Read and check a consistent checkpoint's manifest.
+def read_snapshot_manifest(ckpt_dir: Path | Location) -> dict[str, object]:
+    """Read and check a consistent checkpoint's manifest (a directory or a URL).
 
     Raises:
         DataError: missing, not JSON, or not ``elasticps-snapshot/1``.
     """
-    path = Path(ckpt_dir) / MANIFEST_FILE
+    path = Location.of(ckpt_dir) / MANIFEST_FILE
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError as exc:
@@ -399,7 +405,9 @@ def read_snapshot_manifest(ckpt_dir: Path) -> dict[str, object]:
     return manifest
 
 
-def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict[str, object]:
+def verify_snapshot_files(
+    ckpt_dir: Path | Location, *, chunk_bytes: int = 1 << 20
+) -> dict[str, object]:
     """Check a consistent checkpoint's shard files against its manifest, without decoding them.
 
     Every shard file the manifest lists must exist with the recorded size
@@ -408,7 +416,7 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
     this is the cheap check a launcher runs before it starts anything.
 
     Args:
-        ckpt_dir: a directory written by :func:`take_consistent_checkpoint`.
+        ckpt_dir: a directory (or URL) written by :func:`take_consistent_checkpoint`.
         chunk_bytes: read size, bytes.
 
     Returns:
@@ -419,7 +427,7 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
             holding parameters, or a shard file is missing, has another size
             or another CRC-32. The message is one line naming the file.
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = Location.of(ckpt_dir)
     manifest = read_snapshot_manifest(ckpt_dir)
     shards = manifest["shards"]
     assert isinstance(shards, list)  # checked by read_snapshot_manifest
@@ -433,7 +441,7 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
         path = ckpt_dir / name
         crc, size = 0, 0
         try:
-            with path.open("rb") as f:
+            with path.open_input() as f:
                 while chunk := f.read(chunk_bytes):
                     crc = zlib.crc32(chunk, crc)
                     size += len(chunk)
@@ -452,14 +460,14 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
     return manifest
 
 
-def load_consistent_checkpoint(ckpt_dir: Path) -> ConsistentCheckpoint:
+def load_consistent_checkpoint(ckpt_dir: Path | Location) -> ConsistentCheckpoint:
     """Read a consistent checkpoint and rebuild every parameter by name.
 
     Every shard file is checked against the manifest's CRC-32 and size (and
     its own embedded CRC), and its layout against the manifest's pieces.
 
     Args:
-        ckpt_dir: a directory written by :func:`take_consistent_checkpoint`.
+        ckpt_dir: a directory (or URL) written by :func:`take_consistent_checkpoint`.
 
     Returns:
         ``(values, optimizer_state, meta)``; see :class:`ConsistentCheckpoint`.
@@ -470,7 +478,7 @@ def load_consistent_checkpoint(ckpt_dir: Path) -> ConsistentCheckpoint:
         DataError: a file is missing or corrupt, or the pieces do not tile
             each parameter exactly. The message is one line.
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = Location.of(ckpt_dir)
     manifest = read_snapshot_manifest(ckpt_dir)
     # name -> [(param_start, param_end, source tensors, source offset, source scalars)]
     parts: dict[str, list[tuple[int, int, dict[str, torch.Tensor], int, dict[str, object]]]] = {}
@@ -517,7 +525,7 @@ def load_consistent_checkpoint(ckpt_dir: Path) -> ConsistentCheckpoint:
 
 
 def _load_entry(
-    ckpt_dir: Path, entry: Mapping[str, object]
+    ckpt_dir: Location, entry: Mapping[str, object]
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     name = entry.get("file")
     if not isinstance(name, str) or Path(name).name != name:

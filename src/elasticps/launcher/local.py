@@ -65,7 +65,8 @@ from elasticps.data.parquet import (
     check_columns,
     check_no_nulls,
     count_rows,
-    resolve_dataset,
+    find_split,
+    resolve_dataset_files,
 )
 from elasticps.errors import (
     BadRecordError,
@@ -94,7 +95,9 @@ from elasticps.launcher.output import (
     checkpoint_bytes_estimate,
     optimizer_state_tensors,
     previous_run_files,
+    remote_run_files,
     remove_previous_run,
+    remove_remote_run,
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env, run_beside
@@ -125,6 +128,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
+from elasticps.storage import Location
 from elasticps.tables import TableSet, load_tables
 from elasticps.updater import ps_flags
 
@@ -286,9 +290,9 @@ class LocalLauncher:
         cfg = self.config
         given = parse_model_args(cfg.model_args)
         args = given
-        if cfg.resume is not None and (cfg.resume / "manifest.json").is_file():
+        if cfg.resume is not None and _is_file(Location.of(cfg.resume) / "manifest.json"):
             try:
-                extra = read_snapshot_manifest(cfg.resume).get("extra")
+                extra = read_snapshot_manifest(Location.of(cfg.resume)).get("extra")
             except DataError:
                 extra = None  # not a consistent checkpoint: validate() says so
             recorded = extra.get("model_args") if isinstance(extra, dict) else None
@@ -305,11 +309,11 @@ class LocalLauncher:
 
     # --- public ---------------------------------------------------------------
 
-    def validate(self) -> tuple[ModelSpec, Path, Path | None]:
+    def validate(self) -> tuple[ModelSpec, tuple[Location, ...], Location | None]:
         """Check the user's inputs before starting anything.
 
         Returns:
-            The model spec, the training file, and the test file if present.
+            The model spec, the training files, and the test file if present.
 
         It changes nothing: the data is checked from Parquet metadata
         (columns, rows, and nulls in the model's columns unless
@@ -318,7 +322,7 @@ class LocalLauncher:
         output location by its path (see :meth:`claim_output` for the rest).
 
         Returns:
-            The model spec, the training file, and the test file if present.
+            The model spec, the training files, and the test file if present.
 
         Raises:
             ModelContractError, DataError, PortInUseError, ConfigError:
@@ -329,15 +333,22 @@ class LocalLauncher:
         # Built once here, as every trainer will: its constructor and parameters
         # are checked before launch, and its size sizes the checkpoints.
         self._num_parameters = sum(p.numel() for p in spec.instantiate(cfg.seed).parameters())
-        train = resolve_dataset(cfg.data, "train")
-        check_columns(train, spec.columns)
-        if count_rows(train) == 0:
-            raise DataError(f"{train} has no rows")
+        train = resolve_dataset_files(cfg.data, "train")
+        for path in train:
+            check_columns(path, spec.columns)
+        if sum(count_rows(path) for path in train) == 0:
+            raise DataError(f"{cfg.data} has no rows")
         if cfg.bad_records != "skip":
-            check_no_nulls(train, spec.columns)
-        test: Path | None = None
-        if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
-            test = cfg.data / "test.parquet"
+            for path in train:
+                check_no_nulls(path, spec.columns)
+        test: Location | None = None
+        tests = find_split(cfg.data, "test") if _is_dir(Location.of(cfg.data)) else ()
+        if len(tests) > 1:
+            raise DataError(
+                f"{cfg.data} holds {len(tests)} test files; evaluation reads one test.parquet"
+            )
+        if tests:
+            test = tests[0]
             check_columns(test, spec.columns)
             # Evaluation skips nothing, whatever --bad-records says.
             check_no_nulls(
@@ -346,20 +357,27 @@ class LocalLauncher:
         if cfg.eval_each_pass and test is None:
             raise DataError(f"--eval-each-pass needs a test.parquet in {cfg.data}")
         if cfg.resume is not None:
-            if not cfg.resume.is_dir():
+            resume = Location.of(cfg.resume)
+            if not _is_dir(resume):
                 raise DataError(f"--resume {cfg.resume}: no such directory")
-            if (cfg.resume / "run.json").exists() and (cfg.resume / "snapshot").is_dir():
+            if _is_file(resume / "run.json") and _is_dir(resume / "snapshot"):
                 raise DataError(
                     f"--resume {cfg.resume} is a job's output directory; its consistent "
-                    f"checkpoint is {cfg.resume / 'snapshot'}"
+                    f"checkpoint is {resume / 'snapshot'}"
                 )
-            verify_snapshot_files(cfg.resume)
+            verify_snapshot_files(resume)
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
         if cfg.master_port:
             check_port_free(cfg.master_port, what="--master-port")
         check_output_location(cfg.output)
         return spec, train, test
+
+    @property
+    def durable(self) -> Location:
+        """Where the job's checkpoints, model and records are kept: ``output_url`` or ``output``."""
+        cfg = self.config
+        return Location.of(cfg.output_url) if cfg.output_url else Location.of(cfg.output)
 
     def claim_output(self, spec: ModelSpec) -> OutputLock:
         """Lock the output directory for this job, clean it if asked, check its free space.
@@ -387,13 +405,19 @@ class LocalLauncher:
         lock.acquire()
         try:
             previous = previous_run_files(cfg.output)
+            if cfg.output_url:
+                previous += remote_run_files(self.durable)
             if previous and not (cfg.overwrite or cfg.resume is not None):
                 raise ConfigError(
-                    f"--output {cfg.output} holds a previous run ({', '.join(previous)}); "
-                    "pass --overwrite to replace it, --resume DIR to continue from a "
-                    "checkpoint, or choose another --output"
+                    f"--output {cfg.output_url or cfg.output} holds a previous run "
+                    f"({', '.join(previous)}); pass --overwrite to replace it, --resume DIR to "
+                    "continue from a checkpoint, or choose another --output"
                 )
-            removed = remove_previous_run(cfg.output, keep=cfg.resume)
+            removed = remove_previous_run(
+                cfg.output, keep=None if cfg.resume is None else Path(str(cfg.resume))
+            )
+            if cfg.output_url:
+                removed += remove_remote_run(self.durable, keep=cfg.resume)
             if self._num_parameters is None:
                 model = spec.instantiate(cfg.seed)
                 self._num_parameters = sum(p.numel() for p in model.parameters())
@@ -416,7 +440,7 @@ class LocalLauncher:
         self,
         spec: ModelSpec,
         tensors: dict[str, torch.Tensor],
-        test: Path,
+        test: Location,
         tables: TableSet | None = None,
     ) -> dict[str, float]:
         """The final evaluation; what the model file raises on the test data is a user error."""
@@ -484,7 +508,9 @@ class LocalLauncher:
             with contextlib.suppress(OSError):
                 self._write_json("run.json", record)
 
-    def _run(self, spec: ModelSpec, train: Path, test: Path | None) -> JobResult:
+    def _run(
+        self, spec: ModelSpec, train: tuple[Location, ...], test: Location | None
+    ) -> JobResult:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
@@ -535,7 +561,7 @@ class LocalLauncher:
                 def take_snapshot() -> dict[str, object]:
                     manifest = checkpoint_job(
                         store,
-                        cfg.output / "snapshot",
+                        self.durable / "snapshot",
                         {"job": cfg.job, "model_args": self.model_args()},
                     )
                     # Read through etcd restarts, in one snapshot of the ledger.
@@ -548,7 +574,7 @@ class LocalLauncher:
                     if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
                         raise
                     self._rescue(store, spec, f"the final checkpoint cannot be written: {exc}")
-                tensors, versions = final_parameters(spec, cfg.output / "snapshot")
+                tensors, versions = final_parameters(spec, self.durable / "snapshot")
                 if self._passes_missing:
                     self._emit(
                         f"[launcher] the ledger has no audit of passes {self._passes_missing}"
@@ -565,12 +591,12 @@ class LocalLauncher:
             wall_s = time.monotonic() - started
             manifest = self._model_manifest(versions, snapshot["version"], samples, wall_s)
             try:
-                save_checkpoint(cfg.output, tensors, manifest)
+                save_checkpoint(self.durable, tensors, manifest)
             except OSError as exc:
-                why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
+                why = f"model.safetensors cannot be written into {self.durable}: {exc}"
                 self._save_fallback(tensors, manifest, why)
             evaluation = (
-                self._evaluate(spec, tensors, test, sparse_tables(spec, cfg.output / "snapshot"))
+                self._evaluate(spec, tensors, test, sparse_tables(spec, self.durable / "snapshot"))
                 if test is not None
                 else None
             )
@@ -678,7 +704,7 @@ class LocalLauncher:
         except (OSError, ElasticPSError) as exc:
             raise CheckpointFailureError(
                 f"{reason}; saving the parameters into {target} failed too ({exc}); the last "
-                f"shard checkpoints written are in {cfg.output / 'ps-checkpoints'}"
+                f"shard checkpoints written are in {self.durable / 'ps-checkpoints'}"
             ) from exc
         manifest = self._model_manifest(versions, snapshot["version"], samples, 0.0)
         self._save_fallback(tensors, manifest, reason)
@@ -721,7 +747,7 @@ class LocalLauncher:
 
     # --- children ---------------------------------------------------------------
 
-    def _spawn_all(self, etcd_endpoint: str, train: Path) -> None:
+    def _spawn_all(self, etcd_endpoint: str, train: tuple[Location, ...]) -> None:
         cfg = self.config
         common = ["--job", cfg.job, "--etcd", etcd_endpoint, "--lease-ttl-s", str(cfg.lease_ttl_s)]
         # One active master and cfg.standby_masters standbys waiting on the lock;
@@ -731,7 +757,7 @@ class LocalLauncher:
                 f"master-{i}",
                 [
                     "master", *common,
-                    "--data", str(train),
+                    "--data", *(str(path) for path in train),
                     "--epochs", str(cfg.epochs),
                     "--records-per-task", str(cfg.records_per_task),
                     "--task-timeout-s", str(cfg.task_timeout_s),
@@ -741,7 +767,7 @@ class LocalLauncher:
                     "--checkpoint-every-s", str(cfg.checkpoint_every_s),
                 ],
             )  # fmt: skip
-        checkpoints = (cfg.output / "ps-checkpoints").resolve()
+        checkpoints = (self.durable / "ps-checkpoints").resolve()
         # cfg.standby_ps extra servers wait for a slot to free (warm spares);
         # every PS waits as long as it takes, because a restarted PS whose
         # slot a spare took becomes the new spare.
@@ -751,7 +777,11 @@ class LocalLauncher:
         if cfg.sparse_eviction:
             staleness += ["--sparse-eviction", cfg.sparse_eviction]
         for i in range(cfg.ps + cfg.standby_ps):
-            resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
+            resume = (
+                ["--resume", str(Location.of(cfg.resume).resolve())]
+                if cfg.resume is not None
+                else []
+            )
             self._spawn(
                 f"ps-{i}",
                 [
@@ -1329,8 +1359,10 @@ class LocalLauncher:
             return
         if event.action == "lose":
             index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
-            lost = self.config.output / "ps-checkpoints" / f"ps-{index}"
-            shutil.rmtree(lost, ignore_errors=True)
+            lost = self.durable / "ps-checkpoints" / f"ps-{index}"
+            with contextlib.suppress(OSError):
+                lost.remove_tree()
+
             self._emit(f"[launcher] chaos: deleted {lost}")
         self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
         with contextlib.suppress(ProcessLookupError):
@@ -1416,7 +1448,25 @@ class LocalLauncher:
             "pass_evaluations": [e.as_dict() for e in self._pass_evaluations],
             "timeline": self.timeline,
         }
+        if self.config.output_url:
+            record["output_url"] = self.config.output_url
         self._write_json("run.json", record)
+        if self.config.output_url:
+            self._publish_records()
+
+    def _publish_records(self) -> None:
+        """Copy ``run.json``, ``config.toml`` and ``logs/`` to ``output_url``, ``run.json`` last.
+
+        A failure is logged: the model and the checkpoints are there already.
+        """
+        local = Location.of(self.config.output)
+        try:
+            (local / "logs").copy_tree_to(self.durable / "logs")
+            for name in ("config.toml", "run.json"):
+                if (local / name).is_file():
+                    (local / name).copy_to(self.durable / name)
+        except OSError as exc:
+            self._emit(f"WARNING: cannot copy the run record to {self.durable}: {exc}")
 
     def _write_json(self, name: str, obj: object) -> None:
         self._write_text(name, json.dumps(obj, indent=2) + "\n")
@@ -1546,7 +1596,7 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
+def sparse_tables(spec: ModelSpec, snapshot_dir: Path | Location) -> TableSet | None:
     """The trained sparse tables of a model that has any, read from a consistent checkpoint.
 
     Raises:
@@ -1556,11 +1606,14 @@ def sparse_tables(spec: ModelSpec, snapshot_dir: Path) -> TableSet | None:
 
     if not table_specs(spec.instantiate(0)):
         return None
-    return load_tables(snapshot_dir)
+    where = Location.of(snapshot_dir)
+    if not where.is_local:
+        raise DataError(f"sparse tables cannot be read from {where}: use a local --output")
+    return load_tables(where.local_path)
 
 
 def final_parameters(
-    spec: ModelSpec, snapshot_dir: Path
+    spec: ModelSpec, snapshot_dir: Path | Location
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The model's parameters and buffers from a consistent checkpoint, shaped as the model's.
 
@@ -1595,7 +1648,7 @@ _CHECKPOINT_RETRY_CODES = frozenset({"freeze_timeout", "busy", "wrong_epoch", "n
 
 def checkpoint_job(
     store: JobStore,
-    out_dir: Path,
+    out_dir: Path | Location,
     extra: dict[str, object],
     *,
     timeout_s: float = 30.0,
@@ -1613,7 +1666,8 @@ def checkpoint_job(
 
     Args:
         store: the job's etcd view.
-        out_dir: checkpoint directory (on a file system the PS can write).
+        out_dir: checkpoint directory (on a file system the PS can write, or a
+            storage URL they can write).
         extra: more fields for the manifest.
         timeout_s: how long to wait for every PS to be present, seconds.
         retry_s: how long to go on trying through server restarts, seconds.
@@ -1632,7 +1686,10 @@ def checkpoint_job(
         _, revision = store.get_prefix_json(store.keys.tasks_prefix)
         try:
             manifest = take_consistent_checkpoint(
-                addresses, out_dir.resolve(), ledger_revision=revision, extra=extra
+                addresses,
+                Location.of(out_dir).resolve(),
+                ledger_revision=revision,
+                extra=extra,
             )
             break
         except (ServiceUnavailableError, RemoteError) as exc:
@@ -1662,3 +1719,19 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _is_file(location: Location) -> bool:
+    """``location.is_file()``, an unreachable storage reported as a DataError."""
+    try:
+        return location.is_file()
+    except OSError as exc:
+        raise DataError(f"cannot reach {location}: {exc}") from exc
+
+
+def _is_dir(location: Location) -> bool:
+    """``location.is_dir()``, an unreachable storage reported as a DataError."""
+    try:
+        return location.is_dir()
+    except OSError as exc:
+        raise DataError(f"cannot reach {location}: {exc}") from exc
