@@ -177,7 +177,9 @@ class Location:
                 f"{self.url}: storage URLs need fsspec: pip install 'elasticps[storage]'"
             ) from exc
         try:
-            fs, path = fsspec.core.url_to_fs(self.url)
+            # Other processes write here too: never answer from a cached listing.
+            options = {"use_listings_cache": False} if self.scheme in OBJECT_STORES else {}
+            fs, path = fsspec.core.url_to_fs(self.url, **options)
         except (ImportError, ValueError) as exc:
             raise ConfigError(
                 f"{self.scheme}:// URLs need a package that is not installed "
