@@ -1003,7 +1003,14 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
         "--data",
         nargs="+",
         required=True,
-        help="Parquet files as seen inside the pods (e.g. on --volume-claim)",
+        help="Parquet files as seen inside the pods (e.g. on --volume-claim), or URLs "
+        "(s3://, gs://, hdfs://)",
+    )
+    submit.add_argument(
+        "--checkpoint-dir",
+        default="",
+        help="the PS shard checkpoints: a URL (s3://bucket/prefix), or a path inside the pods "
+        "(default: /data/checkpoints/<job> on --volume-claim)",
     )
     submit.add_argument(
         "--trainers",
@@ -1114,6 +1121,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         env=env,
         etcd_endpoint=args.etcd_endpoints.split(",")[0] if args.etcd_endpoints else None,
         stuck_after_s=args.stuck_after_s,
+        checkpoint_dir=args.checkpoint_dir,
     )
     config = KubernetesConfig(
         namespace=args.namespace,
