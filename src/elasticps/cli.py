@@ -115,16 +115,19 @@ def _add_output(
     *,
     old: Sequence[str] = ("--out",),
     default: Path | None = None,
+    url: bool = False,
 ) -> None:
     """``--output DIR``, one spelling across commands; ``old`` spellings still work.
 
     With no ``default`` the flag is required (checked by :func:`_check_required_output`,
-    since argparse would not count an old spelling).
+    since argparse would not count an old spelling). With ``url``, a storage URL is
+    accepted too (kept as text).
     """
-    p.add_argument("--output", type=Path, default=default, help=help)
+    kind: Callable[[str], object] = path_or_url if url else Path
+    p.add_argument("--output", type=kind, default=default, help=help)
     for flag in old:
         p.add_argument(
-            flag, dest="output", type=Path, action=_DeprecatedFlag, new="--output",
+            flag, dest="output", type=kind, action=_DeprecatedFlag, new="--output",
             help=argparse.SUPPRESS,
         )  # fmt: skip
     if default is None:
@@ -431,9 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model constructor's keyword arguments, a JSON object (default: those "
         "the checkpoint's manifest records)",
     )
-    _add_output(ev, "the run's directory (its model.safetensors), or a checkpoint directory",
-                old=("--checkpoint",))  # fmt: skip
-    ev.add_argument("--data", type=Path, required=True)
+    _add_output(ev, "the run's directory or URL (its model.safetensors), or a checkpoint "
+                "directory", old=("--checkpoint",), url=True)  # fmt: skip
+    ev.add_argument("--data", type=path_or_url, required=True,
+                    help="a Parquet file, a path or a URL (s3://, gs://, hdfs://)")  # fmt: skip
     ev.add_argument("--batch-size", type=int, default=500)
 
     master = sub.add_parser("master", help="(role) run the master")
@@ -822,16 +826,21 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.evaluate import evaluate
     from elasticps.model_file import load_model_file
 
-    tensors, manifest = load_checkpoint(args.output)
+    tensors, manifest = load_checkpoint(Location.of(str(args.output)))
     recorded = manifest.get("model_args")
     if args.model_args is not None:
         model_args = parse_model_args(args.model_args)
     else:
         model_args = recorded if isinstance(recorded, dict) else {}
     spec = load_model_file(args.model, args.model_class, model_args)
-    if not args.data.exists():
+    data = Location.of(str(args.data))
+    try:
+        found = data.exists()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach {data}: {exc}") from exc
+    if not found:
         raise ConfigError(f"data file not found: {args.data}")
-    print(json.dumps(evaluate(spec, tensors, args.data, batch_size=args.batch_size)))
+    print(json.dumps(evaluate(spec, tensors, data, batch_size=args.batch_size)))
     return 0
 
 
