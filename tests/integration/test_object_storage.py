@@ -207,6 +207,7 @@ def test_a_killed_parameter_server_restores_from_s3_and_loses_no_update(
     epochs = 3
     args = [
             "--job", "s3audit", "--model", str(local / "audit_model.py"), "--data", data,
+        "--model-args", '{"records": 2000}',
             "--output", output, "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
             "--push-every", "1", "--big-array-bound", "500", "--trainers", "2", "--ps", "2",
             "--mode", "sync", "--epochs", str(epochs), "--records-per-task", "200",
