@@ -64,9 +64,19 @@ MANIFEST_FILE: Final = "manifest.json"
 DEFAULT_CATCH_UP_TIMEOUT_S: Final = 30.0
 
 
-def shard_file_name(index: int) -> str:
-    """Name of shard ``index``'s file in a consistent checkpoint."""
-    return f"shard-{index}.safetensors"
+def shard_file_name(index: int, version: int | None = None) -> str:
+    """Name of shard ``index``'s file in a consistent checkpoint.
+
+    On disk it is ``shard-<index>.safetensors``, replaced in place. In a
+    checkpoint at a storage URL the name carries the model ``version``
+    (``shard-<index>-v<version>.safetensors``), so that a new checkpoint never
+    overwrites a file the previous manifest lists: until the new manifest is
+    written, the previous checkpoint stays whole (see
+    :func:`take_consistent_checkpoint`).
+    """
+    if version is None:
+        return f"shard-{index}.safetensors"
+    return f"shard-{index}-v{version:012d}.safetensors"
 
 
 # --- a tiny control client -------------------------------------------------------------
@@ -157,7 +167,10 @@ def take_consistent_checkpoint(
     same place for them as for the caller: one machine, a shared file
     system, or a storage URL (``s3://``, ``gs://``, ``hdfs://``; see
     :mod:`elasticps.storage`). Each shard file is written whole or not at
-    all, and the manifest last.
+    all, and the manifest last. At a URL the shard files are new objects
+    named after the version (:func:`shard_file_name`), and those of the
+    previous checkpoint are deleted only once the new manifest is written,
+    so a crash mid-checkpoint leaves the previous one whole.
 
     Args:
         addresses: ``host:port`` of server ``i`` at index ``i``.
@@ -215,9 +228,28 @@ def take_consistent_checkpoint(
     ]
     manifest = build_manifest(entries, ledger_revision=ledger_revision, extra=extra)
     write_manifest(out_dir, manifest)
+    if not out_dir.is_local:
+        _remove_unlisted_shards(out_dir, manifest)
     log.info("consistent checkpoint of %d shards at version %s in %s", len(entries),
              manifest["version"], out_dir)  # fmt: skip
     return manifest
+
+
+def _remove_unlisted_shards(out_dir: Location, manifest: Mapping[str, object]) -> None:
+    """Delete the shard files of earlier checkpoints in ``out_dir`` (after the new manifest).
+
+    A failure is logged: the files are only stale, never read.
+    """
+    shards = manifest.get("shards")
+    listed = {
+        e.get("file") for e in (shards if isinstance(shards, list) else []) if isinstance(e, dict)
+    }
+    try:
+        for name in out_dir.listdir():
+            if name.startswith("shard-") and name.endswith(".safetensors") and name not in listed:
+                (out_dir / name).remove()
+    except OSError as exc:
+        log.warning("cannot remove the previous checkpoint's files in %s: %s", out_dir, exc)
 
 
 def shards_mid_step(freezes: Sequence[Mapping[str, object]]) -> list[int]:

@@ -159,8 +159,14 @@ def test_a_job_trains_from_s3_into_s3_as_well_as_from_local_files(
     out = Location.of(output)
     for name in ("model.safetensors", "manifest.json", "run.json", "config.toml"):
         assert (out / name).is_file(), name
-    assert (out / "snapshot" / "manifest.json").is_file()
-    assert (out / "ps-checkpoints" / "ps-0").listdir(), "no PS checkpoint on S3"
+    snapshot = json.loads((out / "snapshot" / "manifest.json").read_text())
+    listed = sorted(e["file"] for e in snapshot["shards"])
+    # Shard objects named by version; nothing else left beside the manifest.
+    assert listed == [f"shard-{i}-v{snapshot['version']:012d}.safetensors" for i in (0, 1)]
+    assert (out / "snapshot").listdir() == sorted([*listed, "manifest.json"])
+    for index in (0, 1):
+        kept = (out / "ps-checkpoints" / f"ps-{index}").listdir()
+        assert 1 <= len(kept) <= 3, kept  # the newest three are kept
     assert "launcher.log" in (out / "logs").listdir()
     record = json.loads((out / "run.json").read_text())
     assert record["state"] == "finished" and record["output_url"] == output

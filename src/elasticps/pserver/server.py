@@ -1012,7 +1012,12 @@ class ParameterServer:
         if not held or not shard.frozen:
             raise _RequestError("not_frozen", "send freeze on this connection before snapshot")
         tensors, meta = shard.state()
-        name = shard_file_name(self.shard_index)
+        version = meta.get("version")
+        name = shard_file_name(
+            self.shard_index,
+            # Remote snapshots never overwrite a file the previous manifest lists.
+            version if is_url(directory) and isinstance(version, int) else None,
+        )
         try:
             saved = save_shard(Location.of(directory) / name, tensors, meta)
 
