@@ -81,8 +81,11 @@ def test_a_dataset_is_a_file_a_split_a_split_directory_a_directory_or_a_glob(
         "parts/part-0.parquet",
         "parts/part-1.parquet",
     ]
-    with pytest.raises(DataError, match="no train Parquet files"):
+    with pytest.raises(DataError, match=r"data file not found: .*absent"):
         resolve_dataset_files(tmp_path / "absent", "train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"not found: .*empty/train\.parquet"):
+        resolve_dataset_files(tmp_path / "empty", "train")
 
 
 def test_row_ranges_read_through_a_file_url(tmp_path: Path) -> None:

@@ -294,7 +294,17 @@ def resolve_dataset_files(data: FileName, split: str = "train") -> tuple[Locatio
     """
     files = find_split(data, split)
     if not files:
-        raise DataError(f"data file not found: {data} holds no {split} Parquet files")
+        where = Location.of(data)
+        try:
+            is_dir = where.is_dir()
+        except OSError as exc:
+            raise DataError(f"cannot reach {where}: {_one_line(exc)}") from exc
+        if is_dir:
+            raise DataError(
+                f"data file not found: {where / (split + '.parquet')} (nor a {split}/ "
+                "directory or other Parquet files)"
+            )
+        raise DataError(f"data file not found: {data}")
     return files
 
 
