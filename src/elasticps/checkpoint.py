@@ -32,6 +32,7 @@ from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
 from elasticps.errors import DataError
+from elasticps.storage import Location
 
 CHECKPOINT_FORMAT = "elasticps-checkpoint/1"
 """Value of the manifest's ``format`` field written by this version."""
@@ -77,30 +78,31 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def save_checkpoint(
-    out_dir: Path,
+    out_dir: Path | Location,
     tensors: Mapping[str, Tensor],
     manifest: Mapping[str, object],
-) -> Path:
+) -> Path | Location:
     """Write a checkpoint durably and atomically (per file).
 
     Args:
-        out_dir: checkpoint directory; created if missing. Use one directory
-            per checkpoint (e.g. ``ckpt/v000123``): an existing checkpoint in
-            it is replaced.
+        out_dir: checkpoint directory, or a storage URL (:mod:`elasticps.storage`);
+            created if missing. Use one directory per checkpoint (e.g.
+            ``ckpt/v000123``): an existing checkpoint in it is replaced. The
+            tensors file is written first and the manifest last, each whole.
         tensors: name -> tensor, any dtype and device; written from CPU,
             contiguous copies. Tensors must not share storage.
         manifest: caller metadata; must be JSON-serialisable. The fields in
             :data:`RESERVED_FIELDS` are set by this function.
 
     Returns:
-        The path of the written ``manifest.json``.
+        The path of the written ``manifest.json`` (its URL, if remote).
 
     Raises:
         TypeError: ``manifest`` holds a value JSON cannot encode.
         OSError: the directory cannot be written.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    where = Location.of(out_dir)
+    where.makedirs()
     cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     data = save_safetensors(cpu)
     record: dict[str, object] = dict(manifest)
@@ -119,6 +121,11 @@ def save_checkpoint(
     # Encode before touching the disk, so a bad manifest leaves no partial checkpoint.
     manifest_bytes = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
 
+    if not where.is_local:
+        (where / TENSORS_FILE).write_atomic(bytes(data))
+        (where / MANIFEST_FILE).write_atomic(manifest_bytes)
+        return where / MANIFEST_FILE
+    out_dir = where.local_path
     manifest_path = out_dir / MANIFEST_FILE
     _write_atomic(out_dir / TENSORS_FILE, data)
     _write_atomic(manifest_path, manifest_bytes)
@@ -126,7 +133,7 @@ def save_checkpoint(
     return manifest_path
 
 
-def read_manifest(ckpt_dir: Path) -> dict[str, object]:
+def read_manifest(ckpt_dir: Path | Location) -> dict[str, object]:
     """Read and check the manifest of a checkpoint without reading its tensors.
 
     Args:
@@ -139,7 +146,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, object]:
         DataError: the directory or manifest is missing, the manifest is not
             valid JSON, or its format is not ``elasticps-checkpoint/1``.
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = Location.of(ckpt_dir)
     path = ckpt_dir / MANIFEST_FILE
     if not ckpt_dir.is_dir():
         raise DataError(f"checkpoint directory not found: {ckpt_dir}")
@@ -159,7 +166,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, object]:
     return manifest
 
 
-def load_checkpoint(ckpt_dir: Path) -> tuple[dict[str, Tensor], dict[str, object]]:
+def load_checkpoint(ckpt_dir: Path | Location) -> tuple[dict[str, Tensor], dict[str, object]]:
     """Read a checkpoint and verify it against its manifest.
 
     The tensors file is read once; its CRC-32 is checked against the manifest
@@ -178,8 +185,9 @@ def load_checkpoint(ckpt_dir: Path) -> tuple[dict[str, Tensor], dict[str, object
             or the tensors in the file differ from the manifest's
             ``parameters`` (names, shapes or dtypes).
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = Location.of(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
+
     tensors_file = manifest.get("tensors_file")
     if not isinstance(tensors_file, str) or Path(tensors_file).name != tensors_file:
         raise DataError(

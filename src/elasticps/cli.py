@@ -68,6 +68,7 @@ from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
+from elasticps.storage import Location, is_url, path_or_url
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -115,16 +116,19 @@ def _add_output(
     *,
     old: Sequence[str] = ("--out",),
     default: Path | None = None,
+    url: bool = False,
 ) -> None:
     """``--output DIR``, one spelling across commands; ``old`` spellings still work.
 
     With no ``default`` the flag is required (checked by :func:`_check_required_output`,
-    since argparse would not count an old spelling).
+    since argparse would not count an old spelling). With ``url``, a storage URL is
+    accepted too (kept as text).
     """
-    p.add_argument("--output", type=Path, default=default, help=help)
+    kind: Callable[[str], object] = path_or_url if url else Path
+    p.add_argument("--output", type=kind, default=default, help=help)
     for flag in old:
         p.add_argument(
-            flag, dest="output", type=Path, action=_DeprecatedFlag, new="--output",
+            flag, dest="output", type=kind, action=_DeprecatedFlag, new="--output",
             help=argparse.SUPPRESS,
         )  # fmt: skip
     if default is None:
@@ -297,8 +301,9 @@ def _add_stream_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _data_location(text: str) -> Path | str:
-    """``--data``: a path, or a ``kafka://`` URL kept as text (a Path would fold its ``//``)."""
-    return text if is_kafka_url(text) else Path(text)
+    """``--data``: a path, or a URL (``kafka://``, ``s3://``...) kept as text (a Path would
+    fold its ``//``)."""
+    return text if is_kafka_url(text) else path_or_url(text)
 
 
 def _wall_time(text: str | float) -> float:
@@ -355,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         type=_data_location,
         required=True,
-        help="directory with train.parquet (and test.parquet), a Parquet file, "
-        "or a Kafka topic: kafka://HOST:PORT/TOPIC",
+        help="directory with train.parquet (and test.parquet), a directory or glob of Parquet "
+        "files, or a Parquet file, a path or a URL (s3://, gs://, hdfs://); or a Kafka topic: "
+        "kafka://HOST:PORT/TOPIC",
     )
     _add_stream_flags(train)
     train.add_argument(
@@ -366,8 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a stream job's test set (a Parquet file, or a directory with test.parquet), "
         "evaluated at the end",
     )
-    train.add_argument("--output", type=Path, default=Path("runs/latest"),
-                       help="the run's directory: checkpoints, run.json, logs")  # fmt: skip
+    train.add_argument("--output", type=path_or_url, default=Path("runs/latest"),
+                       help="the run's directory or URL (s3://, gs://, hdfs://): checkpoints, "
+                       "run.json, logs")  # fmt: skip
     train.add_argument(
         "--trainers",
         default="2",
@@ -434,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between each PS's shard checkpoints",
     )
-    train.add_argument("--resume", type=Path, default=None,
-                       help="start from a consistent checkpoint directory")  # fmt: skip
+    train.add_argument("--resume", type=path_or_url, default=None,
+                       help="start from a consistent checkpoint directory or URL")  # fmt: skip
     _add_sync_reduction(train)
 
     check = sub.add_parser(
@@ -489,9 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model constructor's keyword arguments, a JSON object (default: those "
         "the checkpoint's manifest records)",
     )
-    _add_output(ev, "the run's directory (its model.safetensors, and snapshot/ for sparse "
-                "tables), or a checkpoint directory", old=("--checkpoint",))  # fmt: skip
-    ev.add_argument("--data", type=Path, required=True)
+    _add_output(ev, "the run's directory or URL (its model.safetensors, and snapshot/ for "
+                "sparse tables), or a checkpoint directory", old=("--checkpoint",),
+                url=True)  # fmt: skip
+    ev.add_argument("--data", type=path_or_url, required=True,
+                    help="a Parquet file, a path or a URL (s3://, gs://, hdfs://)")  # fmt: skip
     ev.add_argument("--batch-size", type=int, default=500)
 
     master = sub.add_parser("master", help="(role) run the master")
@@ -504,9 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(str(_env("checkpoint-every-s", 30.0))),
         help="sync mode: seconds between the aligned checkpoints of every shard",
     )
-    master.add_argument("--data", nargs="+", default=[_env("data", None)],
-                        help="Parquet files to cut into tasks, or one kafka://HOST:PORT/TOPIC "
-                        "(or --virtual-records)")  # fmt: skip
+    master.add_argument("--data", type=_data_location, nargs="+", default=[_env("data", None)],
+                        help="Parquet files or URLs to cut into tasks, or one "
+                        "kafka://HOST:PORT/TOPIC (or --virtual-records)")  # fmt: skip
     _add_stream_flags(master)
     master.add_argument("--stream-resume", type=Path, default=_env("stream-resume", None),
                         help="a stream job's consistent checkpoint: go on from the "
@@ -526,9 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--ps-port", type=int, default=int(str(_env("ps-port", 0))))
     ps.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=path_or_url,
         default=_env("checkpoint-dir", None),
-        help="directory for this PS's shard checkpoints (ps-<index>/)",
+        help="directory or URL (s3://, gs://, hdfs://) for this PS's shard checkpoints "
+        "(ps-<index>/)",
     )
     ps.add_argument(
         "--checkpoint-every-s", type=float, default=float(str(_env("checkpoint-every-s", 30.0)))
@@ -540,9 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ps.add_argument(
         "--resume",
-        type=Path,
+        type=path_or_url,
         default=_env("resume", None),
-        help="initialize the shard from this consistent checkpoint",
+        help="initialize the shard from this consistent checkpoint (a directory or URL)",
     )
     ps.add_argument("--claim-timeout-s", type=float,
                     default=float(str(_env("claim-timeout-s", 30.0))))  # fmt: skip
@@ -601,20 +611,31 @@ def _optimizer(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def job_config(args: argparse.Namespace) -> JobConfig:
-    """Build the :class:`JobConfig` of ``elasticps train``."""
+    """Build the :class:`JobConfig` of ``elasticps train``.
+
+    An ``--output`` URL becomes ``output_url``; the launcher's own state then
+    goes to a local directory (:func:`elasticps.jobs.local_dir_for_url`).
+    """
+    from elasticps.jobs import local_dir_for_url
+
+    output, output_url = args.output, ""
+    if is_url(str(args.output)):
+        output_url = Location.of(str(args.output)).url
+        output = local_dir_for_url(output_url, args.job)
     return JobConfig(
         job=args.job,
         model_path=args.model,
         model_class=args.model_class,
         model_args=args.model_args,
-        data=Path(args.test_data or "") if is_kafka_url(args.data) else Path(args.data),
+        data=Path(args.test_data or "") if is_kafka_url(args.data) else args.data,
         stream=str(args.data) if is_kafka_url(args.data) else "",
         kafka_config=args.kafka_config,
         task_window_s=args.task_window_s,
         until_offset=None if args.until_offset is None else int(args.until_offset),
         until_time=None if args.until_time is None else _wall_time(args.until_time),
         test_data=args.test_data,
-        output=args.output,
+        output=output,
+        output_url=output_url,
         **_trainer_range(args.trainers, args.initial_trainers),
         stuck_after_s=args.stuck_after_s,
         ps=args.ps,
@@ -809,7 +830,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 return 130
     line: dict[str, object] = {
         **({"state": result.state} if result.state != "finished" else {}),
-        "checkpoint": str(result.output),
+        "checkpoint": config.output_url or str(result.output),
         "wall_s": round(result.wall_s, 2),
         "samples_trained": result.samples,
         "exactly_once": result.exactly_once,
@@ -835,7 +856,8 @@ def _job_file_text(args: argparse.Namespace) -> str:
         values,
         header=(
             f"The resolved configuration of this run (elasticps {__version__}).",
-            f"Repeat it with: elasticps train --config {args.output / CONFIG_FILE} --overwrite",
+            "Repeat it with: elasticps train --config "
+            f"{Location.of(str(args.output)) / CONFIG_FILE} --overwrite",
         ),
     )
 
@@ -880,19 +902,24 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from elasticps.evaluate import checkpoint_tables, evaluate
     from elasticps.model_file import load_model_file
 
-    tensors, manifest = load_checkpoint(args.output)
+    tensors, manifest = load_checkpoint(Location.of(str(args.output)))
     recorded = manifest.get("model_args")
     if args.model_args is not None:
         model_args = parse_model_args(args.model_args)
     else:
         model_args = recorded if isinstance(recorded, dict) else {}
     spec = load_model_file(args.model, args.model_class, model_args)
-    if not args.data.exists():
+    data = Location.of(str(args.data))
+    try:
+        found = data.exists()
+    except OSError as exc:
+        raise ConfigError(f"cannot reach {data}: {exc}") from exc
+    if not found:
         raise ConfigError(f"data file not found: {args.data}")
     # A model with sparse tables is evaluated with its trained rows, which the
     # checkpoint keeps beside the dense parameters (not in model.safetensors).
-    tables = checkpoint_tables(spec.build(), args.output)
-    result = evaluate(spec, tensors, args.data, batch_size=args.batch_size, tables=tables)
+    tables = checkpoint_tables(spec.build(), Path(str(args.output)))
+    result = evaluate(spec, tensors, data, batch_size=args.batch_size, tables=tables)
     print(json.dumps(result))
     return 0
 
@@ -942,8 +969,10 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
     config = MasterConfig(
         common=_common(args),
-        data_files=tuple(Path(p) for p in args.data if p is not None and not is_kafka_url(p)),
-        stream=next((p for p in args.data if p is not None and is_kafka_url(p)), ""),
+        data_files=tuple(
+            path_or_url(str(p)) for p in args.data if p is not None and not is_kafka_url(p)
+        ),
+        stream=next((str(p) for p in args.data if p is not None and is_kafka_url(p)), ""),
         kafka_config=args.kafka_config,
         task_window_s=args.task_window_s,
         until_offset=None if args.until_offset is None else int(args.until_offset),
@@ -972,10 +1001,10 @@ def _cmd_ps(args: argparse.Namespace) -> int:
         optimizer=_optimizer(args),
         host=args.host,
         port=args.ps_port,
-        checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        checkpoint_dir=path_or_url(str(args.checkpoint_dir)) if args.checkpoint_dir else None,
         checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_every_versions=args.checkpoint_every_versions,
-        resume_dir=Path(args.resume) if args.resume else None,
+        resume_dir=path_or_url(str(args.resume)) if args.resume else None,
         claim_timeout_s=args.claim_timeout_s,
         frozen=tuple(args.frozen),
         max_staleness=args.max_staleness,
@@ -1073,7 +1102,14 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
         "--data",
         nargs="+",
         required=True,
-        help="Parquet files as seen inside the pods (e.g. on --volume-claim)",
+        help="Parquet files as seen inside the pods (e.g. on --volume-claim), or URLs "
+        "(s3://, gs://, hdfs://)",
+    )
+    submit.add_argument(
+        "--checkpoint-dir",
+        default="",
+        help="the PS shard checkpoints: a URL (s3://bucket/prefix), or a path inside the pods "
+        "(default: /data/checkpoints/<job> on --volume-claim)",
     )
     submit.add_argument(
         "--trainers",
@@ -1185,6 +1221,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         env=env,
         etcd_endpoint=args.etcd_endpoints.split(",")[0] if args.etcd_endpoints else None,
         stuck_after_s=args.stuck_after_s,
+        checkpoint_dir=args.checkpoint_dir,
     )
     config = KubernetesConfig(
         namespace=args.namespace,

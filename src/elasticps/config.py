@@ -181,7 +181,8 @@ class MasterConfig:
     """The master: task dispatch.
 
     Attributes:
-        data_files: Parquet files to split into tasks.
+        data_files: Parquet files to split into tasks, local paths or
+            storage URLs (:mod:`elasticps.storage`).
         records_per_task: rows per task, >= 1.
         num_passes: passes (epochs) over the data, >= 1.
         task_timeout_s: seconds before a pending task goes back to todo.
@@ -213,7 +214,7 @@ class MasterConfig:
     """
 
     common: CommonConfig
-    data_files: tuple[Path, ...]
+    data_files: tuple[str | Path, ...]
     records_per_task: int = 512
     num_passes: int = 1
     task_timeout_s: float = 60.0
@@ -287,7 +288,8 @@ class PSConfig:
         port: tensor-plane TCP port; 0 picks a free one.
         init_timeout_s: seconds a trainer waits for another trainer to finish
             initializing the shard.
-        checkpoint_dir: where the server keeps its own shard checkpoints,
+        checkpoint_dir: where the server keeps its own shard checkpoints, a
+            local directory or a storage URL (:mod:`elasticps.storage`),
             ``<checkpoint_dir>/ps-<index>/shard-e<epoch>-v<version>.safetensors``
             (:class:`~elasticps.pserver.checkpoint.ShardFiles`); the newest is
             loaded on restart. None: no checkpoints.
@@ -296,7 +298,8 @@ class PSConfig:
             same version on every shard.
         checkpoint_every_versions: also checkpoint once the version moved by
             this much; 0 disables.
-        resume_dir: a consistent checkpoint (``elasticps.snapshot``) to fill
+        resume_dir: a consistent checkpoint (``elasticps.snapshot``), a
+            directory or a URL, to fill
             the shard from when the server has no checkpoint of its own; any
             number of servers can resume from it.
         claim_timeout_s: seconds to wait for a free ``/ps/<index>`` slot (a
@@ -320,10 +323,10 @@ class PSConfig:
     host: str = "127.0.0.1"
     port: int = 0
     init_timeout_s: float = 60.0
-    checkpoint_dir: Path | None = None
+    checkpoint_dir: str | Path | None = None
     checkpoint_every_s: float = 30.0
     checkpoint_every_versions: int = 0
-    resume_dir: Path | None = None
+    resume_dir: str | Path | None = None
     claim_timeout_s: float = 30.0
     frozen: tuple[str, ...] = ()
     max_staleness: int | None = None
@@ -551,8 +554,18 @@ class JobConfig:
             (``--model-args``); empty for none (with ``resume``: those the
             checkpoint recorded).
         data: a directory holding ``train.parquet`` (and optionally
-            ``test.parquet``), or one Parquet file.
-        output: directory for the final checkpoint and the run record.
+            ``test.parquet``), a directory or glob of many Parquet files, or
+            one Parquet file; a local path or a storage URL (``s3://``,
+            ``gs://``, ``hdfs://``, see :func:`elasticps.data.parquet.find_split`).
+        output: directory for the final checkpoint and the run record. With
+            ``output_url`` set, the local directory of the launcher's own
+            state only: its lock, the logs while the job runs, ``.stop``,
+            ``pids.json`` and the live ``run.json``.
+        output_url: a storage URL (``s3://bucket/runs/x``) that receives what
+            the job keeps: the PS checkpoints (``ps-checkpoints/``), the
+            consistent checkpoint (``snapshot/``), ``model.safetensors``,
+            ``manifest.json``, and at the end ``run.json``, ``config.toml``
+            and ``logs/``. Empty: all of it in ``output``.
         trainers: number of trainers at the start (the initial wanted count), >= 1.
         min_trainers: fewest live trainers the worker manager keeps; None: ``trainers``.
         max_trainers: most live trainers; None: ``trainers``. ``elasticps scale``
@@ -588,7 +601,7 @@ class JobConfig:
         eval_each_pass: evaluate on the test set at the end of every pass
             (:mod:`elasticps.launcher.pass_eval`).
         checkpoint_every_s: seconds between a PS's shard checkpoints.
-        resume: a consistent checkpoint directory to start from, or None.
+        resume: a consistent checkpoint directory (or URL) to start from, or None.
         max_staleness: async: the PS drop gradients more than this many
             versions behind (``--max-staleness``); None accepts any.
         sync_reduction: sync: ``"mean"`` or ``"sum"`` of the trainers'
@@ -612,8 +625,9 @@ class JobConfig:
 
     job: str
     model_path: Path
-    data: Path
+    data: str | Path
     output: Path
+    output_url: str = ""
     model_class: str = "Model"
     trainers: int = 2
     ps: int = 2
@@ -639,8 +653,9 @@ class JobConfig:
     max_restarts: int = 3
     chaos: tuple[ChaosEvent, ...] = ()
     checkpoint_every_s: float = 10.0
-    resume: Path | None = None
+    resume: str | Path | None = None
     max_staleness: int | None = None
+
     sync_reduction: str = "mean"
     min_trainers: int | None = None
     max_trainers: int | None = None

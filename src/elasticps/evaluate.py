@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from elasticps.data.parquet import RangeReader, check_columns, count_rows
+from elasticps.data.parquet import FileName, RangeReader, check_columns, count_rows
 from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError
 from elasticps.model_file import ModelSpec, describe_model_error
 
@@ -384,7 +384,7 @@ def evaluate_batches(
 def evaluate(
     spec: ModelSpec,
     tensors: Mapping[str, Tensor],
-    data_path: Path,
+    data_path: FileName,
     *,
     batch_size: int = 500,
     tables: Mapping[str, object] | None = None,

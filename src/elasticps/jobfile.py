@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from elasticps.errors import ConfigError
+from elasticps.storage import path_or_url
 
 __all__ = ["CONFIG_FILE", "NOT_RECORDED", "apply_config_file", "config_toml", "resolved_config"]
 
@@ -88,10 +89,10 @@ def _coerce_one(action: argparse.Action, value: object, where: str) -> object:
         if not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         result = float(value)
-    elif kind is Path:
+    elif kind is Path or kind is path_or_url:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a path (a string), got {value!r}")
-        result = Path(value)
+        result = path_or_url(value) if kind is path_or_url else Path(value)
     else:
         # Flags taken as text (--trainers 2 or "1:4", --chaos ...): numbers as written.
         if not isinstance(value, str | int | float):

@@ -95,6 +95,17 @@ def state_dir() -> Path:
     return base / "elasticps"
 
 
+def local_dir_for_url(url: str, job: str) -> Path:
+    """The local directory of a job whose ``--output`` is a storage URL.
+
+    It holds what the launcher keeps on its own machine: the lock, the logs
+    while the job runs, ``.stop``, ``pids.json`` and the live ``run.json``
+    (``STATE_DIR/outputs/<job>-<hash of the URL>``, see :func:`state_dir`).
+    """
+    digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+    return state_dir() / "outputs" / f"{job}-{digest}"
+
+
 def _registry() -> Path:
     return state_dir() / "runs"
 

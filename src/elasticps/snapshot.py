@@ -40,9 +40,9 @@ import torch
 
 from elasticps.errors import DataError, ProtocolError, RemoteError, ServiceUnavailableError
 from elasticps.placement import even_split
-from elasticps.pserver.atomic import write_atomic
 from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
+from elasticps.storage import Location
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -64,9 +64,19 @@ MANIFEST_FILE: Final = "manifest.json"
 DEFAULT_CATCH_UP_TIMEOUT_S: Final = 30.0
 
 
-def shard_file_name(index: int) -> str:
-    """Name of shard ``index``'s file in a consistent checkpoint."""
-    return f"shard-{index}.safetensors"
+def shard_file_name(index: int, version: int | None = None) -> str:
+    """Name of shard ``index``'s file in a consistent checkpoint.
+
+    On disk it is ``shard-<index>.safetensors``, replaced in place. In a
+    checkpoint at a storage URL the name carries the model ``version``
+    (``shard-<index>-v<version>.safetensors``), so that a new checkpoint never
+    overwrites a file the previous manifest lists: until the new manifest is
+    written, the previous checkpoint stays whole (see
+    :func:`take_consistent_checkpoint`).
+    """
+    if version is None:
+        return f"shard-{index}.safetensors"
+    return f"shard-{index}-v{version:012d}.safetensors"
 
 
 # --- a tiny control client -------------------------------------------------------------
@@ -144,7 +154,7 @@ class ControlClient:
 
 def take_consistent_checkpoint(
     addresses: Sequence[str],
-    out_dir: Path,
+    out_dir: Path | Location,
     *,
     ledger_revision: int | None,
     extra: Mapping[str, object],
@@ -155,13 +165,18 @@ def take_consistent_checkpoint(
     """Freeze every parameter server, snapshot each shard, thaw, write the manifest.
 
     The servers write their files themselves, so ``out_dir`` must be the
-    same path for them as for the caller (one machine or a shared file
-    system).
+    same place for them as for the caller: one machine, a shared file
+    system, or a storage URL (``s3://``, ``gs://``, ``hdfs://``; see
+    :mod:`elasticps.storage`). Each shard file is written whole or not at
+    all, and the manifest last. At a URL the shard files are new objects
+    named after the version (:func:`shard_file_name`), and those of the
+    previous checkpoint are deleted only once the new manifest is written,
+    so a crash mid-checkpoint leaves the previous one whole.
 
     Args:
         addresses: ``host:port`` of server ``i`` at index ``i``.
-        out_dir: the checkpoint directory; created if missing. Shard files
-            and ``manifest.json`` in it are replaced.
+        out_dir: the checkpoint directory or URL; created if missing. Shard
+            files and ``manifest.json`` in it are replaced.
         ledger_revision: etcd revision of the task ledger this checkpoint goes
             with, recorded in the manifest (None if unknown).
         extra: more JSON-ready fields, recorded under ``"extra"``.
@@ -183,8 +198,8 @@ def take_consistent_checkpoint(
     """
     if not addresses:
         raise ValueError("no parameter server to checkpoint")
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Location.of(out_dir).resolve()
+    out_dir.makedirs()
     clients: list[ControlClient] = []
     frozen: list[ControlClient] = []
     snaps: dict[int, dict[str, object]] = {}
@@ -219,9 +234,28 @@ def take_consistent_checkpoint(
     ]
     manifest = build_manifest(entries, ledger_revision=ledger_revision, extra=extra)
     write_manifest(out_dir, manifest)
+    if not out_dir.is_local:
+        _remove_unlisted_shards(out_dir, manifest)
     log.info("consistent checkpoint of %d shards at version %s in %s", len(entries),
              manifest["version"], out_dir)  # fmt: skip
     return manifest
+
+
+def _remove_unlisted_shards(out_dir: Location, manifest: Mapping[str, object]) -> None:
+    """Delete the shard files of earlier checkpoints in ``out_dir`` (after the new manifest).
+
+    A failure is logged: the files are only stale, never read.
+    """
+    shards = manifest.get("shards")
+    listed = {
+        e.get("file") for e in (shards if isinstance(shards, list) else []) if isinstance(e, dict)
+    }
+    try:
+        for name in out_dir.listdir():
+            if name.startswith("shard-") and name.endswith(".safetensors") and name not in listed:
+                (out_dir / name).remove()
+    except OSError as exc:
+        log.warning("cannot remove the previous checkpoint's files in %s: %s", out_dir, exc)
 
 
 def shards_mid_step(freezes: Sequence[Mapping[str, object]]) -> list[int]:
@@ -358,10 +392,14 @@ def build_manifest(
     }
 
 
-def write_manifest(out_dir: Path, manifest: Mapping[str, object]) -> Path:
-    """Write ``out_dir/manifest.json`` atomically and durably; return its path."""
-    path = Path(out_dir) / MANIFEST_FILE
-    write_atomic(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+def write_manifest(out_dir: Path | Location, manifest: Mapping[str, object]) -> Location:
+    """Write ``out_dir/manifest.json`` atomically and durably; return its location.
+
+    Raises:
+        OSError: it cannot be written (a previous manifest is untouched).
+    """
+    path = Location.of(out_dir) / MANIFEST_FILE
+    path.write_atomic((json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return path
 
 
@@ -384,13 +422,13 @@ class ConsistentCheckpoint(NamedTuple):
     meta: dict[str, object]
 
 
-def read_snapshot_manifest(ckpt_dir: Path) -> dict[str, object]:
-    """Read and check a consistent checkpoint's manifest.
+def read_snapshot_manifest(ckpt_dir: Path | Location) -> dict[str, object]:
+    """Read and check a consistent checkpoint's manifest (a directory or a URL).
 
     Raises:
         DataError: missing, not JSON, or not ``elasticps-snapshot/1``.
     """
-    path = Path(ckpt_dir) / MANIFEST_FILE
+    path = Location.of(ckpt_dir) / MANIFEST_FILE
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError as exc:
@@ -405,7 +443,9 @@ def read_snapshot_manifest(ckpt_dir: Path) -> dict[str, object]:
     return manifest
 
 
-def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict[str, object]:
+def verify_snapshot_files(
+    ckpt_dir: Path | Location, *, chunk_bytes: int = 1 << 20
+) -> dict[str, object]:
     """Check a consistent checkpoint's shard files against its manifest, without decoding them.
 
     Every shard file the manifest lists must exist with the recorded size
@@ -414,7 +454,7 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
     this is the cheap check a launcher runs before it starts anything.
 
     Args:
-        ckpt_dir: a directory written by :func:`take_consistent_checkpoint`.
+        ckpt_dir: a directory (or URL) written by :func:`take_consistent_checkpoint`.
         chunk_bytes: read size, bytes.
 
     Returns:
@@ -425,7 +465,7 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
             holding parameters, or a shard file is missing, has another size
             or another CRC-32. The message is one line naming the file.
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = Location.of(ckpt_dir)
     manifest = read_snapshot_manifest(ckpt_dir)
     shards = manifest["shards"]
     assert isinstance(shards, list)  # checked by read_snapshot_manifest
@@ -439,7 +479,7 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
         path = ckpt_dir / name
         crc, size = 0, 0
         try:
-            with path.open("rb") as f:
+            with path.open_input() as f:
                 while chunk := f.read(chunk_bytes):
                     crc = zlib.crc32(chunk, crc)
                     size += len(chunk)
@@ -458,14 +498,14 @@ def verify_snapshot_files(ckpt_dir: Path, *, chunk_bytes: int = 1 << 20) -> dict
     return manifest
 
 
-def load_consistent_checkpoint(ckpt_dir: Path) -> ConsistentCheckpoint:
+def load_consistent_checkpoint(ckpt_dir: Path | Location) -> ConsistentCheckpoint:
     """Read a consistent checkpoint and rebuild every parameter by name.
 
     Every shard file is checked against the manifest's CRC-32 and size (and
     its own embedded CRC), and its layout against the manifest's pieces.
 
     Args:
-        ckpt_dir: a directory written by :func:`take_consistent_checkpoint`.
+        ckpt_dir: a directory (or URL) written by :func:`take_consistent_checkpoint`.
 
     Returns:
         ``(values, optimizer_state, meta)``; see :class:`ConsistentCheckpoint`.
@@ -476,7 +516,7 @@ def load_consistent_checkpoint(ckpt_dir: Path) -> ConsistentCheckpoint:
         DataError: a file is missing or corrupt, or the pieces do not tile
             each parameter exactly. The message is one line.
     """
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = Location.of(ckpt_dir)
     manifest = read_snapshot_manifest(ckpt_dir)
     # name -> [(param_start, param_end, source tensors, source offset, source scalars)]
     parts: dict[str, list[tuple[int, int, dict[str, torch.Tensor], int, dict[str, object]]]] = {}
@@ -523,7 +563,7 @@ def load_consistent_checkpoint(ckpt_dir: Path) -> ConsistentCheckpoint:
 
 
 def _load_entry(
-    ckpt_dir: Path, entry: Mapping[str, object]
+    ckpt_dir: Location, entry: Mapping[str, object]
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     name = entry.get("file")
     if not isinstance(name, str) or Path(name).name != name:

@@ -299,3 +299,47 @@ def test_each_pods_command_parses_with_the_environment_the_pod_gets(
     assert str(ps.checkpoint_dir) == "/data/checkpoints/j"
     assert (int(trainer.trainer_id), trainer.ps, trainer.mode) == (12, 2, "async")
     assert str(trainer.model) == MODEL_PATH
+
+
+def test_a_job_on_object_storage_needs_no_volume() -> None:
+    config = KubernetesConfig(namespace="ml", image="elasticps:1")
+    request = JobRequest(
+        job="j",
+        model_source="class Model: ...\n",
+        min_trainers=2,
+        max_trainers=2,
+        initial_trainers=2,
+        ps=2,
+        data=("s3://bucket/mnist/train.parquet",),
+        checkpoint_dir="s3://bucket/checkpoints/j",
+    )
+    objects = [round_trip(o) for o in job_objects(request, config)]
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    pods += [
+        round_trip(worker_pod("j", WorkerSpec(role, 0), config, OWNER))
+        for role in (Role.PS, Role.TRAINER)
+    ]
+    for pod in pods:
+        assert all("persistentVolumeClaim" not in v for v in pod["spec"].get("volumes", []))
+        for container in pod["spec"]["containers"]:
+            assert "/data" not in {m["mountPath"] for m in container.get("volumeMounts", [])}
+    (env,) = [o["data"] for o in objects if o["metadata"]["name"] == "j-env"]
+    assert env["ELASTICPS_CHECKPOINT_DIR"] == "s3://bucket/checkpoints/j"
+    assert "ELASTICPS_VOLUME_CLAIM" not in env
+    (master,) = [o for o in pods if o["metadata"]["name"] == "j-master-0"]
+    command = master["spec"]["containers"][0]["command"]
+    assert command[command.index("--data") + 1] == "s3://bucket/mnist/train.parquet"
+
+
+def test_a_checkpoint_url_with_credentials_is_refused() -> None:
+    with pytest.raises(ConfigError, match="credentials"):
+        JobRequest(
+            job="j",
+            model_source="",
+            min_trainers=1,
+            max_trainers=1,
+            initial_trainers=1,
+            ps=1,
+            data=("s3://b/d",),
+            checkpoint_dir="s3://KEY:SECRET@bucket/x",
+        )

@@ -86,6 +86,7 @@ from elasticps.launcher.supervisor import (
 )
 from elasticps.master.client import MasterClient
 from elasticps.netutil import die_with_parent_prefix
+from elasticps.storage import Location
 from elasticps.updater import ps_flags
 
 __all__ = ["LocalServers", "ServersConfig"]
@@ -121,14 +122,15 @@ class ServersConfig:
             as ``elasticps ps --frozen PATTERN...``; the PS refuses non-zero
             gradients for them and never changes them.
         with_master: also start one master.
-        data_files: the master's Parquet files (exclusive with ``virtual_records``).
+        data_files: the master's Parquet files, paths or storage URLs (exclusive
+            with ``virtual_records``).
         virtual_records: records of a virtual source for the master (see
             :attr:`elasticps.config.MasterConfig.virtual_records`).
         records_per_task: records per task, >= 1.
         num_passes: passes over the data, >= 1.
         task_timeout_s: seconds before the master re-dispatches a pending task.
         lease_ttl_s: lease TTL of the master and the PS, seconds, >= 1.
-        checkpoint_dir: directory for the PS's own shard checkpoints
+        checkpoint_dir: directory or storage URL for the PS's own shard checkpoints
             (``--checkpoint-dir``); None: ``ps-checkpoints/`` in the servers'
             work directory (removed at the end).
         checkpoint_every_s: seconds between shard checkpoints, > 0.
@@ -151,13 +153,13 @@ class ServersConfig:
     ps_args: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
     with_master: bool = True
-    data_files: tuple[Path, ...] = ()
+    data_files: tuple[str | Path, ...] = ()
     virtual_records: int = 0
     records_per_task: int = 512
     num_passes: int = 1
     task_timeout_s: float = 60.0
     lease_ttl_s: float = 5.0
-    checkpoint_dir: Path | None = None
+    checkpoint_dir: str | Path | None = None
     checkpoint_every_s: float = 30.0
     startup_timeout_s: float = 60.0
     stop_timeout_s: float = 10.0
@@ -609,7 +611,7 @@ class LocalServers:
         if cfg.virtual_records:
             data = ["--virtual-records", str(cfg.virtual_records)]
         else:
-            data = ["--data", *(str(Path(p).resolve()) for p in cfg.data_files)]
+            data = ["--data", *(str(Location.of(p).resolve()) for p in cfg.data_files)]
         return [
             "master", *self._common_args(), *data,
             "--epochs", str(cfg.num_passes),
@@ -629,7 +631,7 @@ class LocalServers:
         ]  # fmt: skip
         # Always: a restarted PS recovers from its own checkpoints.
         checkpoints = (
-            Path(cfg.checkpoint_dir).resolve()
+            Location.of(cfg.checkpoint_dir).resolve()
             if cfg.checkpoint_dir is not None
             else self.workdir / "ps-checkpoints"
         )

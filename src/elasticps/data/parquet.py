@@ -5,6 +5,12 @@ written with small row groups, and :class:`RangeReader` decodes only the row
 groups that overlap the range, found from the cumulative ``num_rows`` of the
 row-group metadata. Every failure is reported as a one-line
 :class:`~elasticps.errors.DataError` naming the file.
+
+A file is a local path or a storage URL (``s3://``, ``gs://``, ``hdfs://``,
+see :mod:`elasticps.storage`): a remote file is read by byte ranges, the
+footer first and then the column chunks of the row groups a range needs.
+A dataset (:func:`resolve_dataset_files`) is one file, a directory of
+``<split>.parquet`` or of many Parquet files, or a glob.
 """
 
 from __future__ import annotations
@@ -14,11 +20,16 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elasticps.errors import DataError
+from elasticps.storage import Location
+
+FileName = str | Path | Location
+"""A Parquet file: a local path, or a URL (see :mod:`elasticps.storage`)."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -26,17 +37,40 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _open_metadata(path: Path) -> pq.FileMetaData:
-    """Read the footer of a Parquet file, translating failures to :class:`DataError`."""
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+def _source(location: Location) -> Any:
+    """What pyarrow reads: a local path as it is, a remote file as an open handle.
+
+    Raises:
+        DataError: the file is missing or cannot be opened.
+    """
     try:
-        return pq.read_metadata(path)
+        found = location.is_file()
+    except OSError as exc:
+        raise DataError(f"cannot reach data file {location}: {_one_line(exc)}") from exc
+    if not found:
+        raise DataError(f"data file not found: {location}")
+    if location.is_local:
+        return location.local_path
+    try:
+        return location.open_input()
+    except OSError as exc:
+        raise DataError(f"cannot open data file {location}: {_one_line(exc)}") from exc
+
+
+def _open_metadata(path: FileName) -> pq.FileMetaData:
+    """Read the footer of a Parquet file, translating failures to :class:`DataError`."""
+    location = Location.of(path)
+    source = _source(location)
+    try:
+        return pq.read_metadata(source)
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"not a readable Parquet file: {path} ({_one_line(exc)})") from exc
+        raise DataError(f"not a readable Parquet file: {location} ({_one_line(exc)})") from exc
+    finally:
+        if not isinstance(source, Path):
+            source.close()
 
 
-def count_rows(path: str | Path) -> int:
+def count_rows(path: FileName) -> int:
     """Return the number of rows of a Parquet file, from its footer only.
 
     Args:
@@ -48,26 +82,28 @@ def count_rows(path: str | Path) -> int:
     Raises:
         DataError: the file is missing or is not Parquet.
     """
-    return int(_open_metadata(Path(path)).num_rows)
+    return int(_open_metadata(path).num_rows)
 
 
-def column_names(path: str | Path) -> list[str]:
+def column_names(path: FileName) -> list[str]:
     """Return the top-level column names of a Parquet file, from its footer only.
 
     Raises:
         DataError: the file is missing or is not Parquet.
     """
-    return list(_open_metadata(Path(path)).schema.to_arrow_schema().names)
+    return list(_open_metadata(path).schema.to_arrow_schema().names)
 
 
-def _missing_columns_error(path: Path, missing: Sequence[str], present: Sequence[str]) -> DataError:
+def _missing_columns_error(
+    path: FileName, missing: Sequence[str], present: Sequence[str]
+) -> DataError:
     return DataError(
         f"data file {path} lacks column(s) {', '.join(repr(c) for c in missing)}; "
         f"it has: {', '.join(repr(c) for c in present) or '(no columns)'}"
     )
 
 
-def check_columns(path: str | Path, required: Sequence[str]) -> None:
+def check_columns(path: FileName, required: Sequence[str]) -> None:
     """Check that a Parquet file has every column in ``required``.
 
     Args:
@@ -82,10 +118,10 @@ def check_columns(path: str | Path, required: Sequence[str]) -> None:
     present = column_names(path)
     missing = [name for name in required if name not in present]
     if missing:
-        raise _missing_columns_error(Path(path), missing, present)
+        raise _missing_columns_error(path, missing, present)
 
 
-def null_counts(path: str | Path, columns: Sequence[str]) -> dict[str, int]:
+def null_counts(path: FileName, columns: Sequence[str]) -> dict[str, int]:
     """Return the number of null values in each of ``columns``, from the file's footer.
 
     A flat column's count is the ``null_count`` statistic of each row group,
@@ -105,7 +141,6 @@ def null_counts(path: str | Path, columns: Sequence[str]) -> dict[str, int]:
     Raises:
         DataError: the file is missing, is not Parquet, or cannot be read.
     """
-    path = Path(path)
     metadata = _open_metadata(path)
     wanted = set(columns)
     # Top-level column -> [(row group, leaf column index, nested)]
@@ -128,10 +163,14 @@ def null_counts(path: str | Path, columns: Sequence[str]) -> dict[str, int]:
             else:
                 counts[name] += int(stats.null_count)
     for name, groups in suspect.items():
+        source = _source(Location.of(path))
         try:
-            table = pq.ParquetFile(path).read_row_groups(sorted(groups), columns=[name])
+            table = pq.ParquetFile(source).read_row_groups(sorted(groups), columns=[name])
         except (pa.ArrowException, OSError) as exc:
             raise DataError(f"cannot read column {name!r} of {path}: {_one_line(exc)}") from exc
+        finally:
+            if not isinstance(source, Path):
+                source.close()
         counts[name] += sum(_nulls(chunk) for chunk in table.column(name).chunks)
     return counts
 
@@ -152,7 +191,7 @@ SKIP_HINT = "or pass --bad-records skip to drop the mini-batches they fall in"
 """The end of :func:`check_no_nulls`'s message for training data."""
 
 
-def check_no_nulls(path: str | Path, columns: Sequence[str], *, hint: str = SKIP_HINT) -> None:
+def check_no_nulls(path: FileName, columns: Sequence[str], *, hint: str = SKIP_HINT) -> None:
     """Check that ``columns`` of a Parquet file hold no null values (see :func:`null_counts`).
 
     Args:
@@ -176,7 +215,7 @@ def check_no_nulls(path: str | Path, columns: Sequence[str], *, hint: str = SKIP
 
 
 def resolve_dataset(data: str | Path, split: str = "train") -> Path:
-    """Return the Parquet file named by ``data``.
+    """Return the local Parquet file named by ``data``.
 
     Args:
         data: a Parquet file, or a directory holding ``<split>.parquet`` (as
@@ -198,11 +237,84 @@ def resolve_dataset(data: str | Path, split: str = "train") -> Path:
     return path
 
 
+def find_split(data: FileName, split: str) -> tuple[Location, ...]:
+    """The Parquet files of one split of a dataset, or none.
+
+    ``data`` is looked at in this order:
+
+    1. a glob (``s3://bucket/mnist/part-*.parquet``): every file it matches,
+       whatever ``split``;
+    2. a file: that file, whatever ``split``;
+    3. a directory holding ``<split>.parquet``: that file;
+    4. a directory holding a directory ``<split>/``: every ``*.parquet`` in it;
+    5. for ``split == "train"``, a directory of ``*.parquet`` files (none
+       named ``test.parquet``): all of them.
+
+    Files come sorted by name, so every process sees the same order (the
+    master's tasks name a file and a row range of it).
+
+    Args:
+        data: a local path or a URL (see :mod:`elasticps.storage`).
+        split: ``"train"`` or ``"test"``.
+
+    Returns:
+        The files, possibly none.
+
+    Raises:
+        DataError: the storage cannot be reached.
+    """
+    where = Location.of(data)
+    try:
+        if where.has_glob:
+            return tuple(where.glob())
+        if where.is_file():
+            return (where,)
+        if not where.is_dir():
+            return ()
+        names = where.listdir()
+        if f"{split}.parquet" in names:
+            return (where / f"{split}.parquet",)
+        if split in names and (where / split).is_dir():
+            return tuple(
+                where / split / n for n in (where / split).listdir() if n.endswith(".parquet")
+            )
+        if split == "train" and "test.parquet" not in names:
+            return tuple(where / n for n in names if n.endswith(".parquet"))
+    except OSError as exc:
+        raise DataError(f"cannot list the dataset {where}: {_one_line(exc)}") from exc
+    return ()
+
+
+def resolve_dataset_files(data: FileName, split: str = "train") -> tuple[Location, ...]:
+    """The Parquet files of a split (see :func:`find_split`), at least one.
+
+    Raises:
+        DataError: ``data`` names no Parquet file for ``split``, or the
+            storage cannot be reached.
+    """
+    files = find_split(data, split)
+    if not files:
+        where = Location.of(data)
+        try:
+            is_dir = where.is_dir()
+        except OSError as exc:
+            raise DataError(f"cannot reach {where}: {_one_line(exc)}") from exc
+        if is_dir:
+            raise DataError(
+                f"data file not found: {where / (split + '.parquet')} (nor a {split}/ "
+                "directory or other Parquet files)"
+            )
+        raise DataError(f"data file not found: {data}")
+    return files
+
+
 @dataclass(frozen=True)
 class _OpenFile:
     """An opened Parquet file and the first row of each of its row groups."""
 
     file: pq.ParquetFile
+    # the open remote file the ParquetFile reads, or None for a local path
+    handle: Any
     # group_starts[g] is the first row of row group g; group_starts[-1] is the
     # total row count, so group g spans [group_starts[g], group_starts[g + 1]).
     group_starts: tuple[int, ...]
@@ -228,41 +340,49 @@ class RangeReader:
     """
 
     def __init__(self) -> None:
-        self._files: dict[Path, _OpenFile] = {}
+        self._files: dict[str, _OpenFile] = {}
         self._lock = threading.Lock()
 
-    def _open(self, path: Path) -> _OpenFile:
+    def _open(self, path: FileName) -> _OpenFile:
+        location = Location.of(path)
         with self._lock:
-            cached = self._files.get(path)
+            cached = self._files.get(location.url)
         if cached is not None:
             return cached
-        metadata = _open_metadata(path)
+        source = _source(location)
         try:
-            parquet_file = pq.ParquetFile(path, metadata=metadata)
+            metadata = pq.read_metadata(source)
+            parquet_file = pq.ParquetFile(source, metadata=metadata)
         except (pa.ArrowException, OSError) as exc:
-            raise DataError(f"not a readable Parquet file: {path} ({_one_line(exc)})") from exc
+            if not isinstance(source, Path):
+                source.close()
+            raise DataError(f"not a readable Parquet file: {location} ({_one_line(exc)})") from exc
         starts = [0]
         for group in range(metadata.num_row_groups):
             starts.append(starts[-1] + metadata.row_group(group).num_rows)
         opened = _OpenFile(
             file=parquet_file,
+            handle=None if isinstance(source, Path) else source,
             group_starts=tuple(starts),
             names=tuple(parquet_file.schema_arrow.names),
         )
         with self._lock:
-            return self._files.setdefault(path, opened)
+            kept = self._files.setdefault(location.url, opened)
+        if kept is not opened:
+            _close(opened)
+        return kept
 
-    def num_rows(self, path: str | Path) -> int:
+    def num_rows(self, path: FileName) -> int:
         """Return the row count of ``path`` (cached after the first call).
 
         Raises:
             DataError: the file is missing or is not Parquet.
         """
-        return self._open(Path(path)).num_rows
+        return self._open(path).num_rows
 
     def read_rows(
         self,
-        path: str | Path,
+        path: FileName,
         start: int,
         end: int,
         columns: Sequence[str] | None = None,
@@ -286,7 +406,6 @@ class RangeReader:
             DataError: the file is missing or is not Parquet, the range is out
                 of bounds, a requested column is missing, or decoding fails.
         """
-        path = Path(path)
         opened = self._open(path)
         if not 0 <= start <= end <= opened.num_rows:
             raise DataError(
@@ -324,10 +443,16 @@ class RangeReader:
         with self._lock:
             files, self._files = self._files, {}
         for opened in files.values():
-            opened.file.close()
+            _close(opened)
 
     def __enter__(self) -> RangeReader:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _close(opened: _OpenFile) -> None:
+    opened.file.close()
+    if opened.handle is not None:
+        opened.handle.close()

@@ -100,6 +100,7 @@ __all__ = [
 ]
 
 from elasticps.launcher.supervisor import FailJob
+from elasticps.storage import Location
 
 if TYPE_CHECKING:
     from elasticps.coord.store import JobStore
@@ -887,11 +888,20 @@ class JobRequest:
         max_trainers: most trainers, >= min_trainers.
         initial_trainers: the wanted count at the start, in the range.
         ps: parameter servers, >= 1.
-        data: Parquet paths as seen inside the pods.
+        data: Parquet paths as seen inside the pods, or storage URLs
+            (``s3://``, ``gs://``, ``hdfs://``; see :mod:`elasticps.storage`),
+            which need no volume.
         master_args: more ``elasticps master`` flags (epochs, task sizes...).
         env: job-wide ``ELASTICPS_*`` variables (mode, optimizer, batch size...).
         etcd_endpoint: an existing etcd ``host:port``; None starts one pod.
         stuck_after_s: replace trainers without progress for this long, seconds.
+        checkpoint_dir: where the parameter servers keep their shard
+            checkpoints: a storage URL, or a path inside the pods; empty: on
+            the volume claim (``/data/checkpoints/<job>``) if there is one,
+            else none. With URLs for the data and the checkpoints a job needs
+            no shared volume; the pods read their credentials from the
+            standard places (their environment, or the role of their service
+            account or node).
     """
 
     job: str
@@ -905,9 +915,12 @@ class JobRequest:
     env: Mapping[str, str] = field(default_factory=dict)
     etcd_endpoint: str | None = None
     stuck_after_s: float | None = None
+    checkpoint_dir: str = ""
 
     def __post_init__(self) -> None:
         check_kubernetes_job_name(self.job)
+        if self.checkpoint_dir:
+            Location.of(self.checkpoint_dir)  # refuses credentials in the URL
         if not 1 <= self.min_trainers <= self.initial_trainers <= self.max_trainers:
             raise ConfigError(
                 f"--trainers needs 1 <= MIN <= initial <= MAX, got {self.min_trainers} <= "
@@ -940,6 +953,8 @@ def job_objects(request: JobRequest, config: KubernetesConfig) -> list[Any]:
     }
     # For the master's worker manager: its worker pods look like this job's.
     env["ELASTICPS_IMAGE_PULL_POLICY"] = config.image_pull_policy
+    if request.checkpoint_dir:
+        env["ELASTICPS_CHECKPOINT_DIR"] = request.checkpoint_dir
     if config.volume_claim:
         env["ELASTICPS_VOLUME_CLAIM"] = config.volume_claim
         env.setdefault("ELASTICPS_CHECKPOINT_DIR", f"{DATA_DIR}/checkpoints/{job}")

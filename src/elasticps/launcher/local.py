@@ -67,7 +67,9 @@ from elasticps.data.parquet import (
     check_columns,
     check_no_nulls,
     count_rows,
+    find_split,
     resolve_dataset,
+    resolve_dataset_files,
 )
 from elasticps.errors import (
     BadRecordError,
@@ -96,7 +98,9 @@ from elasticps.launcher.output import (
     checkpoint_bytes_estimate,
     optimizer_state_tensors,
     previous_run_files,
+    remote_run_files,
     remove_previous_run,
+    remove_remote_run,
     table_checkpoint_bytes,
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
@@ -130,6 +134,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
+from elasticps.storage import Location
 from elasticps.tables import TableSet
 from elasticps.updater import ps_flags
 
@@ -295,9 +300,9 @@ class LocalLauncher:
         cfg = self.config
         given = parse_model_args(cfg.model_args)
         args = given
-        if cfg.resume is not None and (cfg.resume / "manifest.json").is_file():
+        if cfg.resume is not None and _is_file(Location.of(cfg.resume) / "manifest.json"):
             try:
-                extra = read_snapshot_manifest(cfg.resume).get("extra")
+                extra = read_snapshot_manifest(Location.of(cfg.resume)).get("extra")
             except DataError:
                 extra = None  # not a consistent checkpoint: validate() says so
             recorded = extra.get("model_args") if isinstance(extra, dict) else None
@@ -314,11 +319,11 @@ class LocalLauncher:
 
     # --- public ---------------------------------------------------------------
 
-    def validate(self) -> tuple[ModelSpec, Path, Path | None]:
+    def validate(self) -> tuple[ModelSpec, tuple[Location, ...], Location | None]:
         """Check the user's inputs before starting anything.
 
         Returns:
-            The model spec, the training file, and the test file if present.
+            The model spec, the training files, and the test file if present.
 
         It changes nothing: the data is checked from Parquet metadata
         (columns, rows, and nulls in the model's columns unless
@@ -327,7 +332,7 @@ class LocalLauncher:
         output location by its path (see :meth:`claim_output` for the rest).
 
         Returns:
-            The model spec, the training file, and the test file if present.
+            The model spec, the training files, and the test file if present.
 
         Raises:
             ModelContractError, DataError, PortInUseError, ConfigError:
@@ -338,25 +343,32 @@ class LocalLauncher:
         # Built once here, as every trainer will: its constructor and parameters
         # are checked before launch, and its size sizes the checkpoints.
         self._size_model(spec.instantiate(cfg.seed))
-        test: Path | None = None
+        train: tuple[Location, ...] = ()
+        test: Location | None = None
         if cfg.stream:
             # A stream's records are checked as they are read; its test set is named.
             from elasticps.extras import require_extra
 
             require_extra("kafka", "--data kafka://")
             load_client_config(cfg.kafka_config)
-            train = Path(cfg.stream)
             if cfg.test_data is not None:
-                test = resolve_dataset(cfg.test_data, "test")
+                test = Location.of(resolve_dataset(cfg.test_data, "test"))
         else:
-            train = resolve_dataset(cfg.data, "train")
-            check_columns(train, spec.columns)
-            if count_rows(train) == 0:
-                raise DataError(f"{train} has no rows")
+            train = resolve_dataset_files(cfg.data, "train")
+            for path in train:
+                check_columns(path, spec.columns)
+            if sum(count_rows(path) for path in train) == 0:
+                raise DataError(f"{cfg.data} has no rows")
             if cfg.bad_records != "skip":
-                check_no_nulls(train, spec.columns)
-            if cfg.data.is_dir() and (cfg.data / "test.parquet").exists():
-                test = cfg.data / "test.parquet"
+                for path in train:
+                    check_no_nulls(path, spec.columns)
+            tests = find_split(cfg.data, "test") if _is_dir(Location.of(cfg.data)) else ()
+            if len(tests) > 1:
+                raise DataError(
+                    f"{cfg.data} holds {len(tests)} test files; evaluation reads one test.parquet"
+                )
+            if tests:
+                test = tests[0]
         if test is not None:
             check_columns(test, spec.columns)
             # Evaluation skips nothing, whatever --bad-records says.
@@ -366,20 +378,27 @@ class LocalLauncher:
         if cfg.eval_each_pass and test is None:
             raise DataError(f"--eval-each-pass needs a test.parquet in {cfg.data}")
         if cfg.resume is not None:
-            if not cfg.resume.is_dir():
+            resume = Location.of(cfg.resume)
+            if not _is_dir(resume):
                 raise DataError(f"--resume {cfg.resume}: no such directory")
-            if (cfg.resume / "run.json").exists() and (cfg.resume / "snapshot").is_dir():
+            if _is_file(resume / "run.json") and _is_dir(resume / "snapshot"):
                 raise DataError(
                     f"--resume {cfg.resume} is a job's output directory; its consistent "
-                    f"checkpoint is {cfg.resume / 'snapshot'}"
+                    f"checkpoint is {resume / 'snapshot'}"
                 )
-            verify_snapshot_files(cfg.resume)
+            verify_snapshot_files(resume)
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
         if cfg.master_port:
             check_port_free(cfg.master_port, what="--master-port")
         check_output_location(cfg.output)
         return spec, train, test
+
+    @property
+    def durable(self) -> Location:
+        """Where the job's checkpoints, model and records are kept: ``output_url`` or ``output``."""
+        cfg = self.config
+        return Location.of(cfg.output_url) if cfg.output_url else Location.of(cfg.output)
 
     def claim_output(self, spec: ModelSpec) -> OutputLock:
         """Lock the output directory for this job, clean it if asked, check its free space.
@@ -407,13 +426,19 @@ class LocalLauncher:
         lock.acquire()
         try:
             previous = previous_run_files(cfg.output)
+            if cfg.output_url:
+                previous += remote_run_files(self.durable)
             if previous and not (cfg.overwrite or cfg.resume is not None):
                 raise ConfigError(
-                    f"--output {cfg.output} holds a previous run ({', '.join(previous)}); "
-                    "pass --overwrite to replace it, --resume DIR to continue from a "
-                    "checkpoint, or choose another --output"
+                    f"--output {cfg.output_url or cfg.output} holds a previous run "
+                    f"({', '.join(previous)}); pass --overwrite to replace it, --resume DIR to "
+                    "continue from a checkpoint, or choose another --output"
                 )
-            removed = remove_previous_run(cfg.output, keep=cfg.resume)
+            removed = remove_previous_run(
+                cfg.output, keep=None if cfg.resume is None else Path(str(cfg.resume))
+            )
+            if cfg.output_url:
+                removed += remove_remote_run(self.durable, keep=cfg.resume)
             if self._num_parameters is None:
                 self._size_model(spec.instantiate(cfg.seed))
             assert self._num_parameters is not None
@@ -446,7 +471,7 @@ class LocalLauncher:
         self,
         spec: ModelSpec,
         tensors: dict[str, torch.Tensor],
-        test: Path,
+        test: Location,
         tables: TableSet | None = None,
     ) -> dict[str, float]:
         """The final evaluation; what the model file raises on the test data is a user error."""
@@ -514,7 +539,9 @@ class LocalLauncher:
             with contextlib.suppress(OSError):
                 self._write_json("run.json", record)
 
-    def _run(self, spec: ModelSpec, train: Path, test: Path | None) -> JobResult:
+    def _run(
+        self, spec: ModelSpec, train: tuple[Location, ...], test: Location | None
+    ) -> JobResult:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
@@ -576,7 +603,7 @@ class LocalLauncher:
                 def take_snapshot() -> dict[str, object]:
                     manifest = checkpoint_job(
                         store,
-                        cfg.output / "snapshot",
+                        self.durable / "snapshot",
                         {"job": cfg.job, "model_args": self.model_args()},
                         stream=bool(cfg.stream),
                     )
@@ -593,7 +620,7 @@ class LocalLauncher:
                     if isinstance(exc, RemoteError) and exc.code != "snapshot_failed":
                         raise
                     self._rescue(store, spec, f"the final checkpoint cannot be written: {exc}")
-                tensors, versions = final_parameters(spec, cfg.output / "snapshot")
+                tensors, versions = final_parameters(spec, self.durable / "snapshot")
                 if self._passes_missing:
                     self._emit(
                         f"[launcher] the ledger has no audit of passes {self._passes_missing}"
@@ -610,20 +637,15 @@ class LocalLauncher:
             wall_s = time.monotonic() - started
             manifest = self._model_manifest(versions, snapshot["version"], samples, wall_s)
             try:
-                save_checkpoint(cfg.output, tensors, manifest)
+                save_checkpoint(self.durable, tensors, manifest)
             except OSError as exc:
-                why = f"model.safetensors cannot be written into {cfg.output}: {exc}"
+                why = f"model.safetensors cannot be written into {self.durable}: {exc}"
                 self._save_fallback(tensors, manifest, why)
             if cfg.stream:
                 self._stream_offsets = offsets_of(snapshot)
                 LatestPublisher(cfg.output, cfg.checkpoint_every_s, self._copy_final).publish_once()
             evaluation = (
-                self._evaluate(
-                    spec,
-                    tensors,
-                    test,
-                    checkpoint_tables(spec.instantiate(0), cfg.output / "snapshot"),
-                )
+                self._evaluate(spec, tensors, test, sparse_tables(spec, self.durable / "snapshot"))
                 if test is not None
                 else None
             )
@@ -755,7 +777,7 @@ class LocalLauncher:
         except (OSError, ElasticPSError) as exc:
             raise CheckpointFailureError(
                 f"{reason}; saving the parameters into {target} failed too ({exc}); the last "
-                f"shard checkpoints written are in {cfg.output / 'ps-checkpoints'}"
+                f"shard checkpoints written are in {self.durable / 'ps-checkpoints'}"
             ) from exc
         manifest = self._model_manifest(versions, snapshot["version"], samples, 0.0)
         self._save_fallback(tensors, manifest, reason)
@@ -798,7 +820,7 @@ class LocalLauncher:
 
     # --- children ---------------------------------------------------------------
 
-    def _spawn_all(self, etcd_endpoint: str, train: Path) -> None:
+    def _spawn_all(self, etcd_endpoint: str, train: tuple[Location, ...]) -> None:
         cfg = self.config
         common = ["--job", cfg.job, "--etcd", etcd_endpoint, "--lease-ttl-s", str(cfg.lease_ttl_s)]
         # One active master and cfg.standby_masters standbys waiting on the lock;
@@ -808,14 +830,14 @@ class LocalLauncher:
             *(["--kafka-config", str(cfg.kafka_config.resolve())] if cfg.kafka_config else []),
             *(["--until-offset", str(cfg.until_offset)] if cfg.until_offset is not None else []),
             *(["--until-time", repr(cfg.until_time)] if cfg.until_time is not None else []),
-            *(["--stream-resume", str(cfg.resume.resolve())] if cfg.resume else []),
+            *(["--stream-resume", str(Location.of(cfg.resume).resolve())] if cfg.resume else []),
         ] if cfg.stream else []  # fmt: skip
         for i in range(1 + cfg.standby_masters):
             self._spawn(
                 f"master-{i}",
                 [
                     "master", *common,
-                    "--data", cfg.stream or str(train),
+                    "--data", *([cfg.stream] if cfg.stream else [str(path) for path in train]),
                     *stream,
                     "--epochs", str(cfg.epochs),
                     "--records-per-task", str(cfg.records_per_task),
@@ -826,7 +848,7 @@ class LocalLauncher:
                     "--checkpoint-every-s", str(cfg.checkpoint_every_s),
                 ],
             )  # fmt: skip
-        checkpoints = (cfg.output / "ps-checkpoints").resolve()
+        checkpoints = (self.durable / "ps-checkpoints").resolve()
         # cfg.standby_ps extra servers wait for a slot to free (warm spares);
         # every PS waits as long as it takes, because a restarted PS whose
         # slot a spare took becomes the new spare.
@@ -836,7 +858,11 @@ class LocalLauncher:
         if cfg.sparse_eviction:
             staleness += ["--sparse-eviction", cfg.sparse_eviction]
         for i in range(cfg.ps + cfg.standby_ps):
-            resume = ["--resume", str(cfg.resume.resolve())] if cfg.resume is not None else []
+            resume = (
+                ["--resume", str(Location.of(cfg.resume).resolve())]
+                if cfg.resume is not None
+                else []
+            )
             self._spawn(
                 f"ps-{i}",
                 [
@@ -1419,8 +1445,10 @@ class LocalLauncher:
             return
         if event.action == "lose":
             index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
-            lost = self.config.output / "ps-checkpoints" / f"ps-{index}"
-            shutil.rmtree(lost, ignore_errors=True)
+            lost = self.durable / "ps-checkpoints" / f"ps-{index}"
+            with contextlib.suppress(OSError):
+                lost.remove_tree()
+
             self._emit(f"[launcher] chaos: deleted {lost}")
         self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
         with contextlib.suppress(ProcessLookupError):
@@ -1513,7 +1541,25 @@ class LocalLauncher:
                 "lag": self._stream_lag,
                 "offsets": self._stream_offsets,
             }
+        if self.config.output_url:
+            record["output_url"] = self.config.output_url
         self._write_json("run.json", record)
+        if self.config.output_url:
+            self._publish_records()
+
+    def _publish_records(self) -> None:
+        """Copy ``run.json``, ``config.toml`` and ``logs/`` to ``output_url``, ``run.json`` last.
+
+        A failure is logged: the model and the checkpoints are there already.
+        """
+        local = Location.of(self.config.output)
+        try:
+            (local / "logs").copy_tree_to(self.durable / "logs")
+            for name in ("config.toml", "run.json"):
+                if (local / name).is_file():
+                    (local / name).copy_to(self.durable / name)
+        except OSError as exc:
+            self._emit(f"WARNING: cannot copy the run record to {self.durable}: {exc}")
 
     def _write_json(self, name: str, obj: object) -> None:
         self._write_text(name, json.dumps(obj, indent=2) + "\n")
@@ -1655,8 +1701,26 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+def sparse_tables(spec: ModelSpec, snapshot_dir: Path | Location) -> TableSet | None:
+    """The trained sparse tables of a model that has any, read from a consistent checkpoint.
+
+    Raises:
+        DataError: the checkpoint is not local, or the tables' files are missing or corrupt.
+        MissingParameterError: a table of the model is not in the checkpoint.
+    """
+    from elasticps.nn import table_specs
+
+    model = spec.instantiate(0)
+    if not table_specs(model):
+        return None
+    where = Location.of(snapshot_dir)
+    if not where.is_local:
+        raise DataError(f"sparse tables cannot be read from {where}: use a local --output")
+    return checkpoint_tables(model, where.local_path)
+
+
 def final_parameters(
-    spec: ModelSpec, snapshot_dir: Path
+    spec: ModelSpec, snapshot_dir: Path | Location
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The model's parameters and buffers from a consistent checkpoint, shaped as the model's.
 
@@ -1691,7 +1755,7 @@ _CHECKPOINT_RETRY_CODES = frozenset({"freeze_timeout", "busy", "wrong_epoch", "n
 
 def checkpoint_job(
     store: JobStore,
-    out_dir: Path,
+    out_dir: Path | Location,
     extra: dict[str, object],
     *,
     timeout_s: float = 30.0,
@@ -1710,7 +1774,8 @@ def checkpoint_job(
 
     Args:
         store: the job's etcd view.
-        out_dir: checkpoint directory (on a file system the PS can write).
+        out_dir: checkpoint directory (on a file system the PS can write, or a
+            storage URL they can write).
         extra: more fields for the manifest.
         timeout_s: how long to wait for every PS to be present, seconds.
         retry_s: how long to go on trying through server restarts, seconds.
@@ -1732,7 +1797,7 @@ def checkpoint_job(
         try:
             manifest = take_consistent_checkpoint(
                 addresses,
-                out_dir.resolve(),
+                Location.of(out_dir).resolve(),
                 ledger_revision=revision,
                 extra=extra,
                 while_frozen=functools.partial(stream_extra, store) if stream else None,
@@ -1765,3 +1830,19 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _is_file(location: Location) -> bool:
+    """``location.is_file()``, an unreachable storage reported as a DataError."""
+    try:
+        return location.is_file()
+    except OSError as exc:
+        raise DataError(f"cannot reach {location}: {exc}") from exc
+
+
+def _is_dir(location: Location) -> bool:
+    """``location.is_dir()``, an unreachable storage reported as a DataError."""
+    try:
+        return location.is_dir()
+    except OSError as exc:
+        raise DataError(f"cannot reach {location}: {exc}") from exc

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Final
 
 from elasticps.config import OptimizerConfig
 from elasticps.errors import ConfigError, OutputInUseError
+from elasticps.storage import Location
 
 if TYPE_CHECKING:
     from elasticps.pserver.sparse import TableSpec
@@ -54,7 +55,9 @@ __all__ = [
     "checkpoint_bytes_estimate",
     "optimizer_state_tensors",
     "previous_run_files",
+    "remote_run_files",
     "remove_previous_run",
+    "remove_remote_run",
     "table_checkpoint_bytes",
 ]
 
@@ -265,6 +268,56 @@ def remove_previous_run(output: Path, *, keep: Path | None = None) -> list[str]:
                 path.unlink()
         except OSError as exc:
             raise ConfigError(f"cannot remove {path} of the previous run: {exc}") from exc
+        removed.append(name)
+    return removed
+
+
+def remote_run_files(output: Location) -> list[str]:
+    """The entries of :data:`PREVIOUS_RUN_FILES` present under a storage URL, in that order.
+
+    Raises:
+        ConfigError: the storage cannot be reached.
+    """
+    try:
+        present = set(output.listdir())
+    except OSError as exc:
+        raise ConfigError(f"cannot reach --output {output}: {exc}") from exc
+    return [name for name in PREVIOUS_RUN_FILES if name in present]
+
+
+def remove_remote_run(output: Location, *, keep: str | Path | None = None) -> list[str]:
+    """Remove the files a previous job left under a storage URL (:data:`RUN_FILES` only).
+
+    Args:
+        output: the ``--output`` URL.
+        keep: a location to leave in place, with everything above it (the
+            ``--resume`` checkpoint, when it is ``OUTPUT/snapshot``).
+
+    Returns:
+        The names removed.
+
+    Raises:
+        ConfigError: the storage cannot be reached, or an entry cannot be removed.
+    """
+    kept = None if keep is None else Location.of(keep).url.rstrip("/") + "/"
+    removed: list[str] = []
+    try:
+        present = set(output.listdir())
+    except OSError as exc:
+        raise ConfigError(f"cannot reach --output {output}: {exc}") from exc
+    for name in RUN_FILES:
+        if name not in present:
+            continue
+        entry = output / name
+        if kept is not None and kept.startswith(entry.url + "/"):
+            continue
+        try:
+            if entry.is_dir():
+                entry.remove_tree()
+            else:
+                entry.remove()
+        except OSError as exc:
+            raise ConfigError(f"cannot remove {entry} of the previous run: {exc}") from exc
         removed.append(name)
     return removed
 

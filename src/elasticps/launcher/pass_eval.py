@@ -31,6 +31,7 @@ import torch
 
 from elasticps.buffers import state_from_flat
 from elasticps.coord.store import JobStore, Watch
+from elasticps.data.parquet import FileName
 from elasticps.errors import ElasticPSError
 from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.model_file import ModelSpec
@@ -95,7 +96,7 @@ class PassEvaluator:
         store: JobStore,
         spec: ModelSpec,
         seed: int,
-        test_path: Path,
+        test_path: FileName,
         work_dir: Path,
     ) -> None:
         self._store = store

@@ -21,6 +21,13 @@ Writes go to a temporary file in the same directory, which is flushed and
 fsynced, renamed over the final name, and then the directory is fsynced so
 the rename survives a power loss. There is no pickle anywhere.
 
+The checkpoint directory may also be a storage URL (``s3://``, ``gs://``,
+``hdfs://``; see :mod:`elasticps.storage`). A shard file is then one object,
+uploaded whole (or written under a temporary name and renamed, on HDFS), so
+it is still the single commit point: it is visible completely or not at all,
+and a server killed mid-upload leaves the files before it usable. Sparse
+tables are checkpointed to local or mounted directories only.
+
 This module also keeps a parameter server's own checkpoint files
 (:class:`ShardFiles`) and runs its periodic checkpoints
 (:class:`ShardCheckpointer`).
@@ -66,10 +73,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from elasticps.errors import DataError
-from elasticps.pserver.atomic import content_crc32, write_atomic
+from elasticps.pserver.atomic import content_crc32
 from elasticps.pserver.shard import COVERAGE_KEY, SPARSE_STATE_KEY, VALUES_KEY, ParameterShard
 from elasticps.pserver.sparse_checkpoint import load_tables_state, save_tables_state
 from elasticps.pserver.sparse_shard import TablesState
+from elasticps.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +96,13 @@ class SavedShard:
     """What :func:`save_shard` wrote.
 
     Attributes:
-        path: the file.
+        path: the file (a ``Location`` if remote).
         crc32: CRC-32 of the whole file's bytes (for manifests).
         nbytes: size of the file in bytes.
         version: the model version saved.
     """
 
-    path: Path
+    path: Path | Location
     crc32: int
     nbytes: int
     version: int
@@ -111,14 +119,23 @@ def tables_dir_of(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".safetensors") + ".tables")
 
 
-def _save_tables(path: Path, meta: Mapping[str, object]) -> None:
-    """Write the tables of a shard state beside its file ``path`` (before the file itself)."""
+def _save_tables(path: Location, meta: Mapping[str, object]) -> None:
+    """Write the tables of a shard state beside its file ``path`` (before the file itself).
+
+    Raises:
+        OSError: the tables cannot be written, or ``path`` is remote (sparse
+            tables are checkpointed to local or mounted directories only).
+    """
     state = meta.get(SPARSE_STATE_KEY)
     if isinstance(state, TablesState):
-        save_tables_state(tables_dir_of(path), state)
+        if not path.is_local:
+            raise OSError(
+                f"sparse tables are checkpointed to a local or mounted directory only, not {path}"
+            )
+        save_tables_state(tables_dir_of(path.local_path), state)
 
 
-def _load_tables(path: Path, meta: dict[str, object]) -> None:
+def _load_tables(path: Location, meta: dict[str, object]) -> None:
     """Read back the tables the shard file ``path`` names into ``meta``.
 
     Raises:
@@ -127,11 +144,18 @@ def _load_tables(path: Path, meta: dict[str, object]) -> None:
     names = meta.get("sparse_tables")
     if not isinstance(names, dict) or not names:
         return
-    state = load_tables_state([tables_dir_of(path)], [str(n) for n in names])
+    if not path.is_local:
+        raise DataError(f"{path}: sparse tables cannot be read from remote storage")
+    state = load_tables_state([tables_dir_of(path.local_path)], [str(n) for n in names])
     missing = sorted(set(map(str, names)) - set(state.metas))
     if missing:
         raise DataError(f"{path}: its sparse tables {', '.join(missing)} are missing")
     meta[SPARSE_STATE_KEY] = state
+
+
+def _plain(location: Location) -> Path | Location:
+    """A local location as a ``Path`` (what callers had before URLs), a remote one as it is."""
+    return location.local_path if location.is_local else location
 
 
 def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> bytes:
@@ -156,12 +180,13 @@ def encode_shard(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]
 
 
 def save_shard(
-    path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]
+    path: Path | Location, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]
 ) -> SavedShard:
     """Write a shard state to ``path`` atomically and durably.
 
     Args:
-        path: the file to (re)place; its directory is created if missing.
+        path: the file to (re)place, local or remote (:mod:`elasticps.storage`);
+            a local directory is created if missing.
         tensors: as from ``ParameterShard.state()``.
         meta: as from ``ParameterShard.state()``; must hold ``version``.
             Sparse tables in it are written to :func:`tables_dir_of` first.
@@ -173,12 +198,13 @@ def save_shard(
         TypeError: ``meta`` is not JSON-serialisable.
         OSError: the file cannot be written.
     """
-    _save_tables(Path(path), meta)
+    where = Location.of(path)
+    _save_tables(where, meta)
     data = encode_shard(tensors, meta)
-    write_atomic(Path(path), data)
+    where.write_atomic(data)
     version = meta.get("version")
     return SavedShard(
-        Path(path), zlib.crc32(data), len(data), version if isinstance(version, int) else 0
+        _plain(where), zlib.crc32(data), len(data), version if isinstance(version, int) else 0
     )
 
 
@@ -221,7 +247,7 @@ def decode_shard(data: bytes, where: str) -> tuple[dict[str, torch.Tensor], dict
     return tensors, meta
 
 
-def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+def load_shard(path: Path | Location) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """Read and verify a shard file written by :func:`save_shard`.
 
     Returns:
@@ -233,13 +259,13 @@ def load_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
             (see :func:`decode_shard`), or its sparse tables are missing or
             corrupt. The message is one line.
     """
-    path = Path(path)
+    where = Location.of(path)
     try:
-        data = path.read_bytes()
+        data = where.read_bytes()
     except OSError as exc:
-        raise DataError(f"cannot read shard checkpoint {path}: {exc.strerror or exc}") from exc
-    tensors, meta = decode_shard(data, str(path))
-    _load_tables(path, meta)
+        raise DataError(f"cannot read shard checkpoint {where}: {exc.strerror or exc}") from exc
+    tensors, meta = decode_shard(data, str(where))
+    _load_tables(where, meta)
     return tensors, meta
 
 
@@ -303,12 +329,13 @@ KEEP_CHECKPOINTS = 3
 class ShardFiles:
     """The checkpoint files of one parameter-server slot, for one job run and one epoch.
 
-    Files live in ``<checkpoint_dir>/ps-<index>/`` and are named
+    Files live in ``<checkpoint_dir>/ps-<index>/`` (a local directory or a
+    storage URL, see :mod:`elasticps.storage`) and are named
     ``shard-e<epoch>-v<version>.safetensors`` (zero-padded, so names sort by
     epoch then version). See the module docstring for why.
 
     Args:
-        checkpoint_dir: the job's checkpoint directory.
+        checkpoint_dir: the job's checkpoint directory, a path or a URL.
         index: the slot index.
         epoch: the slot epoch this server holds (> 0; 0 without etcd).
         run_id: the job run the files belong to; files of other runs are
@@ -324,7 +351,7 @@ class ShardFiles:
 
     def __init__(
         self,
-        checkpoint_dir: Path,
+        checkpoint_dir: str | Path | Location,
         index: int,
         epoch: int,
         run_id: str = "",
@@ -334,7 +361,7 @@ class ShardFiles:
     ) -> None:
         if keep < 2:
             raise ValueError(f"keep must be >= 2, got {keep}")
-        self.directory = Path(checkpoint_dir) / f"ps-{index}"
+        self.directory = Location.of(checkpoint_dir) / f"ps-{index}"
         self.index = index
         self.epoch = epoch
         self.run_id = run_id
@@ -342,19 +369,19 @@ class ShardFiles:
         self._may_write = may_write
         self._lock = threading.Lock()
 
-    def path_of(self, version: int, epoch: int | None = None) -> Path:
+    def path_of(self, version: int, epoch: int | None = None) -> Location:
         """The file of ``version`` under ``epoch`` (default: this server's)."""
         e = self.epoch if epoch is None else epoch
         return self.directory / f"shard-e{e:012d}-v{version:012d}.safetensors"
 
-    def _listing(self) -> list[tuple[int, int, Path]]:
-        """``(epoch, version, path)`` of every checkpoint file here, newest first."""
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
+    def _listing(self) -> list[tuple[int, int, Location]]:
+        """``(epoch, version, path)`` of every checkpoint file here, newest first.
+
+        Raises:
+            OSError: the directory cannot be listed (remote storage unreachable).
+        """
         out = []
-        for name in names:
+        for name in self.directory.listdir():
             m = _FILE_RE.fullmatch(name)
             if m:
                 out.append((int(m.group(1)), int(m.group(2)), self.directory / name))
@@ -389,9 +416,9 @@ class ShardFiles:
                 return None
             path = self.path_of(version)
             _save_tables(path, meta)
-            write_atomic(path, data)
+            path.write_atomic(data)
             self._prune()
-        return SavedShard(path, zlib.crc32(data), len(data), version)
+        return SavedShard(_plain(path), zlib.crc32(data), len(data), version)
 
     def _prune(self) -> None:
         # Caller holds self._lock. Keep the newest `keep` of our epoch; older
@@ -401,17 +428,20 @@ class ShardFiles:
         ours = [p for e, _, p in listing if e == self.epoch]
         for path in ours[self._keep :]:
             with contextlib.suppress(OSError):
-                path.unlink()
+                path.remove()
         if len(ours) >= self._keep:
             for e, _, path in listing:
                 if e < self.epoch:
                     with contextlib.suppress(OSError):
-                        path.unlink()
+                        path.remove()
+        if not self.directory.is_local:
+            return  # sparse tables are never written there
         # Tables directories whose shard file is gone (pruned, or a save that died).
+        directory = self.directory.local_path
         with contextlib.suppress(OSError):
-            for entry in os.scandir(self.directory):
+            for entry in os.scandir(directory):
                 if entry.name.endswith(".tables") and not os.path.exists(
-                    self.directory / (entry.name.removesuffix(".tables") + ".safetensors")
+                    directory / (entry.name.removesuffix(".tables") + ".safetensors")
                 ):
                     shutil.rmtree(entry.path, ignore_errors=True)
 
@@ -429,7 +459,7 @@ class ShardFiles:
             )
         return self._load(path)
 
-    def _load(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    def _load(self, path: Location) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         tensors, meta = load_shard(path)
         if self.run_id and meta.get("run_id") != self.run_id:
             raise DataError(
@@ -447,8 +477,8 @@ class ShardFiles:
         Files are tried newest first by (epoch, version), among those of
         earlier epochs than this server's. A file that fails verification,
         or belongs to another run, is skipped with a reason. The one loaded
-        is hard-linked (copied where links are impossible) under this
-        server's epoch before it is used.
+        is hard-linked (copied where links are impossible, and on remote
+        storage) under this server's epoch before it is used.
 
         Returns:
             ``(tensors, meta, skipped)`` with a line per skipped file, or
@@ -470,16 +500,18 @@ class ShardFiles:
             if self.epoch:
                 target = self.path_of(version)
                 if not target.exists():
-                    _adopt_tables(tables_dir_of(path), tables_dir_of(target))
-                    try:
-                        os.link(path, target)
-                    except OSError:
-                        write_atomic(target, path.read_bytes())
-                    dir_fd = os.open(self.directory, os.O_RDONLY)
-                    try:
-                        os.fsync(dir_fd)
-                    finally:
-                        os.close(dir_fd)
+                    if path.is_local:
+                        _adopt_tables(
+                            tables_dir_of(path.local_path), tables_dir_of(target.local_path)
+                        )
+                    path.copy_to(target)
+                    if self.directory.is_local:
+                        dir_fd = os.open(self.directory.local_path, os.O_RDONLY)
+                        try:
+                            os.fsync(dir_fd)
+                        finally:
+                            os.close(dir_fd)
+
             return tensors, meta, list(self._skipped)
         return None
 

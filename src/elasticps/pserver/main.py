@@ -28,7 +28,6 @@ import os
 import shutil
 import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
@@ -41,6 +40,7 @@ from elasticps.pserver.server import ParameterServer
 from elasticps.pserver.shard import ParameterShard, ShardClosedError
 from elasticps.pserver.sparse import EvictionPolicy
 from elasticps.snapshot import load_consistent_checkpoint
+from elasticps.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -260,8 +260,9 @@ def _restore(config: PSConfig, server: ParameterServer, files: ShardFiles | None
                 index,
             )
     if config.resume_dir is not None:
-        checkpoint = load_consistent_checkpoint(Path(config.resume_dir))
-        server.resume_from(checkpoint, Path(config.resume_dir))
+        where = Location.of(config.resume_dir)
+        checkpoint = load_consistent_checkpoint(where)
+        server.resume_from(checkpoint, where)
         log.info(
             "parameter server %d: will resume from %s (version %s, %d parameters)",
             index, config.resume_dir, checkpoint.meta.get("version"), len(checkpoint.values),

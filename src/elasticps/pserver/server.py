@@ -141,6 +141,7 @@ from elasticps.pserver.sparse import EvictionPolicy
 from elasticps.pserver.sparse_checkpoint import load_tables_state
 from elasticps.pserver.sparse_shard import RowGrads, ShardTables, split_counts
 from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
+from elasticps.storage import Location, is_url
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -264,7 +265,7 @@ class ParameterServer:
         self._updated_any = False
         self._freezers: set[socket.socket] = set()
         self._resume: ConsistentCheckpoint | None = None
-        self._resume_dir: Path | None = None
+        self._resume_dir: Location | None = None
         self._save_thread: threading.Thread | None = None
 
     @property
@@ -301,7 +302,7 @@ class ParameterServer:
             self._install(shard)
 
     def resume_from(
-        self, checkpoint: ConsistentCheckpoint | None, directory: Path | None = None
+        self, checkpoint: ConsistentCheckpoint | None, directory: Path | Location | None = None
     ) -> None:
         """Fill the shard from ``checkpoint`` when the first trainer says hello.
 
@@ -313,7 +314,7 @@ class ParameterServer:
         """
         with self._cond:
             self._resume = checkpoint
-            self._resume_dir = None if directory is None else Path(directory)
+            self._resume_dir = None if directory is None else Location.of(directory)
 
     def _install(self, shard: ParameterShard) -> None:
         # Caller holds self._cond.
@@ -1001,8 +1002,8 @@ class ParameterServer:
 
     def _snapshot(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
         directory = msg.get("dir")
-        if not isinstance(directory, str) or not os.path.isabs(directory):
-            raise _RequestError("bad_control", "snapshot needs 'dir', an absolute path")
+        if not isinstance(directory, str) or not (os.path.isabs(directory) or is_url(directory)):
+            raise _RequestError("bad_control", "snapshot needs 'dir', an absolute path or a URL")
         with self._cond:
             held = conn in self._freezers
             shard = self._shard
@@ -1011,9 +1012,15 @@ class ParameterServer:
         if not held or not shard.frozen:
             raise _RequestError("not_frozen", "send freeze on this connection before snapshot")
         tensors, meta = shard.state()
-        name = shard_file_name(self.shard_index)
+        version = meta.get("version")
+        name = shard_file_name(
+            self.shard_index,
+            # Remote snapshots never overwrite a file the previous manifest lists.
+            version if is_url(directory) and isinstance(version, int) else None,
+        )
         try:
-            saved = save_shard(Path(directory) / name, tensors, meta)
+            saved = save_shard(Location.of(directory) / name, tensors, meta)
+
         except OSError as exc:
             raise _RequestError(
                 "snapshot_failed", f"cannot write {directory}/{name}: {exc}"
@@ -1059,9 +1066,15 @@ class ParameterServer:
             DataError: a table's files are corrupt.
         """
         assert self._resume is not None and self._resume_dir is not None
+        if not self._resume_dir.is_local:
+            raise DataError(
+                f"sparse tables cannot be resumed from {self._resume_dir}: copy the checkpoint "
+                "to a local or mounted directory"
+            )
+        resume_dir = self._resume_dir.local_path
         entries = self._resume.meta.get("shards")
         dirs = [
-            tables_dir_of(self._resume_dir / str(e["file"]))
+            tables_dir_of(resume_dir / str(e["file"]))
             for e in (entries if isinstance(entries, list) else [])
             if isinstance(e, dict) and e.get("initialized") and isinstance(e.get("file"), str)
         ]

@@ -221,25 +221,28 @@ def check_counters(counter: Tensor, passes: int) -> AuditResult:
     )
 
 
-def check_run(run_dir: Path, passes: int | None = None) -> AuditResult:
+def check_run(run_dir: str | Path, passes: int | None = None) -> AuditResult:
     """Check a finished job's ``model.safetensors`` (passes from its manifest).
+
+    ``run_dir`` is the job's ``--output``: a directory or a storage URL.
 
     Raises:
         DataError: the run's files are missing or unreadable.
     """
     from elasticps.checkpoint import load_checkpoint
     from elasticps.errors import DataError
+    from elasticps.storage import Location
 
-    run_dir = Path(run_dir)
-    tensors, manifest = load_checkpoint(run_dir)
+    where = Location.of(run_dir)
+    tensors, manifest = load_checkpoint(where)
     if passes is None:
         epochs = manifest.get("epochs")
         if not isinstance(epochs, int):
-            raise DataError(f"{run_dir / 'manifest.json'} does not say how many passes ran")
+            raise DataError(f"{where / 'manifest.json'} does not say how many passes ran")
         passes = epochs
     counter = tensors.get("counter")
     if counter is None and "seen" in tensors:
-        counter = sparse_counters(run_dir / "snapshot")
+        counter = sparse_counters(where.local_path / "snapshot")
     if counter is None:
         raise DataError(f"{run_dir} holds no 'counter' parameter: not an audit model's run")
     return check_counters(counter, passes)
