@@ -148,10 +148,13 @@ def test_a_stopped_stream_job_resumes_from_exactly_the_offsets_its_checkpoint_ho
     write_dataset(audit_dir, RECORDS)
     topic = "audit-resume"
     create_topic(broker.bootstrap, topic, PARTITIONS)
+    # Half the records first: the first job cannot reach --until-offset, so
+    # only the stop ends it, however fast it trains.
+    half = RECORDS // 2
     produce_json(
         broker.bootstrap,
         topic,
-        ({"idx": i} for i in range(RECORDS)),
+        ({"idx": i} for i in range(half)),
         partition_of=lambda i: i % PARTITIONS,
     )
     first = tmp_path / "first"
@@ -159,6 +162,12 @@ def test_a_stopped_stream_job_resumes_from_exactly_the_offsets_its_checkpoint_ho
     stopper.start()
     _, record = run_stream_job(broker, topic, audit_dir, first)
     assert record["state"] == "stopped"
+    produce_json(
+        broker.bootstrap,
+        topic,
+        ({"idx": i} for i in range(half, RECORDS)),
+        partition_of=lambda i: i % PARTITIONS,
+    )
     stream = record["stream"]
     assert isinstance(stream, dict)
     offsets = stream["offsets"]

@@ -113,9 +113,14 @@ def shard_checkpoint_path(checkpoint_dir: Path, index: int) -> Path:
     return Path(checkpoint_dir) / f"ps-{index}" / SHARD_FILE
 
 
-def tables_dir_of(path: Path) -> Path:
-    """Where the sparse tables of shard file ``path`` live: ``<stem>.tables`` beside it."""
-    path = Path(path)
+def tables_dir_of(path: Path | Location) -> Path:
+    """Where the sparse tables of shard file ``path`` live: ``<stem>.tables`` beside it.
+
+    Raises:
+        ConfigError: ``path`` is not on the local file system (sparse tables are
+            checkpointed to a local or mounted directory only).
+    """
+    path = path.local_path if isinstance(path, Location) else Path(path)
     return path.with_name(path.name.removesuffix(".safetensors") + ".tables")
 
 
