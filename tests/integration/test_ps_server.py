@@ -23,6 +23,7 @@ from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ConfigError, RemoteError, ServiceUnavailableError
 from elasticps.netutil import LOOPBACK
 from elasticps.placement import Placement
+from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.server import ParameterServer
 from elasticps.snapshot import take_consistent_checkpoint
@@ -945,3 +946,57 @@ def test_a_keyed_push_sent_twice_is_applied_once(cluster: Cluster) -> None:
     assert torch.equal(peer.params, values - 1.0)
     coverage = [s.shard.coverage_of(0) for s in cluster.servers if s.shard is not None]
     assert coverage == [(False, [(5, 0, 32)])] * 2
+
+
+def test_a_server_that_may_have_lost_its_slot_answers_recovery_ops_with_fenced(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A server paused past its lease must not vouch for its shard: a successor may
+    serve an older checkpoint by now, and the master would seal a pass on its word."""
+    cluster.start(1, UpdateMode.ASYNC)
+    server = cluster.servers[0]
+    held = threading.Event()
+    held.set()
+    server._holds_slot = held.is_set  # what run_ps wires to the lease
+    server.files = ShardFiles(tmp_path, 0, server.epoch, may_write=held.is_set)
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=True)
+    peer.grads.fill_(1.0)
+    peer.client.push(num_samples=2, want_params=True)
+    sock = cluster.raw(0)
+
+    held.clear()
+    for body in (
+        {"op": "coverage", "pass": 0},
+        {"op": "seal", "pass": 0},
+        {"op": "checkpoints"},
+        {"op": "freeze"},
+    ):
+        send_json(sock, MsgType.CONTROL, body)
+        assert "may no longer hold" in expect_error(sock, "fenced")
+    # Nothing was sealed, saved or frozen; read-only ops still answer.
+    assert server.files.durable_versions() == []
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header, _ = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+
+    held.set()
+    send_json(sock, MsgType.CONTROL, {"op": "seal", "pass": 0})
+    header, body = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert body is not None and body["durable"] is True
+
+
+def test_a_seal_whose_checkpoint_may_not_be_written_is_refused(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The lease lapsing between the op's checks shows as a refused write: not a seal."""
+    cluster.start(1, UpdateMode.ASYNC)
+    server = cluster.servers[0]
+    server.files = ShardFiles(tmp_path, 0, server.epoch, may_write=lambda: False)
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=True)
+    sock = cluster.raw(0)
+    send_json(sock, MsgType.CONTROL, {"op": "seal", "pass": 0})
+    assert "not saved" in expect_error(sock, "fenced")
+    assert server.files.durable_versions() == []

@@ -1750,7 +1750,9 @@ def final_parameters(
     return tensors, versions
 
 
-_CHECKPOINT_RETRY_CODES = frozenset({"freeze_timeout", "busy", "wrong_epoch", "not_frozen"})
+_CHECKPOINT_RETRY_CODES = frozenset(
+    {"freeze_timeout", "busy", "wrong_epoch", "not_frozen", "fenced"}
+)
 
 
 def checkpoint_job(

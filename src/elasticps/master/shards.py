@@ -2,7 +2,11 @@
 
 The master talks to every parameter server over the tensor plane's CONTROL
 requests (:class:`~elasticps.snapshot.ControlClient`), addressed by slot and
-epoch: a request reaches only the server that holds the slot's current claim.
+epoch: a request reaches only the server that holds the slot's current claim,
+and an answer counts only if etcd still names the same claim after it came
+(a server paused past its lease may answer late, after a successor took the
+slot from an older checkpoint; such a server also refuses with ERROR
+``fenced`` when it notices in time).
 :class:`PassVerifier` runs the end of every pass (see
 :mod:`elasticps.master.verify` for the rules): it asks each shard which
 records of the pass it holds, re-opens what some shard lacks, and seals the
@@ -26,6 +30,9 @@ __all__ = ["PassVerifier", "ShardController", "coverage_report"]
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.2
+
+# Codes meaning "the server answering is not (or may not be) the slot's current one".
+_SHARD_CHANGED_CODES = frozenset({"wrong_epoch", "changed", "fenced"})
 
 
 class ShardsChangedError(ElasticPSError):
@@ -78,7 +85,7 @@ class ShardController:
                     # No trainer has said hello to it yet: it holds nothing.
                     out[slot.index] = {"initialized": False, "sealed": False, "intervals": []}
                     continue
-                if exc.code == "wrong_epoch":
+                if exc.code in _SHARD_CHANGED_CODES:
                     self._drop(slot.index)
                     raise ShardsChangedError(str(exc)) from exc
                 raise
@@ -87,6 +94,7 @@ class ShardController:
                 raise ShardsChangedError(
                     f"parameter server {slot.index} at {slot.address}: {exc}"
                 ) from exc
+        self._confirm(slots)
         return out
 
     def request_one(
@@ -105,15 +113,36 @@ class ShardController:
             raise ShardsChangedError(f"parameter server slot {index} is not claimed")
         client = self._client(slot)
         try:
-            return client.request(body, timeout_s=timeout_s)
+            answer = client.request(body, timeout_s=timeout_s)
         except RemoteError as exc:
-            if exc.code in ("wrong_epoch", "changed"):
+            if exc.code in _SHARD_CHANGED_CODES:
                 self._drop(index)
                 raise ShardsChangedError(str(exc)) from exc
             raise
         except ElasticPSError as exc:
             self._drop(index)
             raise ShardsChangedError(f"parameter server {index} at {slot.address}: {exc}") from exc
+        self._confirm([slot])
+        return answer
+
+    def _confirm(self, asked: Sequence[PSSlot]) -> None:
+        """Check that etcd still names the claims that just answered.
+
+        Raises:
+            ShardsChangedError: a slot was claimed anew (or released) since
+                the request went out: its answer may come from a server that
+                was deposed meanwhile, so it must not be acted on.
+            CoordinationError: etcd failed.
+        """
+        now = self._store.ps_slots()
+        for slot in asked:
+            current = now.get(slot.index)
+            if current is None or current.epoch != slot.epoch:
+                self._drop(slot.index)
+                raise ShardsChangedError(
+                    f"parameter server slot {slot.index} was claimed anew (epoch {slot.epoch} -> "
+                    f"{'none' if current is None else current.epoch}) while it answered"
+                )
 
     def slots_changed(self, slots: Mapping[int, PSSlot]) -> None:
         """Interrupt requests to servers whose slot was claimed anew (any thread).

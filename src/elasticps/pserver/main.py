@@ -87,6 +87,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         max_staleness=config.max_staleness,
         unix_path=os.path.join(runtime_dir, "ps.sock"),
         gate=lambda: _wait_lease_valid(lease, stop),
+        holds_slot=lambda: _lease_valid(lease),
         reduction=config.sync_reduction,
         eviction=_eviction(config),
     )

@@ -78,6 +78,12 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
     generation and serve again; with ``version``, relabel the shard's version
     first (a shard that lost its state, so that every shard's version counts
     the same steps).
+  - ``freeze``, ``snapshot`` and every op from ``coverage`` on answer ERROR
+    ``fenced`` when the server does not certainly still hold its slot (its
+    lease is not known to be valid, checked before the op and again before
+    the answer), and ``seal`` also when its checkpoint could not be written
+    for that reason: a successor may hold the slot, so the caller resolves
+    the slot again instead of trusting this server's shard.
 
   A consistent checkpoint of every server is taken by
   :func:`elasticps.snapshot.take_consistent_checkpoint`. The tensor plane is
@@ -199,6 +205,12 @@ class ParameterServer:
             successor may hold the slot) and raises
             :class:`~elasticps.pserver.shard.ShardClosedError` once it never
             may again. None: always may.
+        holds_slot: whether this server certainly still holds its slot now
+            (its etcd lease is known to be valid), checked without blocking
+            before and after every recovery or snapshot control op (see
+            ``_RECOVERY_OPS``): a server that was paused past its lease
+            answers them with ERROR ``fenced``, never with what it held,
+            because a successor may hold the slot by then. None: always holds.
         eviction: which rows of sparse tables to evict, or None.
 
     Attributes:
@@ -226,6 +238,7 @@ class ParameterServer:
         frozen: tuple[str, ...] = (),
         max_staleness: int | None = None,
         gate: Callable[[], None] | None = None,
+        holds_slot: Callable[[], bool] | None = None,
         reduction: str = "mean",
         eviction: EvictionPolicy | None = None,
     ) -> None:
@@ -239,6 +252,7 @@ class ParameterServer:
         self.epoch = 0
         self.files: ShardFiles | None = None
         self._gate = gate
+        self._holds_slot = holds_slot
         self.mode = mode
         self._optimizer = optimizer
         self._init_timeout_s = init_timeout_s
@@ -783,13 +797,19 @@ class ParameterServer:
             if self._on_shutdown is not None:
                 self._on_shutdown()
         elif op == "freeze":
-            send_json(
-                state.conn, MsgType.CONTROL_OK, self._freeze(state.conn, msg), epoch=self.epoch
-            )
+            self._check_holds_slot()
+            reply = self._freeze(state.conn, msg)
+            try:
+                self._check_holds_slot()
+            except _RequestError:
+                self._release_freeze(state.conn)
+                raise
+            send_json(state.conn, MsgType.CONTROL_OK, reply, epoch=self.epoch)
         elif op == "snapshot":
-            send_json(
-                state.conn, MsgType.CONTROL_OK, self._snapshot(state.conn, msg), epoch=self.epoch
-            )
+            self._check_holds_slot()
+            reply = self._snapshot(state.conn, msg)
+            self._check_holds_slot()
+            send_json(state.conn, MsgType.CONTROL_OK, reply, epoch=self.epoch)
         elif op == "thaw":
             self._release_freeze(state.conn)
             shard = self.shard
@@ -801,7 +821,11 @@ class ParameterServer:
                 epoch=self.epoch,
             )
         elif op in _RECOVERY_OPS:
+            self._check_holds_slot()
             reply = getattr(self, f"_op_{op}")(state.conn, msg)
+            # Again after the work: the server may have been paused in it past
+            # its lease, and a successor restored from an older file meanwhile.
+            self._check_holds_slot()
             send_json(
                 state.conn,
                 MsgType.CONTROL_OK,
@@ -812,6 +836,19 @@ class ParameterServer:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
 
     # --- exactly-once and realignment (driven by the master) -------------------------
+
+    def _check_holds_slot(self) -> None:
+        """Raise ERROR ``fenced`` unless this server certainly still holds its slot.
+
+        Raises:
+            _RequestError: the lease is not known to be valid now.
+        """
+        if self._holds_slot is not None and not self._holds_slot():
+            raise _RequestError(
+                "fenced",
+                f"parameter server {self.shard_index} (epoch {self.epoch}) may no longer hold "
+                "its slot (its lease is not known to be valid): resolve the slot again",
+            )
 
     def _initialized(self) -> ParameterShard:
         shard = self.shard
@@ -850,6 +887,14 @@ class ParameterServer:
                     "checkpoint_failed", f"cannot save the sealed shard: {exc}"
                 ) from exc
             durable = saved is not None
+            if not durable:
+                # Writing is refused only when the lease is not known to be
+                # valid: a successor may already serve an older file.
+                raise _RequestError(
+                    "fenced",
+                    f"parameter server {self.shard_index} (epoch {self.epoch}) may no longer "
+                    "hold its slot; the sealed shard was not saved",
+                )
         log.info(
             "ps %d: sealed pass %d at version %d%s",
             self.shard_index, pass_id, shard.version, "" if durable else " (not saved)",

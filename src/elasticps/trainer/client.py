@@ -115,7 +115,7 @@ GRAD_COMPRESSIONS: dict[str, torch.dtype] = {
 log = logging.getLogger(__name__)
 
 # Error codes after which the request is repeated on the slot's current server.
-_RESOLVE_AGAIN = frozenset({"wrong_epoch"})
+_RESOLVE_AGAIN = frozenset({"wrong_epoch", "fenced"})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,88 @@
+"""The master's shard controller trusts an answer only from the slot's current claim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from elasticps.coord.slots import PSSlot
+from elasticps.errors import RemoteError
+from elasticps.master import shards
+from elasticps.master.shards import ShardController, ShardsChangedError
+
+
+class _Store:
+    """The two reads ShardController makes, from a dict the test changes."""
+
+    def __init__(self, slots: dict[int, PSSlot]) -> None:
+        self.slots = slots
+
+    def ps_slots(self) -> dict[int, PSSlot]:
+        return dict(self.slots)
+
+    def wait_ps_slots(self, timeout_s: float) -> list[PSSlot]:
+        return [self.slots[i] for i in sorted(self.slots)]
+
+
+class _Client:
+    """A control connection whose answer may come after a successor claimed the slot."""
+
+    on_request: Any = None
+
+    def __init__(self, address: str, *, timeout_s: float, epoch: int) -> None:
+        self.epoch = epoch
+
+    def request(self, body: object, *, timeout_s: float | None = None) -> dict[str, object]:
+        if _Client.on_request is not None:
+            _Client.on_request(self)
+        return {"epoch": self.epoch, "version": 7, "durable": True}
+
+    def interrupt(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> _Store:
+    monkeypatch.setattr(shards, "ControlClient", _Client)
+    monkeypatch.setattr(_Client, "on_request", None)
+    return _Store({0: PSSlot(0, "127.0.0.1:1", 8), 1: PSSlot(1, "127.0.0.1:2", 9)})
+
+
+def test_answers_of_the_current_claims_are_returned(store: _Store) -> None:
+    controller = ShardController(store)  # type: ignore[arg-type]
+    assert controller.request_one(0, {"op": "seal", "pass": 1})["epoch"] == 8
+    assert sorted(controller.request_all({"op": "coverage", "pass": 1})) == [0, 1]
+
+
+def test_an_answer_that_came_after_the_slot_was_claimed_anew_is_not_trusted(
+    store: _Store,
+) -> None:
+    """A server paused past its lease answers on resuming; its successor restored an
+    older checkpoint meanwhile, so sealing on that answer would lose records."""
+
+    def successor_claims(client: _Client) -> None:
+        store.slots[0] = PSSlot(0, "127.0.0.1:3", 234)
+
+    _Client.on_request = successor_claims
+    controller = ShardController(store)  # type: ignore[arg-type]
+    with pytest.raises(ShardsChangedError, match=r"claimed anew \(epoch 8 -> 234\)"):
+        controller.request_one(0, {"op": "seal", "pass": 1})
+    store.slots[0] = PSSlot(0, "127.0.0.1:1", 8)
+    with pytest.raises(ShardsChangedError, match="claimed anew"):
+        controller.request_all({"op": "coverage", "pass": 1})
+
+
+def test_a_fenced_refusal_means_the_slot_is_changing(store: _Store) -> None:
+    def refuse(client: _Client) -> None:
+        raise RemoteError("fenced", "may no longer hold its slot")
+
+    _Client.on_request = refuse
+    controller = ShardController(store)  # type: ignore[arg-type]
+    with pytest.raises(ShardsChangedError, match="may no longer hold"):
+        controller.request_one(0, {"op": "seal", "pass": 1})
+    with pytest.raises(ShardsChangedError, match="may no longer hold"):
+        controller.request_all({"op": "coverage", "pass": 1})
