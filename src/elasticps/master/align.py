@@ -48,6 +48,11 @@ _CHECK_S = 0.5
 _FINISH_ROUND_S = 2.0
 """How long an aligned checkpoint waits for a shard to finish its open round, seconds."""
 
+_SKEW_PATIENCE_S = 3 * _FINISH_ROUND_S
+"""How long serving shards may stay a step apart at the same versions before they are
+realigned anyway, seconds: a round that has not closed by then will not close (its
+trainers wait for the shards to agree), and the job would stall until task timeouts."""
+
 
 def common_version(states: Mapping[int, Mapping[str, object]]) -> int | None:
     """The newest version every initialized shard can be at (pure).
@@ -109,6 +114,9 @@ class SyncAligner:
         self._stop = stop
         self._controller = ShardController(store)
         self._wake = threading.Event()
+        # The versions of serving shards seen a step apart, and since when (monotonic s).
+        self._skew: tuple[tuple[int, object], ...] | None = None
+        self._skew_since = 0.0
         self._thread = threading.Thread(target=self._run, name="sync-aligner", daemon=True)
         self._watch = store.watch_ps_slots(self._on_slots)
         self._thread.start()
@@ -142,6 +150,7 @@ class SyncAligner:
     def _realign_if_needed(self) -> None:
         states = self._controller.request_all({"op": "checkpoints"})
         if aligned(states):
+            self._skew = None
             return
         live = {i: s for i, s in states.items() if s.get("initialized")}
         frozen: list[int] = []
@@ -170,14 +179,17 @@ class SyncAligner:
                         raise
             states = {i: self._controller.request_one(i, {"op": "checkpoints"}) for i in live}
             if aligned(states):
+                self._skew = None
                 return
-            if skew_only:
+            stuck = skew_only and self._skew_outlasted(states)
+            if skew_only and not stuck:
                 # Still a step apart (a round that did not close within
                 # _FINISH_ROUND_S, e.g. a trainer being replaced): every shard
                 # went through the same steps so far, so nothing is rolled
                 # back; the next check looks again.
                 log.debug("sync alignment: serving shards a step apart; looking again")
                 return
+            self._skew = None
             target = common_version(states)
             generation = 1 + max(
                 (g for s in states.values() if isinstance(g := s.get("generation"), int)),
@@ -186,10 +198,12 @@ class SyncAligner:
             if target is None:
                 versions = [v for s in states.values() if isinstance(v := s.get("version"), int)]
                 relabel = max(versions, default=0)
-                log.error(
-                    "sync alignment: no version in common (a shard lost its state); every "
-                    "shard keeps its state and is relabelled version %d; the lost records are "
-                    "reported at the end of the pass",
+                log.log(
+                    logging.WARNING if stuck else logging.ERROR,
+                    "sync alignment: no version in common (%s); every shard keeps its state "
+                    "and is relabelled version %d; the end of the pass re-opens the records a "
+                    "shard lacks, or reports them lost",
+                    "a step some shards never applied" if stuck else "a shard lost its state",
                     relabel,
                 )
                 for index in sorted(live):
@@ -211,6 +225,24 @@ class SyncAligner:
             )
         finally:
             self._thaw(frozen)
+
+    def _skew_outlasted(self, states: Mapping[int, Mapping[str, object]]) -> bool:
+        """Whether serving shards have stood a step apart at these very versions for
+        longer than ``_SKEW_PATIENCE_S``; starts the clock when the versions are new."""
+        key = tuple(sorted((i, s.get("version")) for i, s in states.items()))
+        now = time.monotonic()
+        if key != self._skew:
+            self._skew, self._skew_since = key, now
+            return False
+        if now - self._skew_since < _SKEW_PATIENCE_S:
+            return False
+        log.warning(
+            "sync alignment: shards stood a step apart at versions %s for %.1f s (a round "
+            "that cannot close); realigning them",
+            {i: v for i, v in key},
+            now - self._skew_since,
+        )
+        return True
 
     def _thaw(self, frozen: list[int]) -> None:
         for index in frozen:

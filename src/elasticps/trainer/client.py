@@ -1083,9 +1083,8 @@ class ParameterClient:
         """
         if self.consistent:
             return
-        deadline = time.monotonic() + (
-            self._reconnect_timeout_s if timeout_s is None else timeout_s
-        )
+        wait_s = self._reconnect_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
         delays = _backoff(0.005, 0.1)
         while True:
             self.pull()
@@ -1094,7 +1093,7 @@ class ParameterClient:
             if time.monotonic() >= deadline or self._stop.is_set():
                 raise ServiceUnavailableError(
                     "the parameter servers did not agree on a model version within "
-                    f"{deadline:.0f} s: versions {self.versions}, generations {self.generations}"
+                    f"{wait_s:g} s: versions {self.versions}, generations {self.generations}"
                 )
             self._stop.wait(next(delays))
 
