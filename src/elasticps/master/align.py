@@ -48,7 +48,7 @@ _CHECK_S = 0.5
 _FINISH_ROUND_S = 2.0
 """How long an aligned checkpoint waits for a shard to finish its open round, seconds."""
 
-_SKEW_PATIENCE_S = 3 * _FINISH_ROUND_S
+_SKEW_PATIENCE_S = _FINISH_ROUND_S
 """How long serving shards may stay a step apart at the same versions before they are
 realigned anyway, seconds: a round that has not closed by then will not close (its
 trainers wait for the shards to agree), and the job would stall until task timeouts."""
@@ -190,6 +190,13 @@ class SyncAligner:
                 log.debug("sync alignment: serving shards a step apart; looking again")
                 return
             self._skew = None
+            if stuck:
+                # A finish-round freeze that timed out left its shard thawed:
+                # freeze every shard again (between two steps) before rolling back.
+                states = {}
+                for index in sorted(live):
+                    self._controller.request_one(index, {"op": "freeze"})
+                    states[index] = self._controller.request_one(index, {"op": "checkpoints"})
             target = common_version(states)
             generation = 1 + max(
                 (g for s in states.values() if isinstance(g := s.get("generation"), int)),
