@@ -18,7 +18,7 @@ from torch import nn
 
 import elasticps.nn as enn
 from elasticps.config import OptimizerConfig, UpdateMode
-from elasticps.errors import SparseTableError
+from elasticps.errors import RemoteError, SparseTableError
 from elasticps.netutil import LOOPBACK
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.server import ParameterServer
@@ -98,6 +98,32 @@ def test_rows_are_pulled_from_and_pushed_to_the_server_holding_them_once_per_key
     lo, hi = Partitioner("range", 2, ROWS).range_bounds()[0]
     assert held == [{"emb": 1}, {"emb": 2}] and lo <= 2 < hi <= 17
     assert all(s.shard is not None and s.shard.tables is not None for s in servers)
+
+
+def test_a_push_pulls_rows_pipelined_behind_it_and_they_include_its_update(
+    trainer: tuple[FlatModel, ParameterClient],
+) -> None:
+    flat, client = trainer
+    local = flat.model.emb.local.table  # type: ignore[union-attr]
+    unique = torch.tensor([2, 17, 29])
+    grads = torch.ones(3, DIM)
+    wanted = torch.tensor([29, 3, 2])  # any order, rows of both servers
+    handle = client.push(8, want_params=True, key=PushKey(0, 1, 0, 8),
+                         rows={"emb": (unique, grads)}, prefetch={"emb": wanted})  # fmt: skip
+    assert handle.statuses == [PushStatus.APPLIED, PushStatus.APPLIED]
+    assert handle.rows is not None
+    expected = local.lookup(wanted) - torch.tensor([1.0, 0.0, 1.0])[:, None]  # 29, 2 updated
+    torch.testing.assert_close(handle.rows["emb"], expected)
+    assert torch.equal(handle.rows["emb"], client.pull_rows({"emb": wanted})["emb"])
+    # A refused push (an id pushed twice): the rows pulled behind it are read
+    # and dropped, and the connection stays usable.
+    with pytest.raises(RemoteError, match="not unique"):
+        client.push(8, want_params=True, key=PushKey(0, 2, 0, 8),
+                    rows={"emb": (torch.tensor([2, 2]), torch.ones(2, DIM))},
+                    prefetch={"emb": wanted})  # fmt: skip
+    assert torch.equal(client.pull_rows({"emb": wanted})["emb"], expected)
+    plain = client.push(8, want_params=False, key=PushKey(0, 3, 0, 8))
+    assert plain.rows is None
 
 
 # --- malformed requests on a raw socket ---------------------------------------------------

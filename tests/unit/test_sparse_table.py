@@ -515,3 +515,28 @@ def test_combined_sync_gradients_equal_the_dense_weighted_mean() -> None:
     assert combine_gradients([], DIM)[0].numel() == 0
     with pytest.raises(SparseTableError):
         combine_gradients([(a_ids, a_grads, 0.0)], DIM)
+
+
+def test_a_rows_first_update_takes_the_initial_value_its_lookup_computed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = TableSpec("cache", 4, init_scale=0.5, seed=3)
+    cached, plain = SparseTable(spec, SparseAdam()), SparseTable(spec, SparseAdam())
+    ids = np.array([9, 2, 40, 7], dtype=np.int64)
+    looked_up = cached.lookup(ids)
+    assert torch.equal(looked_up, torch.from_numpy(initial_rows(spec, ids)))
+    computed: list[int] = []
+    real = initial_rows
+
+    def counting(s: TableSpec, i: np.ndarray) -> np.ndarray:
+        computed.append(len(i))
+        return real(s, i)
+
+    monkeypatch.setattr("elasticps.pserver.sparse.initial_rows", counting)
+    grads = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    cached.apply(np.array([2, 7, 11], dtype=np.int64), grads, 0.1)  # 11 was not looked up
+    assert computed == [1]
+    monkeypatch.setattr("elasticps.pserver.sparse.initial_rows", real)
+    plain.apply(np.array([2, 7, 11], dtype=np.int64), grads, 0.1)
+    every = np.array([2, 7, 9, 11, 40], dtype=np.int64)
+    assert torch.equal(cached.lookup(every), plain.lookup(every))  # bit for bit

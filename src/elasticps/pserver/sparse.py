@@ -23,7 +23,9 @@ Tables
 
 Initial values
     A row is allocated at its first update; a lookup of an absent id returns
-    the row's initial value without allocating it. The initial value is a
+    the row's initial value without allocating it (and keeps it, up to 4 MiB
+    of rows a table, so that the row's first update does not compute it
+    again). The initial value is a
     pure function of ``(seed, table name, id)``, so every parameter server,
     every restart and every repartitioning agree on it, and no per-row RNG
     state is stored. Element ``j`` of row ``id`` is computed from outputs
@@ -107,6 +109,7 @@ _PARTITION_SALT: Final = 0x5DEECE66D2B7E151
 _MAX_LOAD: Final = 0.5
 _SCALAR_PROBES: Final = 8  # _IdIndex.find: probe this few ids one by one
 _SCAN_SHARDS: Final = 8  # Partitioner.split: up to this many shards, scan once per shard
+_INITIAL_CACHE_FLOATS: Final = 1 << 20  # SparseTable: initial values kept from lookups (4 MiB)
 
 
 # --- hashing -------------------------------------------------------------------------------
@@ -1061,6 +1064,10 @@ class SparseTable:
         self._index = _IdIndex()
         self._columns: dict[str, _Column] = {}
         self._make_columns()
+        # Initial values a lookup computed for absent ids (ascending ids, their
+        # rows): the first update of those ids takes them from here instead of
+        # computing them again. Not state: the values are a function of the id.
+        self._initial: tuple[IdArray, FloatArray] | None = None
 
     def _make_columns(self) -> None:
         c = self.chunk_rows
@@ -1179,8 +1186,42 @@ class SparseTable:
         if present.any():
             out[present] = self._columns["rows"].gather(_Locator(slots[present], self.chunk_rows))
         absent = ~present
-        out[absent] = initial_rows(self.spec, arr[absent])
+        initial = initial_rows(self.spec, arr[absent])
+        out[absent] = initial
+        self._remember_initial(arr[absent], initial)
         return torch.from_numpy(out)
+
+    def _remember_initial(self, ids: IdArray, rows: FloatArray) -> None:
+        """Keep the initial rows of ``ids`` (absent at a lookup) for their first update.
+
+        At most :data:`_INITIAL_CACHE_FLOATS` floats are kept: past that, only
+        the newest lookup's rows.
+        """
+        old = self._initial
+        if old is not None and (len(old[0]) + len(ids)) * self.spec.dim <= _INITIAL_CACHE_FLOATS:
+            ids = np.concatenate([old[0], ids])
+            rows = np.concatenate([old[1], rows])
+        elif len(ids) * self.spec.dim > _INITIAL_CACHE_FLOATS:
+            return
+        ids, first = np.unique(ids, return_index=True)  # ascending, once each
+        self._initial = (ids, rows[first])
+
+    def _initial_rows(self, ids: IdArray) -> FloatArray:
+        """:func:`initial_rows` of ``ids``, taken from the lookups' cache where it has them."""
+        cache = self._initial
+        if cache is None or not len(cache[0]):
+            return initial_rows(self.spec, ids)
+        known, rows = cache
+        pos = np.searchsorted(known, ids).clip(max=len(known) - 1)
+        hit = known[pos] == ids
+        if hit.all():
+            hits: FloatArray = rows[pos]
+            return hits
+        out = np.empty((len(ids), self.spec.dim), dtype=np.float32)
+        out[hit] = rows[pos[hit]]
+        miss = ~hit
+        out[miss] = initial_rows(self.spec, ids[miss])
+        return out
 
     def apply(
         self, ids: Tensor | IdArray, grads: Tensor, lr: float, *, checked: bool = False
@@ -1259,7 +1300,7 @@ class SparseTable:
         where = _Locator(new_slots, self.chunk_rows)
         cols = self._columns
         cols["ids"].scatter(where, new_ids)
-        cols["rows"].scatter(where, initial_rows(self.spec, new_ids))
+        cols["rows"].scatter(where, self._initial_rows(new_ids))
         for key in self.rule.state_keys:
             fill = (
                 self.rule.initial_accumulator_value

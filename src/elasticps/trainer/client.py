@@ -90,6 +90,7 @@ from elasticps.wire.frame import (
     FrameHeader,
     MsgType,
     PushStatus,
+    discard_body,
     dtype_from_torch,
     local_host_id,
     recv_body_into,
@@ -376,7 +377,14 @@ class _ShardConnection:
         key: PushKey | None = None,
         computed_on: tuple[int, int] | None = None,
         rows: _Rows | None = None,
-    ) -> None:
+        row_pull: _Rows | None = None,
+    ) -> np.ndarray | None:
+        """Send one push; with ``row_pull``, a ROW_PULL right behind it (pipelined).
+
+        The server answers the frames of a connection in order, so the rows
+        read are those after this push (applied, or refused). Returns the
+        pulled rows (float32, concatenated as :meth:`pull_rows`), or None.
+        """
         with_rows = rows is not None and not empty and not rows.empty
         flags = (
             (Flags.EMPTY if empty else Flags.NONE)
@@ -420,7 +428,15 @@ class _ShardConnection:
                 ),
                 body,
             )
-        header = self._reply()
+        if row_pull is not None:
+            self._send_row_pull(row_pull)
+        try:
+            header = self._reply()
+        except RemoteError:
+            if row_pull is not None:
+                # The ROW_PULL's answer: read it, to keep the stream in step.
+                self._discard_reply(4 * self._row_elements(row_pull))
+            raise
         self.status = header.status
         if want_params:
             self._receive_params(header)
@@ -428,6 +444,7 @@ class _ShardConnection:
             self._expect(header, MsgType.PUSH_OK)
             # Async: our copy stays at the version we last pulled; the server
             # tells us how far it has moved, which we keep only for staleness.
+        return None if row_pull is None else self._recv_rows(row_pull)
 
     def pull(self) -> None:
         send_frame(self._sock(), FrameHeader(MsgType.PULL, epoch=self.epoch))
@@ -435,6 +452,10 @@ class _ShardConnection:
 
     def pull_rows(self, request: _Rows) -> np.ndarray:
         """The rows of ``request``'s ids from this server: float32, concatenated."""
+        self._send_row_pull(request)
+        return self._recv_rows(request)
+
+    def _send_row_pull(self, request: _Rows) -> None:
         body = [request.counts.data.cast("B"), request.ids.data.cast("B")]
         send_frame(
             self._sock(),
@@ -446,12 +467,17 @@ class _ShardConnection:
             ),
             body,
         )
-        elements = int(
+
+    def _row_elements(self, request: _Rows) -> int:
+        return int(
             sum(
                 int(c) * t.spec.dim
                 for c, t in zip(request.counts.tolist(), self.tables, strict=True)
             )
         )
+
+    def _recv_rows(self, request: _Rows) -> np.ndarray:
+        elements = self._row_elements(request)
         header = self._reply(max_body_bytes=4 * elements)
         self._expect(header, MsgType.ROWS)
         out = np.empty(elements, dtype=np.float32)
@@ -459,6 +485,12 @@ class _ShardConnection:
         self.rows_version = header.model_version
         self.rows_generation = header.generation
         return out
+
+    def _discard_reply(self, max_body_bytes: int) -> None:
+        """Read and drop one reply (an answer no longer wanted after an error)."""
+        limit = max(self.body_nbytes, max_body_bytes)
+        header = recv_header(self._sock(), self.scratch, max_body_bytes=limit)
+        discard_body(self._sock(), header, self.scratch)
 
     def _receive_params(self, header: FrameHeader) -> None:
         self._expect(header, MsgType.PARAMS)
@@ -486,11 +518,15 @@ class PushHandle:
     Attributes:
         index: 1-based number of the push on its client.
         statuses: each server's answer, once done (in connection order).
+        rows: with ``push(prefetch=...)`` in the foreground, the rows of the
+            prefetched ids read right after the push (table name -> float32
+            ``[k, dim]``, as :meth:`ParameterClient.pull_rows`); else None.
     """
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.statuses: list[PushStatus] = []
+        self.rows: dict[str, torch.Tensor] | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -863,6 +899,7 @@ class ParameterClient:
         on_acknowledged: Callable[[], None] | None = None,
         key: PushKey | None = None,
         rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prefetch: Mapping[str, torch.Tensor] | None = None,
     ) -> PushHandle:
         """Push the gradient buffer (the mean gradient over ``num_samples`` samples).
 
@@ -888,6 +925,13 @@ class ParameterClient:
                 unique, grads float32 [k, dim])`` (the same mean as the dense
                 gradient); each server gets the rows of its ids, in the same
                 push.
+            prefetch: sparse-table ids (as :meth:`pull_rows` takes them)
+                whose rows to read right after this push: each server gets a
+                ROW_PULL behind the push on the same connection, without
+                waiting for the push's answer (one round trip for both), and
+                answers it after the push. The rows are in
+                :attr:`PushHandle.rows` (None for a push sent in the
+                background, which does not pull).
 
         Returns:
             The push's handle; see :class:`PushHandle` for what acknowledged
@@ -917,9 +961,11 @@ class ParameterClient:
             {id(c): (c.version, c.generation) for c in self._conns} if self._sync else None
         )
         by_shard = self._split_rows(rows, with_grads=True) if rows else {}
+        wanted = self._split_rows(prefetch, with_grads=False) if prefetch and not background else {}
+        pulled: dict[int, np.ndarray] = {}
 
         def send(c: _ShardConnection) -> PushStatus:
-            c.push(
+            flat = c.push(
                 self.trainer_id,
                 num_samples,
                 step,
@@ -929,7 +975,10 @@ class ParameterClient:
                 key=key,
                 computed_on=None if computed_on is None else computed_on[id(c)],
                 rows=by_shard.get(c.layout.index),
+                row_pull=wanted.get(c.layout.index),
             )
+            if flat is not None:
+                pulled[c.layout.index] = flat
             return c.status
 
         if background:
@@ -938,6 +987,8 @@ class ParameterClient:
             self._inflight = (future, handle)
         else:
             self._push_and_acknowledge(send, handle)
+            if prefetch:
+                handle.rows = self._assemble_rows(prefetch, wanted, pulled)
         return handle
 
     def _push_and_acknowledge(
@@ -1045,13 +1096,24 @@ class ParameterClient:
         by_index = {c.layout.index: c for c in self._conns}
         targets = [by_index[s] for s in sorted(requests)]
         replies = self._fan_out(lambda c: c.pull_rows(requests[c.layout.index]), targets)
+        return self._assemble_rows(
+            ids, requests, {c.layout.index: r for c, r in zip(targets, replies, strict=True)}
+        )
+
+    def _assemble_rows(
+        self,
+        ids: Mapping[str, torch.Tensor],
+        requests: Mapping[int, _Rows],
+        replies: Mapping[int, np.ndarray],
+    ) -> dict[str, torch.Tensor]:
+        """Each table's rows, in its ids' order, from the servers' replies (by server index)."""
         outs: dict[int, np.ndarray] = {}
         for name, v in ids.items():
             t = self._table_index[name]
             outs[t] = np.empty((v.numel(), self.tables[t].spec.dim), dtype=np.float32)
         # Put each server's reply back at its ids' positions (found by the split).
-        for conn, flat in zip(targets, replies, strict=True):
-            request = requests[conn.layout.index]
+        for index, flat in replies.items():
+            request = requests[index]
             offset = 0
             for t, k in enumerate(request.counts.tolist()):
                 if not k:

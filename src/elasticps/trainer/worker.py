@@ -278,6 +278,11 @@ class Trainer:
             name for name in self._tables if any(fnmatch.fnmatchcase(name, p) for p in frozen)
         )
         self._sparse_grads: list[dict[str, enn.SparseGrad]] = []
+        # The inputs of the mini-batch after the one in training (same task), if
+        # known: a push pulls their rows in the same round trip (see _push).
+        self._next_inputs: object = None
+        # (inputs, ids by table, rows by table) pulled by the last push, for those inputs.
+        self._prefetched: tuple[object, dict[str, Tensor], dict[str, Tensor]] | None = None
         self.flat: FlatModel = bind_flat_buffers(
             model, config.num_ps, config.big_array_bound, config.placement
         )
@@ -447,8 +452,19 @@ class Trainer:
             self._pass_batches = 0
         self._task = task
         self._acc = _Accumulator(first=task.offset, end=task.offset)
+        batches = self._task_batches(task)
         try:
-            for batch_id, batch, num_records in self._task_batches(task):
+            # One batch ahead: a push can then pull the rows of the next one.
+            pending = next(batches, None)
+            while pending is not None:
+                batch_id_or_none, batch, num_records = pending
+                pending = next(batches, None)
+                batch_id = self._pass_batches if batch_id_or_none is None else batch_id_or_none
+                self._next_inputs = (
+                    pending[1][0]
+                    if pending is not None and not isinstance(pending[1], _ModelCodeError)
+                    else None
+                )
                 if self.stop.is_set():
                     return  # the master re-dispatches the rest from the last progress
                 first = task.start + task.offset + records
@@ -485,8 +501,10 @@ class Trainer:
                     continue
                 samples += len(targets)
                 loss_sum += loss * len(targets)
+            self._next_inputs = None
             self._flush(client, functools.partial(progress.update, task, task.offset + records))
         except Exception as exc:
+            self._next_inputs = self._prefetched = None
             progress.discard()
             report = master_pb2.ReportTaskRequest(
                 trainer_id=self.name,
@@ -614,9 +632,10 @@ class Trainer:
 
     def _task_batches(
         self, task: master_pb2.Task
-    ) -> Iterator[tuple[int, Batch | _ModelCodeError, int]]:
+    ) -> Iterator[tuple[int | None, Batch | _ModelCodeError, int]]:
         """The task's remaining mini-batches: ``(batch id, (inputs, targets), records)``;
-        instead of the tensors, what ``batch_to_tensors`` raised on them."""
+        instead of the tensors, what ``batch_to_tensors`` raised on them. A batch
+        id of None: the number of batches of the pass trained before this one."""
         first = task.start + task.offset
         if task.file == VIRTUAL_SOURCE:
             if self._batch_reader is None:
@@ -640,7 +659,7 @@ class Trainer:
             table = self.reader.read_rows(task.file, first, task.end, self.spec.columns)
         for lo in range(0, table.num_rows, self.config.batch_size):
             batch = table.slice(lo, self.config.batch_size)
-            yield self._pass_batches, self._to_tensors(batch), batch.num_rows
+            yield None, self._to_tensors(batch), batch.num_rows
 
     def _check_columns(self, path: str) -> None:
         if path not in self._checked_columns:
@@ -696,6 +715,12 @@ class Trainer:
             return client.pull_rows({spec.name: ids})[spec.name]
 
         batch = enn.SparseBatch(self._tables, pull=pull)
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] is inputs:
+            # Pulled by the last push, right after it: what a pull now would read.
+            for name, ids in prefetched[1].items():
+                batch.supply(name, ids, prefetched[2][name])
+            return batch
         wanted = enn.batch_ids(self.flat.model, inputs)
         if wanted:
             rows = client.pull_rows(wanted)
@@ -745,6 +770,7 @@ class Trainer:
         if cfg.mode is UpdateMode.SYNC and not client.consistent:
             # Never train on a mixture of versions (shards being realigned).
             client.pull_consistent()
+            self._prefetched = None  # rows read before: pulled again
         loss = self._forward_backward(inputs, targets)
         self._batches += 1
         acc = self._acc
@@ -800,6 +826,7 @@ class Trainer:
                 on_acknowledged()
             self._acc = _Accumulator(first=acc.end, end=acc.end)
             return
+        prefetch = self._prefetch_ids()
         for attempt in range(MAX_STALE_RETRIES + 1):
             grads = self.flat.grads
             for lo, hi in self._frozen:
@@ -814,9 +841,12 @@ class Trainer:
                 on_acknowledged=self._on_ack(on_acknowledged),
                 key=key,
                 rows=self._sparse_rows(acc.batches),
+                prefetch=prefetch,
             )
             self.flat.zero_grad()
             self._sparse_grads = []
+            if prefetch is not None and handle.rows is not None and not handle.stale:
+                self._prefetched = (self._next_inputs, prefetch, handle.rows)
             if not handle.done:
                 # Sent in the background: a STALE answer is handled before the next push.
                 self._inflight = (handle, acc, on_acknowledged)
@@ -829,6 +859,16 @@ class Trainer:
                 )
             self._recompute(client, acc)
         self._acc = _Accumulator(first=acc.end, end=acc.end)
+
+    def _prefetch_ids(self) -> dict[str, Tensor] | None:
+        """The ids of the next mini-batch's rows, for a push to pull (None: none known)."""
+        if not self._tables or self._next_inputs is None:
+            return None
+        try:
+            wanted = enn.batch_ids(self.flat.model, self._next_inputs)
+        except ElasticPSError:
+            return None  # the next batch raises it in its own turn
+        return wanted or None
 
     def _cover(self, client: ParameterClient, key: PushKey) -> None:
         """Have every server hold ``key``'s records without a gradient (they were skipped)."""

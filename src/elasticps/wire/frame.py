@@ -97,6 +97,9 @@ in their own frames:
   ROWS (dtype FLOAT32) holds the rows in the same order, float32
   ``[sum_t counts_t * dim_t]``, and names the model version and generation
   they belong to.
+  A client may send a ROW_PULL right behind a PUSH (and its ROW_GRADS)
+  before reading the push's answer: a server answers the frames of a
+  connection in order, so the rows are read after that push is handled.
 * ROW_GRADS: sent right after a PUSH that set Flags.ROWS (dense part first,
   rows second, one push with one push key: both are applied together, or
   neither). Body: ``counts`` int64 ``[T]``, ids int64 ``[sum(counts)]``,
