@@ -348,9 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.data = workdir / "mnist"
             prepare_mnist(args.data)
         if args.quick:
-            args.steps, args.reps, args.warmup = 20, 2, 2
+            args.steps, args.reps, args.warmup = 20, 1, 2
             throughput(args, workdir)
             args.epochs = 1
+            args.compressions = ["none", "bf16"]  # fp16 takes bf16's path
             accuracy(args, workdir)
         elif args.accuracy:
             accuracy(args, workdir)
