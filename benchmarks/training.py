@@ -4,12 +4,28 @@ For each model (``mlp_small`` 784-512-512-10, ``mlp_20m`` 784-4096-4096-10,
 ``cnn`` = ``examples/mnist_cnn.py``; with ``--models resnet`` also
 ``examples/mnist_resnet.py``, a residual network with BatchNorm), on the MNIST Parquet files of
 ``elasticps data mnist`` (4,000 training rows, several epochs; ``mlp_20m``
-trains on the first 2,000 rows, as it is 40x slower), the cases are:
+trains on the first 2,000 rows, as it is 40x slower), and for each training
+configuration (``--configs``, each the same on every side):
+
+``sgd64`` (the configuration the targets judge)
+    plain SGD (no momentum, no weight decay), lr 0.1, 64 rows per mini-batch
+    per trainer. Default cases: ``elasticps-sync-2ps``,
+    ``elasticps-async1-2ps``, ``elasticps-async10-2ps``, ``ddp``,
+    ``compute-2x1``. Time-to-accuracy: elasticps up to 6 passes, DDP up to 10
+    epochs.
+``adam32`` (the configuration of the earlier results)
+    Adam, lr 1e-3, 32 rows per mini-batch per trainer. Default cases:
+    ``elasticps-sync-2ps``, ``elasticps-async4-2ps``, ``ddp``,
+    ``compute-limit``, ``compute-2x1``. Time-to-accuracy: elasticps up to 4
+    passes, DDP up to 8 epochs.
+
+the cases are:
 
 ``elasticps-sync-1ps`` / ``elasticps-sync-2ps``
     ``elasticps train --trainers 2 --mode sync`` with 1 or 2 PS.
-``elasticps-async4-1ps`` / ``elasticps-async4-2ps``
-    ``--mode async --push-every 4 --pull-every 4``.
+``elasticps-async1-2ps``, ``elasticps-async4-1ps`` / ``elasticps-async4-2ps``,
+``elasticps-async10-2ps``
+    ``--mode async --push-every N --pull-every N``, N = 1, 4, 10 (1 or 2 PS).
 ``elasticps-sync-2ps-nobuffers`` / ``elasticps-async4-2ps-nobuffers``
     The same jobs with the model's buffers (BatchNorm statistics) left on
     each trainer instead of carried by the parameter servers (the benchmark
@@ -23,20 +39,23 @@ trains on the first 2,000 rows, as it is 40x slower), the cases are:
     DDP over gloo, ``torch.set_num_threads(1)`` per process.
 ``compute-limit``
     ``benchmarks/ddp_worker.py`` alone: one process, 2 torch threads, the
-    total batch of the 2 trainers (64 rows), no communication.
-``compute-2x1`` (only with ``--cases all``)
-    Two one-thread ``ddp_worker.py --shard r/2`` processes side by side, 32
-    rows per step each, never synchronising: the rate 2 trainers would reach
-    if communication were free, each still running Adam locally. Unlike the
-    2-thread process it does not collapse when other processes load the
-    machine (OpenMP barriers stall when one of their threads is preempted).
+    total batch of the 2 trainers, no communication.
+``compute-2x1``
+    Two one-thread ``ddp_worker.py --shard r/2`` processes side by side, each
+    with the configuration's rows per step, never synchronising: the rate 2
+    trainers would reach if communication were free, each still running the
+    optimizer locally. Unlike the 2-thread process it does not collapse when
+    other processes load the machine (OpenMP barriers stall when one of their
+    threads is preempted).
 
-The default runs the 2-PS elasticps cases, DDP and the compute limit for the
-three models, then time-to-accuracy (about 5-6 minutes); ``--cases all`` adds
-the 1-PS cases. Every case uses the same model file, seed, Adam (lr 1e-3) and
-32 rows per mini-batch per trainer, 1 torch thread per trainer. elasticps runs
-the product's defaults otherwise (512 rows per task, 128 for ``mlp_20m`` so
-that its timeline has enough steps; periodic PS checkpoints every 10 s).
+The default runs both configurations' default cases for the three models,
+then time-to-accuracy for each configuration; ``--cases`` gives one case list
+for every configuration (``all``: every case). Every case uses the same model
+file, seed, optimizer, learning rate and rows per mini-batch per trainer
+(the compute limit: the total of the 2 trainers in one step), 1 torch thread
+per trainer. elasticps runs the product's defaults otherwise (512 rows per
+task, 128 for ``mlp_20m`` so that its timeline has enough steps; periodic PS
+checkpoints every 10 s).
 
 Throughput is measured over the steady middle of each run, excluding start-up
 and the tail: the time between the moments 15 % and 85 % of the run's samples
@@ -47,26 +66,38 @@ reported done); for the baselines, from the worker's per-step timestamps.
 Time-to-accuracy (``cnn``, target 0.93 test accuracy on the 1,000 test rows),
 the same way for both, as DAWNBench's "time to 93 % accuracy": each system
 trains once, evaluating on the test rows after every pass (elasticps sync, 2
-trainers, 2 PS, ``--eval-each-pass``, up to 4 passes) or epoch (DDP, up to 8,
-stopping at the target), with the same evaluation code; the figure is the time
-from starting the command to the end of the first evaluation that reaches
-the target. Process start-up and the evaluations count; what comes after the
+trainers, 2 PS, ``--eval-each-pass``) or epoch (DDP, stopping at the
+target), with the same evaluation code; the figure is the time from
+starting the command to the end of the first evaluation that reaches the
+target. Process start-up and the evaluations count; what comes after the
 target (more passes, elasticps's final checkpoint, tear-down) does not.
 ``--tta-reps`` repetitions, interleaved elasticps/DDP, DDP/elasticps...;
-medians. The line also gives, for comparison with earlier versions of this
-benchmark, each command's whole wall time: DDP's run, and an elasticps job of
-exactly as many epochs as it needed, start-up to exit (checkpoint, final
-evaluation and tear-down included).
+medians.
 
-Repetitions (``--reps``) are interleaved: each repetition runs every case of a
-model, in an order rotated by one each time; the reported figure is the median.
+Then ``--tta-reps`` runs of the main job (``cnn``, sync, 2 trainers, 2 PS,
+no per-pass evaluation) of exactly as many passes as the median
+time-to-accuracy run needed: its command's wall time, start-up to exit
+(checkpoint, final evaluation and tear-down included), against DDP's whole
+run (``command_wall_ratio``, the figure of earlier versions of this
+benchmark), and against its own training time (``elasticps_job_overhead_s``
+= command wall time minus training time). The training time runs from the
+master's log line "first task dispatched by this master" to its "all passes
+finished" (``training_s`` in the run lines too).
 
-Prints one JSON line per run, one per (model, case) with the median, the
-time-to-accuracy line, and a summary line with the ratios.
+Repetitions (``--reps``) are interleaved: each repetition runs every
+(configuration, case) of a model, in an order rotated by one each time; the
+reported figure is the median.
 
-    .venv/bin/python benchmarks/training.py                  # about 5-6 minutes
-    .venv/bin/python benchmarks/training.py --cases all --scale 2.5 --reps 3  # the full study
-    .venv/bin/python benchmarks/training.py --quick          # smoke run, ~30 s
+Prints one JSON line per run, one per (configuration, model, case) with the
+median, the time-to-accuracy lines (``tta_run``, ``tta_job``, then ``tta``)
+of each configuration, one ``"verdict": true`` line per target and
+configuration (``counts``: true for ``sgd64``, whose figures the targets
+judge; false for the others, information), and a summary line with the
+ratios of the medians. Every line names its ``config``.
+
+    .venv/bin/python benchmarks/training.py                  # both configurations, ~20 min
+    .venv/bin/python benchmarks/training.py --configs sgd64 --reps 3   # the targets' run
+    .venv/bin/python benchmarks/training.py --quick          # smoke run, sgd64, ~1 min
 """
 
 from __future__ import annotations
