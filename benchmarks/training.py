@@ -95,9 +95,9 @@ configuration (``counts``: true for ``sgd64``, whose figures the targets
 judge; false for the others, information), and a summary line with the
 ratios of the medians. Every line names its ``config``.
 
-    .venv/bin/python benchmarks/training.py                  # both configurations, ~20 min
+    .venv/bin/python benchmarks/training.py                  # both configurations, ~20-40 min
     .venv/bin/python benchmarks/training.py --configs sgd64 --reps 3   # the targets' run
-    .venv/bin/python benchmarks/training.py --quick          # smoke run, sgd64, ~1 min
+    .venv/bin/python benchmarks/training.py --quick          # smoke run, sgd64, ~1-2 min
 """
 
 from __future__ import annotations
@@ -874,7 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help="smoke run: small MLP on 512 rows, 1 epoch, one case of each kind, sgd64 only "
-        "(~30 s); with --models, --configs or --cases, those on 512 rows, 1 epoch",
+        "(~1-2 min); with --models, --configs or --cases, those on 512 rows, 1 epoch",
     )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so that every process started here is stopped.
