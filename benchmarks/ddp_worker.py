@@ -14,7 +14,10 @@ case (what 2 one-thread trainers could do if synchronising were free).
 Both read the same Parquet file and the same model file as an elasticps job
 (``elasticps.model_file``), build the model under the same seed, call the model
 file's ``batch_to_tensors`` on every mini-batch as an elasticps trainer does,
-and step ``torch.optim.Adam`` locally (DDP averages the gradients first). Rank
+and step the optimizer locally (DDP averages the gradients first):
+``--optimizer adam`` (``torch.optim.Adam``, the default) or ``sgd`` (plain
+``torch.optim.SGD``: no momentum, no weight decay, as ``elasticps train
+--optimizer sgd``). Rank
 ``r`` of ``w`` trains rows ``[r * n / w, (r + 1) * n / w)`` of every epoch, in
 file order (the file is pre-shuffled), ``--batch-size`` rows per step.
 
@@ -50,6 +53,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32, help="rows per step per process")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--eval-each-epoch", action="store_true")
@@ -69,7 +73,11 @@ def main() -> int:
     spec = load_model_file(args.model, "Model")
     model = spec.instantiate(args.seed)
     net: torch.nn.Module = DistributedDataParallel(model) if distributed else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer: torch.optim.Optimizer
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     table = pq.read_table(args.data / "train.parquet", columns=list(spec.columns))
     lo, hi = rank * table.num_rows // world, (rank + 1) * table.num_rows // world
     mine = table.slice(lo, hi - lo)
@@ -108,6 +116,8 @@ def main() -> int:
                     "distributed": distributed,
                     "threads": args.threads,
                     "batch_size": args.batch_size,
+                    "optimizer": args.optimizer,
+                    "lr": args.lr,
                     "started": started,
                     "ready": ready,
                     "finished": time.time(),

@@ -171,9 +171,10 @@ def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:
     runs = [line for line in lines if "rep" in line and "case" in line]
     assert {line["case"] for line in runs} == {"elasticps-sync-2ps", "ddp", "compute-limit"}
     for line in runs:
-        for key in ("model", "samples_per_s", "window_s", "samples", "wall_s"):
+        for key in ("config", "model", "samples_per_s", "window_s", "samples", "wall_s"):
             assert key in line, (line["case"], key)
         assert line["samples"] > 0
+    assert {line["config"] for line in runs} == {"sgd64"}
     elasticps = next(line for line in runs if line["case"] == "elasticps-sync-2ps")
     assert 0.0 <= elasticps["accuracy"] <= 1.0
     tta = next(line for line in lines if line.get("tta"))
@@ -186,6 +187,9 @@ def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:
     ):
         assert tta[key] is not None, key
     assert tta["elasticps_runs"][0]["accuracy_per_epoch"], tta
+    assert tta["elasticps_job_training_s"] is not None, tta
+    verdicts = [line for line in lines if line.get("verdict")]
+    assert verdicts and all(v["config"] == "sgd64" and "met" in v for v in verdicts), verdicts
     summary = lines[-1]
     assert summary.get("summary") is True
     for key in ("samples_per_s", "ratios", "time_to_accuracy", "targets"):
