@@ -31,7 +31,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
-from elasticps.errors import DataError
+from elasticps.errors import DataError, one_line
 from elasticps.storage import Location
 
 CHECKPOINT_FORMAT = "elasticps-checkpoint/1"
@@ -42,10 +42,6 @@ MANIFEST_FILE = "manifest.json"
 
 RESERVED_FIELDS = frozenset({"format", "tensors_file", "crc32", "parameters", "created_unix_s"})
 """Manifest fields set by :func:`save_checkpoint`; caller values for them are replaced."""
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -155,7 +151,7 @@ def read_manifest(ckpt_dir: Path | Location) -> dict[str, object]:
     try:
         manifest = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read checkpoint manifest {path}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot read checkpoint manifest {path}: {one_line(exc)}") from exc
     if not isinstance(manifest, dict):
         raise DataError(f"checkpoint manifest {path} is not a JSON object")
     if manifest.get("format") != CHECKPOINT_FORMAT:
@@ -207,7 +203,7 @@ def load_checkpoint(ckpt_dir: Path | Location) -> tuple[dict[str, Tensor], dict[
     try:
         tensors = load_safetensors(data)
     except (SafetensorError, ValueError) as exc:
-        raise DataError(f"cannot decode checkpoint tensors {path}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot decode checkpoint tensors {path}: {one_line(exc)}") from exc
 
     expected = manifest.get("parameters")
     if not isinstance(expected, dict):

@@ -13,6 +13,23 @@ line, without a traceback, and exits with status 2.
 from __future__ import annotations
 
 
+def one_line(exc: BaseException, *, with_type: bool = False) -> str:
+    """``exc``'s message on one line, for an error message of ours.
+
+    Args:
+        exc: the exception.
+        with_type: prefix the exception's type name (``"OSError: ..."``).
+
+    Returns:
+        The message with its whitespace runs folded to single spaces; the
+        type name alone if the message is empty.
+    """
+    message = " ".join(str(exc).split())
+    if not message:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {message}" if with_type else message
+
+
 class ElasticPSError(Exception):
     """Base class of every error raised by elasticps."""
 

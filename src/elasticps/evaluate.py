@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from elasticps.data.parquet import FileName, RangeReader, check_columns, count_rows
-from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError
+from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError, one_line
 from elasticps.model_file import ModelSpec, describe_model_error
 
 if TYPE_CHECKING:
@@ -163,7 +163,9 @@ class _Metrics:
             try:
                 self._metrics[name].update(preds, target)
             except Exception as exc:
-                log.warning("metric %r of %s left out: %s", name, self._what, _one_line(exc))
+                log.warning(
+                    "metric %r of %s left out: %s", name, self._what, one_line(exc, with_type=True)
+                )
                 del self._metrics[name]
 
     def compute(self) -> dict[str, float]:
@@ -173,15 +175,12 @@ class _Metrics:
                 values: dict[str, float] = {}
                 _flatten(name, metric.compute(), values)
             except Exception as exc:
-                log.warning("metric %r of %s left out: %s", name, self._what, _one_line(exc))
+                log.warning(
+                    "metric %r of %s left out: %s", name, self._what, one_line(exc, with_type=True)
+                )
                 continue
             out.update({k: v for k, v in values.items() if math.isfinite(v)})
         return out
-
-
-def _one_line(exc: BaseException) -> str:
-    message = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 _CLASSES = "classes"
@@ -327,7 +326,9 @@ def _user_metrics(spec: ModelSpec) -> Mapping[str, Any] | None:
                 f"metrics() must return a dict of names to metrics, got {metrics!r:.80}"
             )
     except Exception as exc:
-        log.warning("metrics() of model file %s left out: %s", spec.path.name, _one_line(exc))
+        log.warning(
+            "metrics() of model file %s left out: %s", spec.path.name, one_line(exc, with_type=True)
+        )
         return None
     return metrics
 

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from elasticps.buffers import buffer_specs
-from elasticps.errors import ModelContractError
+from elasticps.errors import ModelContractError, one_line
 
 __all__ = [
     "ModelSpec",
@@ -56,12 +56,6 @@ __all__ = [
 ]
 
 _module_counter = itertools.count()
-
-
-def _one_line(exc: BaseException) -> str:
-    """Return ``"Type: message"`` on one line."""
-    message = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -184,7 +178,7 @@ def describe_model_error(exc: BaseException, path: Path, shown: str, called: str
         where = f"model file {shown}, line {frames[-1].lineno}, in {frames[-1].name}"
     else:
         where = f"model file {shown}, in {called}"
-    return f"{where}: {_one_line(exc)}"
+    return f"{where}: {one_line(exc, with_type=True)}"
 
 
 def _import_file(path: Path, shown: str) -> ModuleType:
@@ -203,7 +197,9 @@ def _import_file(path: Path, shown: str) -> ModuleType:
         del sys.modules[name]
         line = _error_line(exc, path)
         where = f"{shown}, line {line}" if line is not None else shown
-        raise ModelContractError(f"error in model file {where}: {_one_line(exc)}") from exc
+        raise ModelContractError(
+            f"error in model file {where}: {one_line(exc, with_type=True)}"
+        ) from exc
     return module
 
 
@@ -319,8 +315,9 @@ def load_model_file(
         try:
             model = cls(**kwargs)
         except Exception as exc:
+            reason = one_line(exc, with_type=True)
             raise ModelContractError(
-                f"cannot construct {called} from model file {shown}: {_one_line(exc)}"
+                f"cannot construct {called} from model file {shown}: {reason}"
             ) from exc
         return model
 
@@ -378,7 +375,9 @@ def in_process_spec(
         try:
             return copy.deepcopy(template)
         except Exception as exc:
-            raise ModelContractError(f"cannot copy {name}: {_one_line(exc)}") from exc
+            raise ModelContractError(
+                f"cannot copy {name}: {one_line(exc, with_type=True)}"
+            ) from exc
 
     return ModelSpec(
         path=Path(f"<{name}>"),

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from elasticps.errors import ConfigError, DataError
+from elasticps.errors import ConfigError, DataError, one_line
 
 __all__ = ["OBJECT_STORES", "Location", "is_url", "path_or_url", "require_file"]
 
@@ -55,10 +55,6 @@ def is_url(where: str | os.PathLike[str]) -> bool:
     """Whether ``where`` is a URL (``scheme://...``) other than ``file://``."""
     m = _SCHEME.match(os.fspath(where))
     return m is not None and m.group(1).lower() != "file"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,7 @@ class Location:
         except (ImportError, ValueError) as exc:
             raise ConfigError(
                 f"{self.scheme}:// URLs need a package that is not installed "
-                f"({_one_line(exc)}); pip install 'elasticps[storage]'"
+                f"({one_line(exc)}); pip install 'elasticps[storage]'"
             ) from exc
         return fs, str(path)
 
@@ -415,7 +411,7 @@ def require_file(location: Location, what: str = "data file") -> Location:
     try:
         found = location.is_file()
     except OSError as exc:
-        raise DataError(f"cannot reach {location}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot reach {what} {location}: {one_line(exc)}") from exc
     if not found:
         raise DataError(f"{what} not found: {location}")
     return location

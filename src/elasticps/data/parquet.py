@@ -25,16 +25,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elasticps.errors import DataError
-from elasticps.storage import Location
+from elasticps.errors import DataError, one_line
+from elasticps.storage import Location, require_file
 
 FileName = str | Path | Location
 """A Parquet file: a local path, or a URL (see :mod:`elasticps.storage`)."""
-
-
-def _one_line(exc: BaseException) -> str:
-    """Return ``exc`` as a single line of text for an error message."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _source(location: Location) -> Any:
@@ -43,18 +38,13 @@ def _source(location: Location) -> Any:
     Raises:
         DataError: the file is missing or cannot be opened.
     """
-    try:
-        found = location.is_file()
-    except OSError as exc:
-        raise DataError(f"cannot reach data file {location}: {_one_line(exc)}") from exc
-    if not found:
-        raise DataError(f"data file not found: {location}")
+    require_file(location)
     if location.is_local:
         return location.local_path
     try:
         return location.open_input()
     except OSError as exc:
-        raise DataError(f"cannot open data file {location}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot open data file {location}: {one_line(exc)}") from exc
 
 
 def _open_metadata(path: FileName) -> pq.FileMetaData:
@@ -64,7 +54,7 @@ def _open_metadata(path: FileName) -> pq.FileMetaData:
     try:
         return pq.read_metadata(source)
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"not a readable Parquet file: {location} ({_one_line(exc)})") from exc
+        raise DataError(f"not a readable Parquet file: {location} ({one_line(exc)})") from exc
     finally:
         if not isinstance(source, Path):
             source.close()
@@ -167,7 +157,7 @@ def null_counts(path: FileName, columns: Sequence[str]) -> dict[str, int]:
         try:
             table = pq.ParquetFile(source).read_row_groups(sorted(groups), columns=[name])
         except (pa.ArrowException, OSError) as exc:
-            raise DataError(f"cannot read column {name!r} of {path}: {_one_line(exc)}") from exc
+            raise DataError(f"cannot read column {name!r} of {path}: {one_line(exc)}") from exc
         finally:
             if not isinstance(source, Path):
                 source.close()
@@ -281,7 +271,7 @@ def find_split(data: FileName, split: str) -> tuple[Location, ...]:
         if split == "train" and "test.parquet" not in names:
             return tuple(where / n for n in names if n.endswith(".parquet"))
     except OSError as exc:
-        raise DataError(f"cannot list the dataset {where}: {_one_line(exc)}") from exc
+        raise DataError(f"cannot list the dataset {where}: {one_line(exc)}") from exc
     return ()
 
 
@@ -298,7 +288,7 @@ def resolve_dataset_files(data: FileName, split: str = "train") -> tuple[Locatio
         try:
             is_dir = where.is_dir()
         except OSError as exc:
-            raise DataError(f"cannot reach {where}: {_one_line(exc)}") from exc
+            raise DataError(f"cannot reach {where}: {one_line(exc)}") from exc
         if is_dir:
             raise DataError(
                 f"data file not found: {where / (split + '.parquet')} (nor a {split}/ "
@@ -356,7 +346,7 @@ class RangeReader:
         except (pa.ArrowException, OSError) as exc:
             if not isinstance(source, Path):
                 source.close()
-            raise DataError(f"not a readable Parquet file: {location} ({_one_line(exc)})") from exc
+            raise DataError(f"not a readable Parquet file: {location} ({one_line(exc)})") from exc
         starts = [0]
         for group in range(metadata.num_row_groups):
             starts.append(starts[-1] + metadata.row_group(group).num_rows)
@@ -434,7 +424,7 @@ class RangeReader:
             )
         except (pa.ArrowException, OSError) as exc:
             raise DataError(
-                f"cannot read rows [{start}, {end}) of {path}: {_one_line(exc)}"
+                f"cannot read rows [{start}, {end}) of {path}: {one_line(exc)}"
             ) from exc
         return table.slice(start - starts[first_group], end - start)
 

@@ -72,7 +72,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from elasticps.errors import DataError
+from elasticps.errors import DataError, one_line
 from elasticps.pserver.atomic import content_crc32
 from elasticps.pserver.shard import COVERAGE_KEY, SPARSE_STATE_KEY, VALUES_KEY, ParameterShard
 from elasticps.pserver.sparse_checkpoint import load_tables_state, save_tables_state
@@ -232,7 +232,7 @@ def decode_shard(data: bytes, where: str) -> tuple[dict[str, torch.Tensor], dict
         tensors = load_safetensors(data)
         meta_text, crc_text = _read_metadata(data)
     except (SafetensorError, ValueError, KeyError, OSError) as exc:
-        raise DataError(f"shard checkpoint {where} is unreadable: {_one_line(exc)}") from exc
+        raise DataError(f"shard checkpoint {where} is unreadable: {one_line(exc)}") from exc
     if meta_text is None or crc_text is None:
         raise DataError(f"shard checkpoint {where} has no elasticps metadata")
     crc = content_crc32(meta_text, tensors)
@@ -317,10 +317,6 @@ def _check_consistent(
                 f"shard checkpoint {where}: tensor {name!r} is {tensor.dtype} with "
                 f"{tensor.numel()} elements, expected float32 with {numel}"
             )
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # --- one slot's own files ---------------------------------------------------------------
