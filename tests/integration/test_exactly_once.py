@@ -16,15 +16,12 @@ holding every pass's audit (checked on the servers, nothing lost) and the true
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from elasticps.testing import kill_leftovers
+from elasticps.testing import run_train
 from elasticps.testing.audit import AuditResult, check_run, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -51,31 +48,17 @@ def run_audit(
     env: dict[str, str] | None = None,
     timeout_s: float = JOB_TIMEOUT_S,
 ) -> tuple[dict[str, object], AuditResult]:
-    cmd = [
-        sys.executable, "-m", "elasticps", "train",
+    args = [
         "--model", str(audit_dir / "audit_model.py"), "--data", str(audit_dir),
         "--output", str(out), "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
         "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
         "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
-        "--lease-ttl-s", "2", "--checkpoint-every-s", "1", "--no-progress",
+        "--lease-ttl-s", "2", "--checkpoint-every-s", "1",
         *(["--chaos", chaos] if chaos else []), *extra,
     ]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env={**os.environ, **(env or {})},
-        )
-    finally:
-        leftovers = kill_leftovers(out / "pids.json")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not leftovers, f"processes left behind: {leftovers}"
+    line, stderr = run_train(args, pids_file=out / "pids.json", timeout_s=timeout_s, env=env)
     record = json.loads((out / "run.json").read_text())
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
-    record["stderr"] = proc.stderr
+    record["stderr"] = stderr
     record["line"] = line
     return record, check_run(out)
 

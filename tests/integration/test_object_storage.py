@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elasticps.storage import Location
-from elasticps.testing import kill_leftovers
+from elasticps.testing import run_train
 from elasticps.testing.audit import check_run, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -93,22 +93,7 @@ def _train(
     args: list[str], pids: Path | None, env: dict[str, str]
 ) -> tuple[dict[str, object], str]:
     """Run ``elasticps train``; return its result line and its stderr."""
-    cmd = [sys.executable, "-m", "elasticps", "train", "--no-progress", *args]
-    try:
-        proc = subprocess.run(
-            cmd,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT_S,
-            env={**os.environ, **env},
-        )
-    finally:
-        leftovers = kill_leftovers(pids) if pids is not None else []
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not leftovers, f"processes left behind: {leftovers}"
-    line: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return line, proc.stderr
+    return run_train(args, pids_file=pids, timeout_s=JOB_TIMEOUT_S, env=env)
 
 
 def _local_dir(url: str, job: str, env: dict[str, str]) -> Path:

@@ -11,7 +11,6 @@ read exactly P, on whichever server holds it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ import torch
 
 from elasticps.checkpoint import load_checkpoint
 from elasticps.tables import load_tables
-from elasticps.testing import kill_leftovers
+from elasticps.testing import run_train
 from elasticps.testing.audit import AuditResult, check_counters, sparse_counters, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -36,24 +35,12 @@ JOB_TIMEOUT_S = 200.0
 
 def run_job(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, object]:
     """Run ``elasticps train`` to the end; return its run.json with the final line and stderr."""
-    cmd = [sys.executable, "-m", "elasticps", "train", "--output", str(out), "--no-progress",
-           *args]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd,
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT_S,
-            env={**os.environ, **(env or {})},
-        )
-    finally:
-        leftovers = kill_leftovers(out / "pids.json")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not leftovers, f"processes left behind: {leftovers}"
+    line, stderr = run_train(
+        ["--output", str(out), *args], pids_file=out / "pids.json", timeout_s=JOB_TIMEOUT_S, env=env
+    )
     record: dict[str, object] = json.loads((out / "run.json").read_text())
-    record["line"] = json.loads(proc.stdout.strip().splitlines()[-1])
-    record["stderr"] = proc.stderr
+    record["line"] = line
+    record["stderr"] = stderr
     return record
 
 

@@ -10,8 +10,10 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 
@@ -71,3 +73,46 @@ def kill_leftovers(pids_file: Path, grace_s: float = 5.0) -> list[str]:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(f"{role}:{pid}")
     return killed
+
+
+def run_train(
+    args: Sequence[str | Path],
+    *,
+    pids_file: Path | None,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> tuple[dict[str, object], str]:
+    """Run ``elasticps train ARGS --no-progress`` to its end, then SIGKILL what it left.
+
+    Args:
+        args: the command's arguments after ``train``.
+        pids_file: the job's ``OUTPUT/pids.json`` (see :func:`kill_leftovers`),
+            or None when the output is not a local directory.
+        timeout_s: longest run, seconds.
+        env: variables added to this process's environment.
+
+    Returns:
+        The job's result line (the last JSON line on stdout) and its stderr.
+
+    Raises:
+        AssertionError: the command exited non-zero, or left processes running.
+        subprocess.TimeoutExpired: it ran past ``timeout_s``.
+    """
+    cmd = [sys.executable, "-m", "elasticps", "train", *map(str, args), "--no-progress"]
+    try:
+        proc = subprocess.run(
+            cmd,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, **(env or {})},
+        )
+    finally:
+        leftovers = kill_leftovers(pids_file) if pids_file is not None else []
+    if proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    if leftovers:
+        raise AssertionError(f"processes left behind: {leftovers}")
+    line: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return line, proc.stderr
