@@ -797,18 +797,13 @@ class ParameterServer:
             if self._on_shutdown is not None:
                 self._on_shutdown()
         elif op == "freeze":
-            self._check_holds_slot()
-            reply = self._freeze(state.conn, msg)
-            try:
-                self._check_holds_slot()
-            except _RequestError:
-                self._release_freeze(state.conn)
-                raise
+            reply = self._holding_slot(
+                lambda: self._freeze(state.conn, msg),
+                undo=lambda: self._release_freeze(state.conn),
+            )
             send_json(state.conn, MsgType.CONTROL_OK, reply, epoch=self.epoch)
         elif op == "snapshot":
-            self._check_holds_slot()
-            reply = self._snapshot(state.conn, msg)
-            self._check_holds_slot()
+            reply = self._holding_slot(lambda: self._snapshot(state.conn, msg))
             send_json(state.conn, MsgType.CONTROL_OK, reply, epoch=self.epoch)
         elif op == "thaw":
             self._release_freeze(state.conn)
@@ -821,11 +816,7 @@ class ParameterServer:
                 epoch=self.epoch,
             )
         elif op in _RECOVERY_OPS:
-            self._check_holds_slot()
-            reply = getattr(self, f"_op_{op}")(state.conn, msg)
-            # Again after the work: the server may have been paused in it past
-            # its lease, and a successor restored from an older file meanwhile.
-            self._check_holds_slot()
+            reply = self._holding_slot(lambda: getattr(self, f"_op_{op}")(state.conn, msg))
             send_json(
                 state.conn,
                 MsgType.CONTROL_OK,
@@ -836,6 +827,30 @@ class ParameterServer:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
 
     # --- exactly-once and realignment (driven by the master) -------------------------
+
+    def _holding_slot(
+        self,
+        work: Callable[[], dict[str, object]],
+        undo: Callable[[], None] | None = None,
+    ) -> dict[str, object]:
+        """Do ``work`` (a control op) only while this server holds its slot; its answer.
+
+        Checked before the work and again after it: the server may have been
+        paused in it past its lease, and a successor restored from an older
+        file meanwhile. ``undo`` reverts the work when the second check fails.
+
+        Raises:
+            _RequestError: ``fenced``, or what ``work`` raised.
+        """
+        self._check_holds_slot()
+        reply = work()
+        try:
+            self._check_holds_slot()
+        except _RequestError:
+            if undo is not None:
+                undo()
+            raise
+        return reply
 
     def _check_holds_slot(self) -> None:
         """Raise ERROR ``fenced`` unless this server certainly still holds its slot.
