@@ -24,19 +24,34 @@ numbers, not bit patterns reinterpreted as floats: no denormal or NaN
 pattern can be flushed or quieted on the way. float64 and complex buffers
 are refused (as float64 parameters are): float32 cannot carry them exactly.
 
-**What a trainer sends.** Not its buffers' values but their *increment*
-since the values it last pulled (sums of its local updates), in the
-gradient buffer's place for them; :class:`BufferSync` keeps that account
-across pulls, pushes and pushes computed again after a STALE answer.
+**What a trainer sends**, in the gradient buffer's place for the buffers:
+for integer buffers, their *increment* since the values it last pulled
+(sums of its local updates); for floating-point buffers, the increment in
+sync mode and the model's current values in async mode.
+:class:`BufferSync` keeps that account across pulls, pushes and pushes
+computed again after a STALE answer.
 
-**How a server combines increments** (``b`` is the server's value):
+**How a server combines them** (``b`` is the server's value):
 
-- async mode: each push's increment is added as it arrives,
-  ``b += inc``. This is how TensorFlow's parameter-server training treats
-  BatchNorm's moving averages: they are non-trainable variables on the
-  parameter servers, and each worker's moving-average update is applied to
-  them as it comes (``assign_moving_average``), not averaged. For
-  ``num_batches_tracked`` it counts every mini-batch of every trainer.
+- async mode: floating-point buffers take each push's values as it
+  arrives, ``b = v``: the server holds the running statistics of the
+  trainer that pushed last, as PyTorch DDP keeps one replica's
+  (``broadcast_buffers=True`` copies rank 0's buffers to every replica).
+  Adding each trainer's increment instead, as TensorFlow's
+  parameter-server training does with moving averages
+  (``assign_moving_average`` on the servers' variables), is unstable when
+  the increments are computed from values pulled several steps earlier:
+  an exponential moving average with momentum ``m``, decayed by ``n``
+  trainers from values ``d`` steps old, follows
+  ``b[t+1] = b[t] - n * m * b[t-d]`` (towards a zero target), which
+  oscillates once ``n * m > d**d / (d+1)**(d+1)`` (about ``1 / (e * (d+1))``)
+  and diverges once ``n * m > 2 * cos(d * pi / (2*d + 1))`` (Levin and May,
+  "A note on difference-delay equations", 1976): with BatchNorm's
+  ``m = 0.1`` and two trainers, from ``d = 8``. A running variance near
+  zero then goes negative and evaluation returns NaN. Taken values are
+  always statistics some trainer's module computed.
+  Integer increments are added, ``b += inc``: ``num_batches_tracked``
+  counts every mini-batch of every trainer.
 - sync mode: a step adds the **sample-weighted mean** of the floating-point
   increments of the round's trainers, and the **largest** of their integer
   increments. All of them started from the same pulled ``b``, so for
@@ -50,8 +65,8 @@ across pulls, pushes and pushes computed again after a STALE answer.
   then counts steps (each trainer adds 1 per step), as in DDP and in a
   single process that trains on the step's global batch.
 
-Pushes that are stale or duplicates carry their increments away with them:
-a server applies a push's increment exactly when it applies its gradient,
+Pushes that are stale or duplicates carry their buffers away with them:
+a server applies a push's buffers exactly when it applies its gradient,
 so buffers follow the exactly-once rule of the records without being part
 of it (the coverage of push keys knows nothing of them).
 """
@@ -319,8 +334,8 @@ class BufferSync:
 
     The model's buffers are not views into the flat buffers (integer buffers
     cannot be): they are updated by the model as it trains, read back into
-    the gradient buffer's place for them at each push (as increments), and
-    written from the parameter buffer's place for them when new values were
+    the gradient buffer's place for them at each push (see :meth:`write_push`),
+    and written from the parameter buffer's place for them when new values were
     pulled. Buffers are looked up by name each time, so a module that
     reassigns one (``self.count = self.count + 1``) is followed.
 
@@ -400,19 +415,29 @@ class BufferSync:
         self._last = region.clone()
         return True
 
-    def write_increments(self, grads: Tensor) -> None:
-        """Put the increments since the last push into ``grads``' place for the buffers.
+    def write_push(self, grads: Tensor, *, float_values: bool = False) -> None:
+        """Put what the next push carries for the buffers into ``grads``' place for them.
 
         Called right before a push; the account starts again from the
         model's current values.
+
+        Args:
+            grads: the flat gradient buffer, float32.
+            float_values: floating-point buffers carry the model's current
+                values instead of their increment (async mode, see the module
+                docstring); integer buffers always carry their increment.
         """
         with torch.no_grad():
             for i, (spec, t, (a, b)) in enumerate(
                 zip(self.specs, self._current(), self._ranges, strict=True)
             ):
                 now = self._wide(t)
-                increment = self._pending[i] + (now - self._base[i])
-                grads[a:b] = encode_ints(increment) if spec.kind == "int" else increment.reshape(-1)
+                if spec.kind == "int":
+                    grads[a:b] = encode_ints(self._pending[i] + (now - self._base[i]))
+                elif float_values:
+                    grads[a:b] = now.reshape(-1)
+                else:
+                    grads[a:b] = (self._pending[i] + (now - self._base[i])).reshape(-1)
                 self._base[i] = now
                 self._pending[i].zero_()
 
@@ -507,19 +532,33 @@ class BufferLayout:
         for r in self.ranges:
             flat[r.start : r.end] = 0.0
 
-    def apply(self, values: Tensor, before: Sequence[Tensor], increments: Sequence[Tensor]) -> None:
-        """``values``' buffers become ``before + increments`` (integers added exactly).
+    def apply(
+        self,
+        values: Tensor,
+        before: Sequence[Tensor],
+        pushed: Sequence[Tensor],
+        *,
+        float_values: bool = False,
+    ) -> None:
+        """Write the buffers' new values into ``values``.
+
+        Integers become ``before + pushed`` (added exactly); floats become
+        ``before + pushed``, or ``pushed`` itself with ``float_values``.
 
         Args:
             values: the shard's flat values, float32.
             before: each buffer's encoded values before the step (:meth:`take`).
-            increments: each buffer's encoded increment.
+            pushed: each buffer's encoded increment, or for floats with
+                ``float_values`` its new value.
+            float_values: ``pushed`` holds floats' values (an async push).
         """
-        for r, old, inc in zip(self.ranges, before, increments, strict=True):
+        for r, old, new in zip(self.ranges, before, pushed, strict=True):
             if r.kind == "int":
-                values[r.start : r.end] = encode_ints(decode_ints(old) + decode_ints(inc))
+                values[r.start : r.end] = encode_ints(decode_ints(old) + decode_ints(new))
+            elif float_values:
+                values[r.start : r.end] = new
             else:
-                values[r.start : r.end] = old + inc
+                values[r.start : r.end] = old + new
 
 
 class BufferRound:

@@ -136,12 +136,36 @@ def test_a_trainer_sends_increments_and_keeps_unpushed_ones_across_a_pull() -> N
     assert model.mean.tolist() == [10.0, 20.0] and int(model.count) == 5
     assert not sync.adopt(flat.params)  # nothing new pulled: nothing happens
     model.count += 2
-    sync.write_increments(flat.grads)
+    sync.write_push(flat.grads)
     assert flat.grads[mean_at : mean_at + 2].tolist() == [1.0, 1.0]
     assert int(decode_ints(flat.grads[count_at : count_at + 3])[0]) == 3
     flat.grads.zero_()
-    sync.write_increments(flat.grads)  # the account starts again after a push
+    sync.write_push(flat.grads)  # the account starts again after a push
     assert not bool(flat.grads.any())
+
+
+def test_an_async_push_carries_float_values_and_integer_increments() -> None:
+    model = nn.Module()
+    model.register_buffer("mean", torch.zeros(2))
+    model.register_buffer("count", torch.tensor(0))
+    model.weight = nn.Parameter(torch.zeros(1))
+    flat = bind_flat_buffers(model, 1)
+    sync = flat.buffers
+    assert isinstance(sync, BufferSync)
+    offsets = flat.placement.flat_offsets
+    mean_at, count_at = offsets["mean"], offsets["count"]
+    model.mean += 1.0
+    model.count += 1
+    flat.params[mean_at : mean_at + 2] = torch.tensor([10.0, 20.0])
+    flat.params[count_at : count_at + 3] = encode_ints(torch.tensor([5]))
+    assert sync.adopt(flat.params)
+    model.mean += 0.5
+    model.count += 2
+    sync.write_push(flat.grads, float_values=True)
+    # Floats: the values now (the pulled ones and what ran since; what ran before
+    # the pull is not re-added on top of values that may already hold it).
+    assert flat.grads[mean_at : mean_at + 2].tolist() == [10.5, 20.5]
+    assert int(decode_ints(flat.grads[count_at : count_at + 3])[0]) == 3
 
 
 def bn_shards(mode: UpdateMode, optimizer: OptimizerConfig = SGD) -> list[ParameterShard]:
@@ -196,17 +220,28 @@ def test_sync_step_adds_the_sample_weighted_mean_of_floats_and_the_largest_integ
     shard.close()
 
 
-def test_async_pushes_add_their_increments_once_and_duplicates_add_nothing() -> None:
+def test_async_pushes_take_float_values_and_add_integer_increments_once() -> None:
     shards = bn_shards(UpdateMode.ASYNC)
     shard = next(s for s in shards if "1.num_batches_tracked" in s.layout["buffers"])  # type: ignore[operator]
     count = buffer_range(shard, "1.num_batches_tracked")
+    floats = [buffer_range(shard, n) for n in ("1.running_mean", "1.running_var")
+              if n in shard.layout["buffers"]]  # type: ignore[operator]  # fmt: skip
+    assert floats
     grad = torch.zeros(shard.numel)
     grad[count[0] : count[1]] = encode_ints(torch.tensor([2]))
+    for lo, hi in floats:
+        grad[lo:hi] = 0.25
     key = PushKey(0, 1, 0, 32)
     assert shard.push(0, grad, 0, 32, key=key).status is PushStatus.APPLIED
+    for lo, hi in floats:
+        grad[lo:hi] = 0.75
     assert shard.push(1, grad, 0, 32, key=key).status is PushStatus.DUPLICATE
+    for lo, hi in floats:
+        assert torch.equal(shard.values[lo:hi], torch.full((hi - lo,), 0.25))
     assert shard.push(1, grad, 1, 32).accepted
     assert int(decode_ints(shard.values[count[0] : count[1]])[0]) == 4
+    for lo, hi in floats:  # the last push's values, not a sum of anything
+        assert torch.equal(shard.values[lo:hi], torch.full((hi - lo,), 0.75))
     for s in shards:
         s.close()
 

@@ -605,7 +605,7 @@ def _train_in_process(job: _Job) -> ParameterSet:
                     else None
                 )
                 if flat.buffers is not None:
-                    flat.buffers.write_increments(flat.grads)
+                    flat.buffers.write_push(flat.grads)  # a sync shard
                 shard.push(0, flat.grads, shard.version, len(targets), rows=rows)
                 flat.params.copy_(shard.values)  # the pull
                 flat.zero_grad()

@@ -66,9 +66,11 @@ before each step and written back after it: frozen values stay bit-identical.
 
 Buffers: a layout may name some pieces as the model's buffers (BatchNorm
 statistics; ``layout["buffers"]``, see :mod:`elasticps.buffers`). A push
-carries their increments where a gradient would be; a step keeps them away
-from the optimizer and adds them (async: each push's; sync: the round's
-sample-weighted mean, or largest for integers, :class:`~elasticps.buffers.BufferRound`).
+carries them where a gradient would be; a step keeps them away from the
+optimizer and writes them (async: each push's floating-point values replace
+the shard's and its integer increments are added; sync: the round's
+sample-weighted mean increment is added, or the largest for integers,
+:class:`~elasticps.buffers.BufferRound`).
 Frozen patterns never match buffers.
 """
 
@@ -923,8 +925,9 @@ class ParameterShard:
         the dense accumulator was).
 
         Buffers (if the layout has any) get ``buffer_increments`` added (a sync
-        round's), or, if None, the increments in ``grad``'s place for them (an
-        async push's); the optimizer sees zeros there. ``grad`` is left as it was.
+        round's), or, if None, what ``grad`` carries in their place (an async
+        push's: floats' values, integers' increments); the optimizer sees
+        zeros there. ``grad`` is left as it was.
 
         Caller holds self._cond; the version is bumped by the caller afterwards.
         """
@@ -944,7 +947,9 @@ class ParameterShard:
                 for (_, lo, hi), old in zip(self._frozen_pieces, kept, strict=True):
                     values[lo:hi].copy_(old)
                 if buffers is not None:
-                    buffers.apply(values, before, increments)
+                    buffers.apply(
+                        values, before, increments, float_values=buffer_increments is None
+                    )
                     buffers.put(grad, carried)
             if self.tables is not None:
                 if round_rows:

@@ -834,7 +834,7 @@ class Trainer:
             if acc.batches > 1:
                 grads.div_(acc.batches)  # mean of per-batch mean gradients
             if self.flat.buffers is not None:
-                self.flat.buffers.write_increments(grads)
+                self.flat.buffers.write_push(grads, float_values=not sync)
             handle = client.push(
                 acc.samples,
                 want_params=want_params or sync,
@@ -932,7 +932,9 @@ class Trainer:
             if acc.batches > 1:
                 self.flat.grads.div_(acc.batches)
             if self.flat.buffers is not None:
-                self.flat.buffers.write_increments(self.flat.grads)
+                self.flat.buffers.write_push(
+                    self.flat.grads, float_values=self.config.mode is UpdateMode.ASYNC
+                )
             retry = client.push(
                 acc.samples,
                 want_params=True,
