@@ -29,7 +29,7 @@ from elasticps.testing import wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(280)]
 
 CNN = Path(__file__).resolve().parents[2] / "examples" / "mnist_cnn.py"
-EPOCHS = 15
+EPOCHS = 8
 JOB_TIMEOUT_S = 240.0
 # Starting a trainer (torch import, model, PS hello) takes seconds on a busy machine.
 START_TIMEOUT_S = 90.0
