@@ -41,6 +41,8 @@ JOB_TIMEOUT_S = 200.0
 # A refused command imports torch and pyarrow at most; it never trains.
 REFUSAL_TIMEOUT_S = 90.0
 GONE_DEADLINE_S = 30.0
+# Passes of the --bad-records skip comparison (clean and skipping jobs alike).
+SKIP_EPOCHS = 3
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,7 @@ def test_skip_trains_within_a_point_of_clean_data_and_counts_skipped_records_exa
     data = with_labels(mnist_dir, tmp_path / "data", dict.fromkeys(bad_rows))
     # One trainer: the sync job is then deterministic, so the comparison is too.
     # A task has 512 / 16 = 32 mini-batches; the budget never sets one aside.
-    flags = ["--trainers", "1", "--ps", "1", "--mode", "sync", "--epochs", "5",
+    flags = ["--trainers", "1", "--ps", "1", "--mode", "sync", "--epochs", str(SKIP_EPOCHS),
              "--batch-size", "16", "--max-task-timeouts", "32"]  # fmt: skip
 
     clean = train(*flags, model=CNN, data=mnist_dir, output=tmp_path / "clean")
@@ -285,13 +287,15 @@ def test_skip_trains_within_a_point_of_clean_data_and_counts_skipped_records_exa
     assert per_pass > 0
     record = json.loads((tmp_path / "skip" / "run.json").read_text())
     assert record["bad_records"] == "skip"
-    assert record["records_skipped"] == skip_line["records_skipped"] == 5 * per_pass
-    assert len(record["passes"]) == 5
+    assert record["records_skipped"] == skip_line["records_skipped"] == SKIP_EPOCHS * per_pass
+    assert len(record["passes"]) == SKIP_EPOCHS
     for audit in record["passes"]:
         assert audit["records_skipped"] == per_pass, audit
         assert audit["records_trained"] == TRAIN_ROWS - per_pass, audit
         assert audit["failed"] == 0 and audit["exactly_once"], audit
-    assert record["samples"] == skip_line["samples_trained"] == 5 * (TRAIN_ROWS - per_pass)
+    assert (
+        record["samples"] == skip_line["samples_trained"] == SKIP_EPOCHS * (TRAIN_ROWS - per_pass)
+    )
 
 
 def test_skip_sets_a_task_aside_after_max_task_timeouts_skipped_mini_batches(
