@@ -179,7 +179,7 @@ def test_random_kill_soak(audit_dir: Path, tmp_path: Path, mode: str) -> None:
     moments of one job, with a standby master: every counter exact. (60 are
     scheduled: two that fall due at the same moment may find the second target
     already dead, as a master killed twice in a row.)"""
-    epochs = 30
+    epochs = 15
     record, audit = run_audit(
         audit_dir,
         tmp_path / "run",
@@ -187,7 +187,7 @@ def test_random_kill_soak(audit_dir: Path, tmp_path: Path, mode: str) -> None:
         epochs=epochs,
         chaos=_random_schedule(11 if mode == "sync" else 12, 60),
         extra=("--standby-masters", "1", "--max-restarts", "100"),
-        # Twice a plain job's allowance: 30 passes under 60 kills, beside
+        # Twice a plain job's allowance: 15 passes under 60 kills, beside
         # another test's job on a 2-core machine.
         timeout_s=2 * JOB_TIMEOUT_S,
     )
