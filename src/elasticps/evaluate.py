@@ -5,9 +5,11 @@ evaluate`` on a checkpoint, and the examples' tests. Every model gets the
 sample-weighted mean of its ``loss``; the metrics that fit the shapes of its
 outputs and targets are added (:class:`MetricSet`), then the model file's own
 ``metrics()``, if it defines one. Accuracy, MSE and MAE are computed here as
-``torchmetrics`` computes them; the AUC by ``torchmetrics`` (imported only
-then: it costs about 2 s of CPU). A metric that cannot be computed is left
-out with a warning in the log: a job never fails because of its metrics.
+``torchmetrics`` computes them; the AUC by ``torchmetrics``, imported only
+then (its import, with the scipy.signal and matplotlib it pulls in, was the
+largest CPU cost of a small job's launcher: benchmarks/README.md). A metric
+that cannot be computed is left out with a warning in the log: a job never
+fails because of its metrics.
 """
 
 from __future__ import annotations
@@ -187,9 +189,9 @@ class _Metrics:
 # here as torchmetrics' MulticlassAccuracy (micro), BinaryAccuracy,
 # MeanSquaredError and MeanAbsoluteError compute them: the same float32
 # arithmetic, and the same checks raising the same errors. The AUC is
-# torchmetrics' BinaryAUROC. Importing torchmetrics costs about 2 s of CPU
-# (it imports scipy.signal and matplotlib when they are installed), so it is
-# imported only by a model that gets an AUC or returns its own metrics.
+# torchmetrics' BinaryAUROC. Importing torchmetrics is costly (it imports
+# scipy.signal and matplotlib when they are installed), so it is imported only
+# for a model that gets an AUC or returns its own metrics.
 
 
 class _MulticlassAccuracy:

@@ -163,7 +163,7 @@ class PassEvaluator:
 
     def _evaluate_loop(self) -> None:
         # torchmetrics is not imported ahead: the default metrics but the AUC
-        # do without it (elasticps.evaluate), and it costs about 2 s of CPU.
+        # do without it (elasticps.evaluate), and its import is costly.
         while (snapshot := self._snapshots.get()) is not None:
             try:
                 result = self._evaluate(snapshot)
