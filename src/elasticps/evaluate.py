@@ -4,10 +4,12 @@ Used by the job's final evaluation, ``--eval-each-pass``, ``elasticps
 evaluate`` on a checkpoint, and the examples' tests. Every model gets the
 sample-weighted mean of its ``loss``; the metrics that fit the shapes of its
 outputs and targets are added (:class:`MetricSet`), then the model file's own
-``metrics()``, if it defines one. Metrics are computed by ``torchmetrics``
-(imported when the first batch is evaluated), and a metric that cannot be
-computed is left out with a warning in the log: a job never fails because of
-its metrics.
+``metrics()``, if it defines one. Accuracy, MSE and MAE are computed here as
+``torchmetrics`` computes them; the AUC by ``torchmetrics``, imported only
+then (its import, with the scipy.signal and matplotlib it pulls in, was the
+largest CPU cost of a small job's launcher: benchmarks/README.md). A metric
+that cannot be computed is left out with a warning in the log: a job never
+fails because of its metrics.
 """
 
 from __future__ import annotations
@@ -183,6 +185,107 @@ class _Metrics:
         return out
 
 
+# The default metrics. Accuracy, MSE and MAE are counts and sums, computed
+# here as torchmetrics' MulticlassAccuracy (micro), BinaryAccuracy,
+# MeanSquaredError and MeanAbsoluteError compute them: the same float32
+# arithmetic, and the same checks raising the same errors. The AUC is
+# torchmetrics' BinaryAUROC. Importing torchmetrics is costly (it imports
+# scipy.signal and matplotlib when they are installed), so it is imported only
+# for a model that gets an AUC or returns its own metrics.
+
+
+class _MulticlassAccuracy:
+    """Micro-averaged accuracy of ``[B, C]`` class scores against ``[B]`` class indices."""
+
+    def __init__(self, num_classes: int) -> None:
+        self._num_classes = num_classes
+        self._correct = torch.tensor(0)
+        self._total = torch.tensor(0)
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        if preds.shape[1] != self._num_classes:
+            raise ValueError(
+                "If `preds` have one dimension more than `target`, `preds.shape[1]` should be"
+                " equal to number of classes."
+            )
+        self._correct += (preds.argmax(dim=1) == target).sum()
+        self._total += target.numel()
+
+    def compute(self) -> Tensor:
+        return _safe_divide(self._correct, self._total)
+
+
+class _BinaryAccuracy:
+    """Accuracy of ``[N]`` probabilities (threshold 0.5) against ``[N]`` 0/1 targets."""
+
+    def __init__(self) -> None:
+        self._correct = torch.tensor(0)
+        self._total = torch.tensor(0)
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        if not torch.all((preds >= 0) * (preds <= 1)):  # e.g. a NaN: read as logits
+            preds = preds.sigmoid()
+        self._correct += ((preds > 0.5) == target).sum()
+        self._total += target.numel()
+
+    def compute(self) -> Tensor:
+        return _safe_divide(self._correct, self._total)
+
+
+class _MeanError:
+    """Mean squared (``squared``) or absolute error of ``[N]`` float32 predictions."""
+
+    def __init__(self, *, squared: bool) -> None:
+        self._squared = squared
+        self._sum = torch.zeros(())
+        self._total = torch.tensor(0)
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        if preds.shape != target.shape:
+            raise RuntimeError(
+                "Predictions and targets are expected to have the same shape, but got "
+                f"{preds.shape} and {target.shape}."
+            )
+        diff = preds.reshape(-1) - target.reshape(-1)
+        self._sum += torch.sum(diff * diff if self._squared else torch.abs(diff), dim=0)
+        self._total += diff.numel()
+
+    def compute(self) -> Tensor:
+        return self._sum / self._total
+
+
+def _safe_divide(num: Tensor, denom: Tensor) -> Tensor:
+    """``num / denom`` in float32, 0 where ``denom`` is 0."""
+    num, denom = num.float(), denom.float()
+    return torch.where(denom != 0, num / denom, torch.zeros((), dtype=num.dtype))
+
+
+def _binary_auroc() -> Any:
+    from torchmetrics.classification import BinaryAUROC
+
+    # One process evaluates: the metric must not wait for other ranks of a
+    # process group the caller may be in (a DDP worker evaluating).
+    return BinaryAUROC(sync_on_compute=False)
+
+
+class _OnFirstUpdate:
+    """A metric made by ``make()`` when it is first updated (so its library is imported then)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._metric: Any = None
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        if self._metric is None:
+            self._metric = self._make()
+        self._metric.update(preds, target)
+
+    def compute(self) -> Any:
+        if self._metric is None:
+            raise ValueError("no batch was given to the metric")
+        return self._metric.compute()
+
+
 _CLASSES = "classes"
 _SAME_SHAPE = "same shape"
 
@@ -211,15 +314,15 @@ class MetricSet:
     Default metrics, chosen from each batch's shapes (``B`` rows):
 
     - ``[B, C]`` float outputs (logits, ``C >= 2``) with integer ``[B]``
-      targets: ``accuracy`` (``argmax`` equals the target;
+      targets: ``accuracy`` (``argmax`` equals the target; as
       ``torchmetrics`` ``MulticlassAccuracy``, micro-averaged);
     - float outputs with as many elements as the targets (``[B]``, or the
       targets' own shape): if every target is 0 or 1, the outputs are
       logits of a binary classifier: ``accuracy`` (logit > 0, i.e.
-      probability > 0.5) and ``auc`` (area under the ROC curve,
-      ``BinaryAUROC``, exact; left out if the targets hold one class only);
-      else a regression: ``mse`` and ``mae`` (``MeanSquaredError``,
-      ``MeanAbsoluteError``);
+      probability > 0.5; as ``BinaryAccuracy``) and ``auc`` (area under
+      the ROC curve, ``torchmetrics`` ``BinaryAUROC``, exact; left out if
+      the targets hold one class only); else a regression: ``mse`` and
+      ``mae`` (as ``MeanSquaredError``, ``MeanAbsoluteError``);
     - anything else, or shapes that change from batch to batch: none (the
       loss alone).
 
@@ -275,24 +378,16 @@ class MetricSet:
         return self._classes is not None or self._regression is not None
 
     def _start(self, kind: str, outputs: Tensor) -> None:
-        from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, MulticlassAccuracy
-        from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
-
         self._kind = kind
-        # One process evaluates: the metrics must not wait for other ranks of a
-        # process group the caller may be in (a DDP worker evaluating).
-        local: dict[str, Any] = {"sync_on_compute": False}
         if kind == _CLASSES:
-            accuracy = MulticlassAccuracy(
-                num_classes=int(outputs.shape[1]), average="micro", **local
-            )
+            accuracy = _MulticlassAccuracy(num_classes=int(outputs.shape[1]))
             self._classes = _Metrics({"accuracy": accuracy}, self._what)
         else:
             self._binary = _Metrics(
-                {"accuracy": BinaryAccuracy(**local), "auc": BinaryAUROC(**local)}, self._what
+                {"accuracy": _BinaryAccuracy(), "auc": _OnFirstUpdate(_binary_auroc)}, self._what
             )
             self._regression = _Metrics(
-                {"mse": MeanSquaredError(**local), "mae": MeanAbsoluteError(**local)}, self._what
+                {"mse": _MeanError(squared=True), "mae": _MeanError(squared=False)}, self._what
             )
 
     def compute(self) -> dict[str, float]:

@@ -51,10 +51,12 @@ import json
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from elasticps.buffers import BufferSpec, describe_buffers
 from elasticps.errors import ConfigError
+
+if TYPE_CHECKING:  # elasticps.buffers imports torch, which the command line does not need
+    from elasticps.buffers import BufferSpec
 
 DEFAULT_BIG_ARRAY_BOUND = 1_000_000
 
@@ -153,6 +155,8 @@ class ShardLayout:
             "shapes": {name: list(shape) for name, shape in self.shapes},
         }
         if self.buffers:
+            from elasticps.buffers import describe_buffers
+
             described["buffers"] = describe_buffers(self.buffers)
         return described
 

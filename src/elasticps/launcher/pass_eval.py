@@ -162,12 +162,8 @@ class PassEvaluator:
         self._snapshots.put(None)
 
     def _evaluate_loop(self) -> None:
-        # The metrics library costs about a second to import: pay it while the
-        # first pass trains, not after it ends.
-        try:
-            import torchmetrics  # noqa: F401
-        except ImportError as exc:
-            log.warning("cannot import torchmetrics: %s", exc)
+        # torchmetrics is not imported ahead: the default metrics but the AUC
+        # do without it (elasticps.evaluate), and its import is costly.
         while (snapshot := self._snapshots.get()) is not None:
             try:
                 result = self._evaluate(snapshot)

@@ -334,7 +334,17 @@ class ForkServer:
         return child
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the server (its children, if any are left, get SIGTERM) and wait for it."""
+        """Stop the server (its children, if any are left, get SIGTERM) and wait for it.
+
+        A server never asked to spawn (the job failed before, e.g. on its
+        inputs) has no child: it gets SIGTERM at once rather than finishing
+        its imports only to exit.
+        """
+        with self._lock:
+            never_used = self._next_id == 0
+        if never_used:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.terminate()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         try:
