@@ -88,3 +88,15 @@ def test_a_command_that_needs_a_missing_extra_says_what_to_install(
     assert lines[0].startswith("elasticps: error: ")
     assert f"pip install 'elasticps[{extra}]'" in lines[0]
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.timeout(90)
+def test_the_command_line_imports_no_torch() -> None:
+    """``elasticps --help``, ``list`` and ``stop`` never need torch, and ``train``
+    starts its fork server (which imports torch) before the launcher imports it
+    itself: importing the command line must not import torch (about 2 s of CPU)."""
+    code = "import sys, elasticps.cli\nprint('torch' in sys.modules)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr

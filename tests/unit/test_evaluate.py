@@ -237,3 +237,42 @@ def test_example_checkpoint_evaluates_on_converted_mnist(tmp_path: Path) -> None
     assert result["samples"] == 1000.0
     assert 0.0 <= result["accuracy"] <= 0.3  # untrained: near chance (0.1)
     assert result["loss"] == pytest.approx(math.log(10), abs=0.3)
+
+
+def test_default_metrics_equal_torchmetrics_on_random_batches() -> None:
+    """Accuracy, MSE and MAE (computed without importing torchmetrics) against
+    torchmetrics' MulticlassAccuracy (micro), BinaryAccuracy, MeanSquaredError and
+    MeanAbsoluteError, over several batches each, bit for bit."""
+    from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
+    from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError
+
+    from elasticps.evaluate import _BinaryAccuracy, _MeanError, _MulticlassAccuracy
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        classes = 2 + trial % 5
+        ours_mc, theirs_mc = (
+            _MulticlassAccuracy(classes),
+            MulticlassAccuracy(classes, average="micro", sync_on_compute=False),
+        )
+        ours_b, theirs_b = _BinaryAccuracy(), BinaryAccuracy(sync_on_compute=False)
+        ours_mse, theirs_mse = _MeanError(squared=True), MeanSquaredError(sync_on_compute=False)
+        ours_mae, theirs_mae = _MeanError(squared=False), MeanAbsoluteError(sync_on_compute=False)
+        for _ in range(3):
+            rows = int(torch.randint(1, 40, (), generator=gen))
+            logits = torch.randn(rows, classes, generator=gen)
+            labels = torch.randint(0, classes, (rows,), generator=gen)
+            ours_mc.update(logits, labels)
+            theirs_mc.update(logits, labels)
+            scores = torch.randn(rows, generator=gen) * 3  # logits: outside [0, 1]
+            zero_one = torch.randint(0, 2, (rows,), generator=gen)
+            ours_b.update(scores, zero_one)
+            theirs_b.update(scores, zero_one)
+            preds, targets = torch.randn(rows, generator=gen), torch.randn(rows, generator=gen)
+            for ours, theirs in ((ours_mse, theirs_mse), (ours_mae, theirs_mae)):
+                ours.update(preds, targets)
+                theirs.update(preds, targets)
+        for ours, theirs in (
+            (ours_mc, theirs_mc), (ours_b, theirs_b), (ours_mse, theirs_mse), (ours_mae, theirs_mae)
+        ):  # fmt: skip
+            assert torch.equal(ours.compute().float(), theirs.compute().float()), trial
