@@ -45,6 +45,7 @@ Run:
     .venv/bin/python benchmarks/control_plane.py                  # 1,000 trainers, ~3 min
     .venv/bin/python benchmarks/control_plane.py --task-s 0,2 --trainers 2000
     .venv/bin/python benchmarks/control_plane.py --quick          # 40 trainers, one phase
+    .venv/bin/python benchmarks/control_plane.py --smoke          # the test suite's, shorter
 """
 
 from __future__ import annotations
@@ -462,13 +463,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="40 trainers, one short phase: a smoke run"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the test suite's run: --quick with 20 trainers, a 0.5 s ramp and a 1.5 s window "
+        "(figures mean nothing)",
+    )
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         return client(args.client)
-    if args.quick:
+    if args.quick or args.smoke:
         args.trainers, args.processes, args.task_s = 40, 2, "0"
         args.warmup_s, args.seconds, args.tasks = 1.0, 3.0, 400
+    if args.smoke:
+        args.trainers, args.warmup_s, args.seconds, args.tasks = 20, 0.5, 1.5, 200
     if args.records_per_task < args.progress_per_task + 1:
         parser.error("--records-per-task must exceed --progress-per-task")
 

@@ -33,6 +33,7 @@ Run:
 
     .venv/bin/python benchmarks/master.py            # 1k, 10k, 100k tasks, ~1-2 min
     .venv/bin/python benchmarks/master.py --quick    # 200 and 2,000 tasks, a few seconds
+    .venv/bin/python benchmarks/master.py --smoke    # the test suite's: 100 and 1,000 tasks
 """
 
 from __future__ import annotations
@@ -274,9 +275,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="windows per size and kind")
     parser.add_argument("--warmup", type=int, default=50, help="untimed round trips per phase")
     parser.add_argument("--quick", action="store_true", help="200 and 2,000 tasks: a smoke run")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the test suite's run: 100 and 1,000 tasks, windows of 20, 1 rep (figures mean "
+        "nothing)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.window, args.reps, args.warmup = "200,2000", 40, 2, 5
+    if args.smoke:
+        args.sizes, args.window, args.reps, args.warmup = "100,1000", 20, 1, 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # SIGTERM (e.g. from the smoke test's timeout) unwinds through the finally blocks.
     import signal

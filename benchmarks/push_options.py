@@ -2,7 +2,7 @@
 
 One trainer (this process, 1 torch thread) trains a model file on the MNIST
 Parquet data against 2 real parameter servers (``ParameterServer``, async,
-Adam lr 1e-3), each in its own spawned process, through the real
+Adam lr 1e-3), each in a process of its own, through the real
 ``ParameterClient``. The loop is the worker's: ``batch_to_tensors``,
 forward, backward, a push every ``--push-every`` mini-batches (the mean
 gradient), a pull every ``--pull-every``.
@@ -25,6 +25,7 @@ Run:
     .venv/bin/python benchmarks/push_options.py --data data/mnist
     .venv/bin/python benchmarks/push_options.py --data data/mnist --accuracy --epochs 3
     .venv/bin/python benchmarks/push_options.py --quick      # a smoke run, a few seconds
+    .venv/bin/python benchmarks/push_options.py --smoke      # the test suite's run, fewer steps
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def emit(obj: object) -> None:
     print(json.dumps(obj), flush=True)
 
 
-# --- parameter servers in spawned processes ----------------------------------------------
+# --- parameter servers in processes of their own -----------------------------------------
 
 
 def _ps_process(index: int, unix_path: str, conn: Connection) -> None:
@@ -106,7 +107,13 @@ class Servers:
 
 
 def start_servers(workdir: Path, tag: str) -> Servers:
-    ctx = mp.get_context("spawn")
+    """``NUM_PS`` servers, forked from a multiprocessing fork server that imported torch once.
+
+    (As the product's launcher starts its roles: a server starts in well under
+    a second instead of importing torch again.)
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "elasticps.pserver.server"])
     servers = Servers()
     try:
         for index in range(NUM_PS):
@@ -332,7 +339,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--compressions", default="none,fp16,bf16")
     parser.add_argument("--quick", action="store_true", help="a smoke run of both modes")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the test suite's run: --quick with 4 steps per configuration and accuracy runs of "
+        "256 training rows (figures mean nothing)",
+    )
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.smoke
     args.configs = args.configs.split(",")
     for name in args.configs:
         if name not in CONFIGS:
@@ -347,8 +361,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args.data = workdir / "mnist"
             prepare_mnist(args.data)
+        if args.smoke:  # the first rows only
+            import pyarrow.parquet as pq
+
+            small = workdir / "mnist-smoke"
+            small.mkdir()
+            for name in ("train", "test"):
+                table = pq.read_table(args.data / f"{name}.parquet").slice(0, 256)
+                pq.write_table(table, small / f"{name}.parquet")
+            args.data = small
         if args.quick:
-            args.steps, args.reps, args.warmup = 20, 1, 2
+            args.steps, args.reps, args.warmup = (4, 1, 1) if args.smoke else (20, 1, 2)
             throughput(args, workdir)
             args.epochs = 1
             args.compressions = ["none", "bf16"]  # fp16 takes bf16's path

@@ -32,6 +32,7 @@ Usage::
     .venv/bin/python benchmarks/recovery.py            # every scenario, once
     .venv/bin/python benchmarks/recovery.py --repeat 3 # medians over 3 runs
     .venv/bin/python benchmarks/recovery.py --quick    # one small scenario (smoke test)
+    .venv/bin/python benchmarks/recovery.py --smoke    # the test suite's, 1 pass of 2,000 rows
 """
 
 from __future__ import annotations
@@ -220,11 +221,13 @@ def _chaos(scenario: Scenario) -> list[str]:
 
 def run_audit(scenario: Scenario, audit: Path, epochs: int) -> dict[str, object]:
     """The same fault on the audit model: the updates lost and duplicated, measured."""
+    records = json.loads((audit / "audit.json").read_text())["records"]
     with tempfile.TemporaryDirectory(prefix="elasticps-recovery-audit-") as tmp:
         out = Path(tmp) / "out"
         cmd = [
             sys.executable, "-m", "elasticps", "train",
             "--model", str(audit / "audit_model.py"), "--data", str(audit),
+            "--model-args", json.dumps({"records": records}),
             "--output", str(out), "--optimizer", "sgd", "--lr", "1",
             "--sync-reduction", "sum", "--push-every", "1", "--big-array-bound", "500",
             "--trainers", "3", "--ps", "2", "--mode", scenario.mode,
@@ -322,21 +325,32 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="one trainer-kill run, 2 epochs")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the test suite's run: --quick with 1 pass over 2,000 rows (10 tasks) in both jobs",
+    )
     args = parser.parse_args()
+    args.quick = args.quick or args.smoke
     scenarios = SCENARIOS[:1] if args.quick else SCENARIOS
     if args.only:
         scenarios = tuple(s for s in SCENARIOS if s.name in args.only.split(","))
-    epochs = 2 if args.quick else args.epochs
+    epochs = 1 if args.smoke else 2 if args.quick else args.epochs
+    rows = 2000 if args.smoke else 4000
     with (
         tempfile.TemporaryDirectory(prefix="elasticps-mnist-") as data,
         tempfile.TemporaryDirectory(prefix="elasticps-audit-") as audit,
     ):
-        subprocess.run(
-            [sys.executable, "-m", "elasticps", "data", "mnist", "--output", data],
-            check=True,
-            capture_output=True,
-        )
-        write_dataset(Path(audit), 4000)
+        from elasticps.data.mnist import prepare_mnist
+
+        # What `elasticps data mnist` writes (its first `rows` training rows).
+        prepare_mnist(Path(data))
+        if rows < 4000:
+            import pyarrow.parquet as pq
+
+            train = Path(data) / "train.parquet"
+            pq.write_table(pq.read_table(train).slice(0, rows), train, row_group_size=256)
+        write_dataset(Path(audit), rows)
         summary = []
         for scenario in scenarios:
             runs = []

@@ -11,7 +11,7 @@ repetition) so that a noisy machine hurts every case alike:
 
 ``elasticps-tcp``
     The product: :class:`elasticps.pserver.server.ParameterServer` (async mode,
-    ``sgd``) in a spawned process per PS, and the real
+    ``sgd``) in a process of its own per PS, and the real
     :class:`elasticps.trainer.client.ParameterClient` doing
     ``push(want_params=True)`` (one request, the reply carries the parameters;
     this is what a trainer does when it pushes and pulls on the same step).
@@ -49,6 +49,7 @@ Prints one JSON line per case, then a summary line. Run:
 
     .venv/bin/python benchmarks/tensor_plane.py            # 100 MB, ~1 min
     .venv/bin/python benchmarks/tensor_plane.py --quick    # 4 MiB, a few seconds
+    .venv/bin/python benchmarks/tensor_plane.py --smoke    # the test suite's: 1 MiB, 1 rep
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-# --- server side (runs in spawned processes) -----------------------------------------
+# --- server side (runs in server processes) ------------------------------------------
 
 
 class _RawServer:
@@ -251,7 +252,7 @@ def _server_process(kind: str, specs: list[dict[str, Any]], conn: Connection, th
 
 @dataclass
 class ServerProcess:
-    """A spawned server process and its control pipe."""
+    """A server process and its control pipe."""
 
     name: str
     proc: mp.process.BaseProcess
@@ -481,8 +482,14 @@ ALL_CASES = (
 def _spawn_servers(
     numel: int, ps_counts: Sequence[int], workdir: str, threads: int, wanted: Sequence[str]
 ) -> dict[str, ServerProcess]:
-    """One process per (server kind, PS index); it hosts that index for every PS count."""
-    ctx = mp.get_context("spawn")
+    """One process per (server kind, PS index); it hosts that index for every PS count.
+
+    The processes are forked from a multiprocessing fork server that imported
+    this module (and torch) once, as the product's launcher starts its roles:
+    each starts in well under a second instead of importing torch again.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "elasticps.pserver.server"])
     plans: dict[str, tuple[str, list[dict[str, Any]]]] = {}
     for num_ps in ps_counts:
         for index, (lo, hi) in enumerate(_even_split(numel, num_ps)):
@@ -627,11 +634,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cases", default=",".join(ALL_CASES), help="comma-separated subset, e.g. for profiling"
     )
     parser.add_argument("--quick", action="store_true", help="4 MiB, 3 reps: a smoke run")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the test suite's run: every case, 1 MiB, 1 rep, 1 warm-up (figures mean nothing)",
+    )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so that every process started here is stopped.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.quick:
         args.mib, args.reps, args.warmup = 4.0, 3, 1
+    if args.smoke:
+        args.mib, args.reps, args.warmup = 1.0, 1, 1
     numel = int(args.mib * (1 << 20)) // 4
     ps_counts = [int(x) for x in args.ps.split(",")]
     wanted = args.cases.split(",")

@@ -1,10 +1,12 @@
-"""The benchmarks under ``benchmarks/`` run to the end in their ``--quick`` configuration.
+"""The benchmarks under ``benchmarks/`` run to the end in their ``--smoke`` configuration.
 
 These tests keep the benchmarks' code paths from rotting: each script runs as
 a real subprocess (real parameter servers, real ``elasticps train`` jobs, real
 torchrun), must exit 0 and print JSON lines with the keys the README
-documents, and must leave no process behind. No timing is asserted: the
-figures are only meaningful from a full run on a quiet machine.
+documents, and must leave no process behind. ``--smoke`` is each script's
+``--quick`` made as small as still runs every kind of case once (see each
+script's ``--help``). No timing is asserted: the figures are only
+meaningful from a full run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -24,19 +26,19 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-# --quick takes about 15-30 s on an idle 2-core machine; this bounds a hung run.
+# --smoke takes about 2-30 s on an idle 2-core machine; this bounds a hung run.
 RUN_TIMEOUT_S = 300.0
 GONE_DEADLINE_S = 10.0
 
 
-def run_quick(script: str) -> list[dict[str, Any]]:
-    """Run ``benchmarks/<script> --quick``; return its stdout's JSON lines.
+def run_smoke(script: str) -> list[dict[str, Any]]:
+    """Run ``benchmarks/<script> --smoke``; return its stdout's JSON lines.
 
     On a timeout the script gets SIGTERM (it then stops everything it
     started), then its process group gets SIGKILL.
     """
     proc = subprocess.Popen(
-        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        [sys.executable, str(BENCHMARKS / script), "--smoke"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -52,7 +54,7 @@ def run_quick(script: str) -> list[dict[str, Any]]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        pytest.fail(f"{script} --quick ran over {RUN_TIMEOUT_S:.0f} s:\n{err.decode()[-3000:]}")
+        pytest.fail(f"{script} --smoke ran over {RUN_TIMEOUT_S:.0f} s:\n{err.decode()[-3000:]}")
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{err.decode()[-3000:]}"
     lines = [line for line in out.decode().splitlines() if line.strip()]
     assert lines, f"{script} printed nothing"
@@ -91,8 +93,8 @@ def wait_until_gone(pids: list[int]) -> list[int]:
         time.sleep(0.1)
 
 
-def test_tensor_plane_quick_prints_every_case_and_the_ratios() -> None:
-    lines = run_quick("tensor_plane.py")
+def test_tensor_plane_smoke_prints_every_case_and_the_ratios() -> None:
+    lines = run_smoke("tensor_plane.py")
 
     summary = lines[-1]
     assert summary.get("summary") is True
@@ -122,8 +124,8 @@ def test_tensor_plane_quick_prints_every_case_and_the_ratios() -> None:
     assert wait_until_gone(summary["server_pids"]) == []
 
 
-def test_master_quick_measures_every_size_at_the_start_and_the_middle_of_a_pass() -> None:
-    lines = run_quick("master.py")
+def test_master_smoke_measures_every_size_at_the_start_and_the_middle_of_a_pass() -> None:
+    lines = run_smoke("master.py")
 
     start = lines[0]
     assert start.get("start") is True
@@ -145,8 +147,8 @@ def test_master_quick_measures_every_size_at_the_start_and_the_middle_of_a_pass(
     assert processes_matching([start["workdir"]]) == []
 
 
-def test_push_options_quick_compares_client_options_and_compression_accuracy() -> None:
-    lines = run_quick("push_options.py")
+def test_push_options_smoke_compares_client_options_and_compression_accuracy() -> None:
+    lines = run_smoke("push_options.py")
 
     configs = {line["config"]: line for line in lines if "config" in line}
     assert set(configs) == {"blocking", "overlap", "blocking-bf16", "overlap-bf16", "blocking-tcp"}
@@ -163,8 +165,8 @@ def test_push_options_quick_compares_client_options_and_compression_accuracy() -
     assert wait_until_gone(throughput["server_pids"]) == []
 
 
-def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:
-    lines = run_quick("training.py")
+def test_training_smoke_runs_every_kind_of_case_and_time_to_accuracy() -> None:
+    lines = run_smoke("training.py")
 
     start = lines[0]
     assert start.get("start") is True
@@ -198,8 +200,8 @@ def test_training_quick_runs_every_kind_of_case_and_time_to_accuracy() -> None:
     assert leftovers == [], leftovers
 
 
-def test_recovery_quick_kills_a_trainer_and_reports_its_recovery() -> None:
-    lines = run_quick("recovery.py")
+def test_recovery_smoke_kills_a_trainer_and_reports_its_recovery() -> None:
+    lines = run_smoke("recovery.py")
 
     runs = [line for line in lines if "scenario" in line]
     assert runs, lines
@@ -211,8 +213,8 @@ def test_recovery_quick_kills_a_trainer_and_reports_its_recovery() -> None:
     assert "summary" in lines[-1]
 
 
-def test_sparse_quick_compares_traffic_ddp_and_trainer_memory() -> None:
-    lines = run_quick("sparse.py")
+def test_sparse_smoke_compares_traffic_ddp_and_trainer_memory() -> None:
+    lines = run_smoke("sparse.py")
     traffic = [line for line in lines if line.get("part") == "traffic"]
     assert {line["case"] for line in traffic} == {"dense", "sparse"}
     assert all(line["bytes_per_step"] > 0 and line["samples_per_s"] > 0 for line in traffic)
@@ -231,8 +233,8 @@ def test_sparse_quick_compares_traffic_ddp_and_trainer_memory() -> None:
     assert 0.005 <= summary["touch"] <= 0.02  # the tables are sized for ~1 % of rows a step
 
 
-def test_control_plane_quick_measures_each_phase_and_projects_to_many_trainers() -> None:
-    lines = run_quick("control_plane.py")
+def test_control_plane_smoke_measures_each_phase_and_projects_to_many_trainers() -> None:
+    lines = run_smoke("control_plane.py")
 
     start = lines[0]
     assert start.get("start") is True
