@@ -540,3 +540,43 @@ def test_a_rows_first_update_takes_the_initial_value_its_lookup_computed(
     plain.apply(np.array([2, 7, 11], dtype=np.int64), grads, 0.1)
     every = np.array([2, 7, 9, 11, 40], dtype=np.int64)
     assert torch.equal(cached.lookup(every), plain.lookup(every))  # bit for bit
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.integers(0, 2999), max_size=40, unique=True), min_size=1, max_size=10
+    ),
+    expire=st.integers(0, 4),
+    chunk_rows=st.sampled_from([1, 7, 64]),
+)
+def test_a_fixed_tables_direct_index_behaves_as_the_hash_index(
+    batches: list[list[int]], expire: int, chunk_rows: int
+) -> None:
+    # A fixed table of few ids maps ids to slots with an array indexed by id
+    # (grown by doubling up to num_embeddings); a hashed table probes a hash
+    # index. Updates, lookups, counters, eviction and reloading agree.
+    fixed = SparseTable(
+        TableSpec("t", DIM, num_embeddings=3000), SparseAdam(), chunk_rows=chunk_rows
+    )
+    hashed = SparseTable(TableSpec("t", DIM), SparseAdam(), chunk_rows=chunk_rows)
+    probe = np.array([0, 1, 1023, 1024, 2047, 2999, *range(0, 3000, 37)], dtype=np.int64)
+    for version, ids in enumerate(batches, start=1):
+        grads = torch.full((len(ids), DIM), float(version))
+        for table in (fixed, hashed):
+            table.apply(np.array(ids, dtype=np.int64), grads, 0.1)
+        assert torch.equal(fixed.contains(probe), hashed.contains(probe))
+        assert torch.equal(fixed.lookup(probe), hashed.lookup(probe))
+    if expire:
+        policy = EvictionPolicy(expire, 0, 0)
+        assert torch.equal(fixed.evict(policy), hashed.evict(policy))
+    assert torch.equal(fixed.ids(), hashed.ids())
+    assert torch.equal(fixed.lookup(probe), hashed.lookup(probe))
+    assert fixed.counters(probe).keys() == hashed.counters(probe).keys()
+    for key, values in fixed.counters(probe).items():
+        assert torch.equal(values, hashed.counters(probe)[key])
+    reloaded = SparseTable.from_state(fixed.meta(), fixed.state_chunks(), chunk_rows=chunk_rows)
+    assert torch.equal(reloaded.lookup(probe), fixed.lookup(probe))
+    assert torch.equal(reloaded.contains(probe), fixed.contains(probe))
+    with pytest.raises(SparseTableError, match="out of range"):
+        fixed.lookup(np.array([3000]))

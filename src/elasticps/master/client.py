@@ -85,15 +85,27 @@ class MasterClient:
         assert isinstance(reply, master_pb2.GetTaskResponse)
         return reply
 
-    def report_task(self, request: master_pb2.ReportTaskRequest) -> None:
+    def report_task(
+        self, request: master_pb2.ReportTaskRequest
+    ) -> master_pb2.GetTaskResponse | None:
         """Report a task attempt's outcome.
 
+        Returns:
+            With ``request.get_next`` (and ``success``), the next task as
+            :meth:`get_task` would answer it; None without, or from a master
+            that does not know ``get_next``.
+
         Raises:
-            StaleTaskError: the attempt timed out and was re-dispatched.
+            StaleTaskError: the attempt timed out and was re-dispatched (or, on
+                a retry, the first call was applied); nothing was dispatched.
             UnknownTaskError: the master does not know the task.
             ServiceUnavailableError: no master answered within the retry budget.
         """
-        self._call("ReportTask", request)
+        reply = self._call("ReportTask", request)
+        assert isinstance(reply, master_pb2.ReportTaskResponse)
+        if not reply.HasField("next") or reply.next.WhichOneof("result") is None:
+            return None
+        return reply.next
 
     def report_progress(self, request: master_pb2.ReportProgressRequest) -> None:
         """Report the records of a task trained and acknowledged so far.

@@ -96,6 +96,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
         """Hand a task to ``request.trainer_id``, or say wait / finished."""
         with _rpc_errors(context, request.trainer_id):
             result = self._mutate(lambda now: self._queue.get_task(request.trainer_id, now))
+        return self._task_reply(result)
+
+    def _task_reply(self, result: Dispatch | Wait | Finished) -> master_pb2.GetTaskResponse:
+        """The GetTask answer for what :meth:`TaskQueue.get_task` returned."""
         if isinstance(result, Dispatch):
             if not self._dispatched_any:
                 # Marks the end of a recovery in logs (benchmarks/recovery.py reads it).
@@ -122,13 +126,19 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def ReportTask(  # noqa: N802
         self, request: master_pb2.ReportTaskRequest, context: grpc.ServicerContext
     ) -> master_pb2.ReportTaskResponse:
-        """Record the outcome of a task attempt.
+        """Record the outcome of a task attempt; with ``get_next``, hand out the next task.
 
         A stale attempt is answered with FAILED_PRECONDITION, an unknown task
-        with NOT_FOUND; neither changes anything.
+        with NOT_FOUND; neither changes anything (nor dispatches). With
+        ``get_next`` and ``success``, the report and the :meth:`GetTask` that
+        follows it are one mutation and one ledger write, answered in
+        ``next``; a retry after a lost answer is rejected as stale (the task is
+        done), and the caller's GetTask then requeues the dispatch it never
+        received, as after any lost GetTask answer.
         """
+        get_next = request.get_next and request.success
 
-        def report(now: float) -> tuple[None, list[TaskEvent]]:
+        def report(now: float) -> tuple[Dispatch | Wait | Finished | None, list[TaskEvent]]:
             events = self._queue.report_task(
                 request.task_id,
                 request.pass_id,
@@ -144,11 +154,16 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 self._samples_done += request.samples
                 if request.samples:
                     self._last_loss = request.mean_loss
-            return None, events
+            if not get_next:
+                return None, events
+            result, more = self._queue.get_task(request.trainer_id, now)
+            return result, events + more
 
         with _rpc_errors(context, request.trainer_id):
-            self._mutate(report)
-        return master_pb2.ReportTaskResponse()
+            result = self._mutate(report)
+        if result is None:
+            return master_pb2.ReportTaskResponse()
+        return master_pb2.ReportTaskResponse(next=self._task_reply(result))
 
     def ReportProgress(  # noqa: N802
         self, request: master_pb2.ReportProgressRequest, context: grpc.ServicerContext

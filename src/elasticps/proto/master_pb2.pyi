@@ -146,6 +146,7 @@ class ReportTaskRequest(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _builtins.int
     SKIPPED_FIELD_NUMBER: _builtins.int
     SKIPPED_BATCHES_FIELD_NUMBER: _builtins.int
+    GET_NEXT_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     task_id: _builtins.int
     pass_id: _builtins.int
@@ -164,6 +165,11 @@ class ReportTaskRequest(_message.Message):
     """
     skipped_batches: _builtins.int
     """Mini-batches this attempt skipped; each counts like a timeout."""
+    get_next: _builtins.bool
+    """Also ask for the next task (a successful report only): the answer to a
+    GetTask made right after the report, in the same ledger write. If the
+    report is rejected, nothing is dispatched.
+    """
     def __init__(
         self,
         *,
@@ -178,10 +184,11 @@ class ReportTaskRequest(_message.Message):
         elapsed_s: _builtins.float = ...,
         skipped: _builtins.int = ...,
         skipped_batches: _builtins.int = ...,
+        get_next: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,12 +198,19 @@ Global___ReportTaskRequest: _TypeAlias = ReportTaskRequest  # noqa: Y015
 class ReportTaskResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    NEXT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def next(self) -> Global___GetTaskResponse:
+        """With get_next: what GetTask would have answered."""
+
     def __init__(
         self,
+        *,
+        next: Global___GetTaskResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next", b"next"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

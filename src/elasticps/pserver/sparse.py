@@ -108,6 +108,10 @@ _MIX2: Final = 0x94D049BB133111EB
 _PARTITION_SALT: Final = 0x5DEECE66D2B7E151
 _MAX_LOAD: Final = 0.5
 _SCALAR_PROBES: Final = 8  # _IdIndex.find: probe this few ids one by one
+#: A fixed table of at most this many ids maps them to slots with an array
+#: indexed by id (:class:`_DirectIndex`, 8 bytes an id up to the largest
+#: allocated) instead of a hash index.
+_DIRECT_MAX_IDS: Final = 1 << 20
 _SCAN_SHARDS: Final = 8  # Partitioner.split: up to this many shards, scan once per shard
 _INITIAL_CACHE_FLOATS: Final = 1 << 20  # SparseTable: initial values kept from lookups (4 MiB)
 
@@ -749,6 +753,59 @@ class _IdIndex:
         self.size += len(ids)
 
 
+class _DirectIndex:
+    """The id -> slot map of a fixed table with few ids: an array indexed by id.
+
+    One gather per lookup instead of hashing and probing. The array covers
+    the ids up to the largest inserted (grown by doubling, at most
+    ``num_ids``); -1 marks an absent id. Ids outside ``[0, num_ids)`` are
+    refused before they get here (fixed tables check their range).
+    """
+
+    def __init__(self, num_ids: int) -> None:
+        self._num_ids = num_ids
+        self._slots = np.zeros(0, dtype=np.int64)
+        self.size = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index array."""
+        return int(self._slots.nbytes)
+
+    def find(self, ids: IdArray) -> IdArray:
+        """Slots of ``ids`` (any order, duplicates allowed); -1 where absent."""
+        slots = self._slots
+        if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < len(slots):
+            found: IdArray = slots[ids]
+            return found
+        out = np.full(len(ids), -1, dtype=np.int64)
+        known = (ids >= 0) & (ids < len(slots))
+        out[known] = slots[ids[known]]
+        return out
+
+    def insert(self, ids: IdArray, slots: IdArray) -> None:
+        """Add ``ids`` (unique, all absent, in ``[0, num_ids)``) with their slots."""
+        if not len(ids):
+            return
+        need = int(ids.max()) + 1
+        if need > len(self._slots):
+            grown = np.full(
+                min(self._num_ids, max(need, 2 * len(self._slots), 1024)), -1, dtype=np.int64
+            )
+            grown[: len(self._slots)] = self._slots
+            self._slots = grown
+        self._slots[ids] = slots
+        self.size += len(ids)
+
+
+def _new_index(spec: TableSpec, capacity: int = 1024) -> _IdIndex | _DirectIndex:
+    """An empty id index for a table: direct for a fixed table of few ids, else hashed."""
+    n = spec.num_embeddings
+    if n is not None and n <= _DIRECT_MAX_IDS:
+        return _DirectIndex(n)
+    return _IdIndex(capacity)
+
+
 # --- row chunks (checkpoints, repartitioning) -------------------------------------------------
 
 
@@ -1061,7 +1118,7 @@ class SparseTable:
             raise ConfigError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         self.version = 0
         self._size = 0
-        self._index = _IdIndex()
+        self._index = _new_index(spec)
         self._columns: dict[str, _Column] = {}
         self._make_columns()
         # Initial values a lookup computed for absent ids (ascending ids, their
@@ -1364,7 +1421,7 @@ class SparseTable:
     def _rebuild_index(self) -> None:
         parts = list(self._columns["ids"].views(self._size))
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        self._index = _IdIndex(max(1024, int(len(ids) / _MAX_LOAD) + 1))
+        self._index = _new_index(self.spec, max(1024, int(len(ids) / _MAX_LOAD) + 1))
         self._index.insert(ids, np.arange(len(ids), dtype=np.int64))
 
     # -- checkpoints

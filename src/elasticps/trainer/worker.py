@@ -406,11 +406,14 @@ class Trainer:
     ) -> None:
         sync = self.config.mode is UpdateMode.SYNC
         idle = 0  # consecutive waits for work
+        # The answer the last task's report brought (it asks for the next task).
+        reply: master_pb2.GetTaskResponse | None = None
         while not self.stop.is_set():
             if self._lease_lost.is_set():
                 log.warning("trainer %s: lease lost; registering again", self.name)
                 self._register()
-            reply = master.get_task(self.name)
+            if reply is None:
+                reply = master.get_task(self.name)
             kind = reply.WhichOneof("result")
             if kind == "finished":
                 log.info("trainer %s: job finished after %d mini-batches", self.name, self._batches)
@@ -428,12 +431,14 @@ class Trainer:
                     before = client.versions
                     client.push_empty()
                     if client.versions != before:
+                        reply = None
                         continue
                 self.stop.wait(idle_wait_s(idle, reply.wait_s))
+                reply = None
                 idle += 1
                 continue
             idle = 0
-            self._run_task(reply.task, master, client, progress)
+            reply = self._run_task(reply.task, master, client, progress)
 
     def _run_task(
         self,
@@ -441,7 +446,8 @@ class Trainer:
         master: MasterClient,
         client: ParameterClient,
         progress: ProgressReporter,
-    ) -> None:
+    ) -> master_pb2.GetTaskResponse | None:
+        """Train one task and report it; returns the next task if the report brought it."""
         started = time.monotonic()
         samples = 0
         records = 0  # rows (Parquet) or batches (virtual source) of this attempt
@@ -466,7 +472,7 @@ class Trainer:
                     else None
                 )
                 if self.stop.is_set():
-                    return  # the master re-dispatches the rest from the last progress
+                    return None  # the master re-dispatches the rest from the last progress
                 first = task.start + task.offset + records
                 records += num_records
                 # Progress is reported only once the push is acknowledged by
@@ -497,7 +503,7 @@ class Trainer:
                             offset=task.offset + records, skipped=skipped,
                             skipped_batches=skipped_batches, error=error,
                         )  # fmt: skip
-                        return
+                        return None
                     continue
                 samples += len(targets)
                 loss_sum += loss * len(targets)
@@ -521,7 +527,7 @@ class Trainer:
             raise
         progress.discard()
         try:
-            master.report_task(
+            return master.report_task(
                 master_pb2.ReportTaskRequest(
                     trainer_id=self.name,
                     task_id=task.task_id,
@@ -533,6 +539,10 @@ class Trainer:
                     elapsed_s=time.monotonic() - started,
                     skipped=skipped,
                     skipped_batches=skipped_batches,
+                    # One call for the report and the next task (the master's
+                    # ledger writes both at once); not while stopping or
+                    # registering again.
+                    get_next=not self.stop.is_set() and not self._lease_lost.is_set(),
                 )
             )
         except StaleTaskError as exc:
@@ -541,6 +551,7 @@ class Trainer:
             # attempt's pushes of the same records are duplicates: nothing was
             # applied twice.
             log.warning("trainer %s: report of task %d rejected: %s", self.name, task.task_id, exc)
+            return None
 
     def _bad_record(
         self, raised: _ModelCodeError, task: master_pb2.Task, first: int, end: int
