@@ -4,9 +4,9 @@ A schedule is a comma-separated list of ``kill:<target>@<when>`` and
 ``pause:<target>@<when>:<seconds>s`` (SIGSTOP, then SIGCONT that many seconds
 later: a process cut off from everything, as by a network partition or a
 long garbage-collection pause, which comes back after its lease expired),
-and ``lose:ps-<i>@<when>`` (delete that parameter server's own checkpoint
-files, then SIGKILL it: a shard lost together with its checkpoints, which no
-recovery can undo; the job must say what was lost):
+and ``lose:ps-<i>@<when>`` (SIGKILL that parameter server, then delete its
+own checkpoint files once it is dead: a shard lost together with its
+checkpoints, which no recovery can undo; the job must say what was lost):
 
 - ``target``: ``trainer``, ``ps`` or ``master`` (one live process of that
   role: the highest-numbered trainer, the first PS, the *active* master),
@@ -55,7 +55,7 @@ class ChaosEvent:
         at_s: seconds after training started, or None.
         at_fraction: fraction (0..1) of all task dispatches done, or None.
         action: ``"kill"`` (SIGKILL), ``"pause"`` (SIGSTOP, SIGCONT later) or
-            ``"lose"`` (delete a PS's checkpoints, then SIGKILL it).
+            ``"lose"`` (SIGKILL a PS, then delete its checkpoints).
         duration_s: how long a pause lasts, seconds.
     """
 

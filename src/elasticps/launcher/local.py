@@ -1443,16 +1443,18 @@ class LocalLauncher:
             resume.daemon = True
             resume.start()
             return
+        self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         if event.action == "lose":
+            # Deleted once the server is dead: a server still running for a moment
+            # after the signal could write one more checkpoint (a pass's seal).
+            _wait_dead(pid, 5.0)
             index = int(event.target.split("-", 1)[1]) if "-" in event.target else 0
             lost = self.durable / "ps-checkpoints" / f"ps-{index}"
             with contextlib.suppress(OSError):
                 lost.remove_tree()
-
             self._emit(f"[launcher] chaos: deleted {lost}")
-        self._emit(f"[launcher] chaos: SIGKILL {event.target} (pid {pid}) at {elapsed_s:.1f} s")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
     @staticmethod
     def _pid_in_key(store: JobStore, key: str) -> int | None:
@@ -1693,6 +1695,20 @@ def exactly_once_summary(passes: list[dict[str, object]], epochs: int) -> dict[s
         "passes_lost": affected,
         "records_reopened": sum(int(str(p.get("records_reopened", 0))) for p in passes),
     }
+
+
+def _wait_dead(pid: int, timeout_s: float) -> None:
+    """Wait until ``pid`` is gone or a zombie (it runs no more), at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                state = f.read().rsplit(")", 1)[-1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in {"Z", "X", "x"}:
+            return
+        time.sleep(0.005)
 
 
 def _continue(pid: int) -> None:
