@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from elasticps import cli
 from elasticps.testing import pid_gone, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -52,18 +51,24 @@ def json_of(done: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(done.stdout)
 
 
-class InProcess:
-    """``elasticps`` commands run in the test's process (they start no process of their own)."""
+class Command:
+    """``elasticps`` commands run as the user runs them: a process of their own.
 
-    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
-        self.capsys = capsys
+    (They import no torch, so each costs well under a second of CPU; run in the
+    test's own process instead, the etcd and gRPC clients share that process
+    with everything the tests before them left in it.)
+    """
 
     def __call__(self, *args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-        self.capsys.readouterr()
-        with contextlib.chdir(cwd):
-            code = cli.main([str(a) for a in args])
-        out, err = self.capsys.readouterr()
-        return subprocess.CompletedProcess(list(map(str, args)), code, out, err)
+        return subprocess.run(
+            [sys.executable, "-m", "elasticps", *map(str, args)],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=60,
+            check=False,
+        )
 
 
 def write_job_file(path: Path, data: Path, **values: object) -> Path:
@@ -123,18 +128,23 @@ def running_job(mnist_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Po
 def test_status_logs_list_and_stop_a_running_local_job(
     running_job: tuple[subprocess.Popen[str], Path],
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
 ) -> None:
     proc, output = running_job
     stderr = tmp_path / "long.stderr"
-    command = InProcess(capsys)
+    command = Command()
+
+    last: list[subprocess.CompletedProcess[str]] = []
 
     def training() -> bool:
         assert proc.poll() is None, stderr.read_text()[-4000:]
         done = command("status", "long", "--json", cwd=tmp_path)
+        last[:] = [done]
         return done.returncode == 0 and json.loads(done.stdout).get("tasks_done_all_passes", 0) > 0
 
-    wait_for(training, "the job to report a finished task", timeout_s=90, interval_s=0.5)
+    try:
+        wait_for(training, "the job to report a finished task", timeout_s=90, interval_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last status said: {last}") from None
 
     status = json_of(command("status", "--output", output, "--json", cwd=tmp_path))
     assert status["state"] == "running"
