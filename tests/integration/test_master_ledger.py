@@ -34,6 +34,7 @@ from elasticps.master.taskqueue import Dispatch, QueueConfig, TaskQueue, TaskSta
 from elasticps.netutil import LOOPBACK
 from elasticps.proto import master_pb2
 from elasticps.testing import wait_for
+from elasticps.testing.servicer import ABORTING_CONTEXT, AbortedError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -100,20 +101,7 @@ def become_master(store: JobStore, name: str) -> KeptLease:
     return lease
 
 
-class AbortedError(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-class FakeContext:
-    """The part of grpc.ServicerContext the service uses."""
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise AbortedError(code, details)
-
-
-CTX: Any = FakeContext()
+CTX = ABORTING_CONTEXT
 
 
 def get_task(service: MasterService, trainer: str) -> master_pb2.Task:

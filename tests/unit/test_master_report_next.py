@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 import pytest
@@ -11,19 +10,9 @@ import pytest
 from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import DataRange, EventKind, QueueConfig, TaskEvent, TaskQueue
 from elasticps.proto import master_pb2
+from elasticps.testing.servicer import ABORTING_CONTEXT, AbortedError
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class AbortedError(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-class FakeContext:
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise AbortedError(code, details)
 
 
 class RecordingJournal:
@@ -37,7 +26,7 @@ class RecordingJournal:
         self.writes.append([e.kind for e in events])
 
 
-CTX: Any = FakeContext()
+CTX = ABORTING_CONTEXT
 
 
 def service_of(num_tasks: int) -> tuple[MasterService, RecordingJournal]:
