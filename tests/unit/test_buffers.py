@@ -37,7 +37,7 @@ from elasticps.snapshot import (
     shard_state_for_layout,
     write_manifest,
 )
-from elasticps.trainer.flat import bind_flat_buffers, param_specs
+from elasticps.trainer.flat import FlatModel, bind_flat_buffers, param_specs
 from elasticps.wire.frame import PushStatus
 
 SGD = OptimizerConfig(name="sgd", lr=0.5)
@@ -116,7 +116,9 @@ def test_buffers_are_placed_whole_after_each_shards_parameters() -> None:
     assert all("buffers" not in s.describe() for s in plain.shards)
 
 
-def test_a_trainer_sends_increments_and_keeps_unpushed_ones_across_a_pull() -> None:
+def mean_and_count() -> tuple[nn.Module, FlatModel, BufferSync, int, int]:
+    """A model with a float buffer ``mean`` [2] and an int64 ``count``, bound to flat
+    buffers: the model, the bound model, its BufferSync and the buffers' offsets."""
     model = nn.Module()
     model.register_buffer("mean", torch.zeros(2))
     model.register_buffer("count", torch.tensor(0))
@@ -125,7 +127,11 @@ def test_a_trainer_sends_increments_and_keeps_unpushed_ones_across_a_pull() -> N
     sync = flat.buffers
     assert isinstance(sync, BufferSync)
     offsets = flat.placement.flat_offsets
-    mean_at, count_at = offsets["mean"], offsets["count"]
+    return model, flat, sync, offsets["mean"], offsets["count"]
+
+
+def test_a_trainer_sends_increments_and_keeps_unpushed_ones_across_a_pull() -> None:
+    model, flat, sync, mean_at, count_at = mean_and_count()
 
     model.mean += 1.0  # what a forward in train mode does, in place
     model.count += 1
@@ -145,15 +151,7 @@ def test_a_trainer_sends_increments_and_keeps_unpushed_ones_across_a_pull() -> N
 
 
 def test_an_async_push_carries_float_values_and_integer_increments() -> None:
-    model = nn.Module()
-    model.register_buffer("mean", torch.zeros(2))
-    model.register_buffer("count", torch.tensor(0))
-    model.weight = nn.Parameter(torch.zeros(1))
-    flat = bind_flat_buffers(model, 1)
-    sync = flat.buffers
-    assert isinstance(sync, BufferSync)
-    offsets = flat.placement.flat_offsets
-    mean_at, count_at = offsets["mean"], offsets["count"]
+    model, flat, sync, mean_at, count_at = mean_and_count()
     model.mean += 1.0
     model.count += 1
     flat.params[mean_at : mean_at + 2] = torch.tensor([10.0, 20.0])
