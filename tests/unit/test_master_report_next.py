@@ -99,3 +99,84 @@ def test_a_rejected_report_dispatches_nothing_and_a_retry_falls_back_to_get_task
         assert (status.tasks_done, status.tasks_pending, status.tasks_todo) == (2, 0, 1)
     finally:
         service.stop()
+
+
+def ask(service: MasterService, number: int, trainer: str = "t0") -> master_pb2.GetTaskResponse:
+    return service.GetTask(master_pb2.GetTaskRequest(trainer_id=trainer, ask=number), CTX)
+
+
+def test_a_call_overtaken_by_its_retry_changes_nothing() -> None:
+    # A GetTask is slow; the trainer gives up and retries (ask 2), and the
+    # master takes the retry first. The first call, taken last, must not
+    # requeue task 0 (the trainer is training it) nor dispatch another.
+    service, journal = service_of(3)
+    try:
+        first = ask(service, 2).task
+        assert (first.task_id, first.attempt) == (0, 1)
+        writes = len(journal.writes)
+        for overtaken in (1, 2):
+            with pytest.raises(AbortedError) as caught:
+                ask(service, overtaken)
+            assert caught.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert len(journal.writes) == writes
+        # Another trainer's numbers are its own.
+        assert ask(service, 1, trainer="t1").task.task_id == 1
+        # Task 0 is still the trainer's: its report is taken.
+        service.ReportTask(
+            master_pb2.ReportTaskRequest(
+                trainer_id="t0", task_id=0, pass_id=0, attempt=1, success=True, samples=10,
+                get_next=True, ask=4,
+            ),
+            CTX,
+        )  # fmt: skip
+        # A report-and-ask overtaken the same way is refused whole: nothing
+        # dispatched, nothing reported twice.
+        writes = len(journal.writes)
+        with pytest.raises(AbortedError):
+            service.ReportTask(
+                master_pb2.ReportTaskRequest(
+                    trainer_id="t0", task_id=0, pass_id=0, attempt=1, success=True,
+                    samples=10, get_next=True, ask=3,
+                ),
+                CTX,
+            )  # fmt: skip
+        assert len(journal.writes) == writes
+        status = service.GetJobStatus(master_pb2.GetJobStatusRequest(), CTX)
+        assert (status.tasks_done, status.tasks_pending, status.tasks_todo) == (1, 2, 0)
+    finally:
+        service.stop()
+
+
+def test_the_client_numbers_every_attempt_of_a_call_that_may_dispatch() -> None:
+    from elasticps.master.client import MasterClient
+
+    seen: list[tuple[str, int]] = []
+
+    class Stub:
+        def GetTask(self, request: master_pb2.GetTaskRequest, timeout: float) -> object:  # noqa: N802
+            seen.append(("GetTask", request.ask))
+            if len(seen) == 1:
+                raise _Unavailable()
+            return master_pb2.GetTaskResponse(wait_s=1.0)
+
+        def ReportTask(self, request: master_pb2.ReportTaskRequest, timeout: float) -> object:  # noqa: N802
+            seen.append(("ReportTask", request.ask))
+            return master_pb2.ReportTaskResponse()
+
+    client = MasterClient("127.0.0.1:1", retry_s=5.0)
+    client._stub_now = Stub  # type: ignore[assignment,method-assign]
+    client._forget = lambda stub: None  # type: ignore[assignment,method-assign]
+    client.get_task("t0")
+    client.report_task(master_pb2.ReportTaskRequest(trainer_id="t0", get_next=True))
+    client.report_task(master_pb2.ReportTaskRequest(trainer_id="t0", get_next=False))
+    asks = [number for _, number in seen]
+    assert [name for name, _ in seen] == ["GetTask", "GetTask", "ReportTask", "ReportTask"]
+    assert asks[0] < asks[1] < asks[2] and asks[3] == 0
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "down"

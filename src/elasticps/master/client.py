@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 
@@ -17,6 +18,11 @@ from elasticps.errors import (
 from elasticps.proto import master_pb2, master_pb2_grpc
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# Numbers every call that may dispatch a task (``ask`` in the protocol), retries
+# included: one counter per process, so a trainer's calls only go up whichever
+# client sends them. next() on a count is atomic under the GIL.
+_ASKS = itertools.count(1)
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -146,6 +152,12 @@ class MasterClient:
 
     def _attempt(self, method: str, request: object) -> object:
         stub = self._stub_now()
+        if isinstance(request, master_pb2.GetTaskRequest) or (
+            isinstance(request, master_pb2.ReportTaskRequest) and request.get_next
+        ):
+            # Each attempt a new number: the master refuses an earlier attempt
+            # that reaches it after a later one (see GetTaskRequest.ask).
+            request.ask = next(_ASKS)
         try:
             return getattr(stub, method)(request, timeout=self._rpc_timeout_s)
         except grpc.RpcError as exc:

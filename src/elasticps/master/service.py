@@ -84,6 +84,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._records_skipped = 0
         self._last_loss = math.nan
         self._stepped_down: str | None = None  # the reason, once stepped down
+        self._asks: dict[str, int] = {}  # trainer id -> last ``ask`` taken (see _take_ask)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._expire_loop, name="task-timer", daemon=True)
         self._timer.start()
@@ -94,9 +95,36 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.GetTaskRequest, context: grpc.ServicerContext
     ) -> master_pb2.GetTaskResponse:
         """Hand a task to ``request.trainer_id``, or say wait / finished."""
+
+        def get_task(now: float) -> tuple[Dispatch | Wait | Finished, list[TaskEvent]]:
+            self._take_ask(request.trainer_id, request.ask)
+            return self._queue.get_task(request.trainer_id, now)
+
         with _rpc_errors(context, request.trainer_id):
-            result = self._mutate(lambda now: self._queue.get_task(request.trainer_id, now))
+            result = self._mutate(get_task)
         return self._task_reply(result)
+
+    def _take_ask(self, trainer_id: str, ask: int) -> None:
+        """Refuse a call that may dispatch if a later one of its trainer was taken.
+
+        A trainer numbers every such call it sends, retries included
+        (``ask``). A retried call that the master takes after the retry that
+        replaced it would otherwise requeue the task the retry dispatched (as
+        never received, though the trainer is training it) and dispatch
+        another to nobody. Called under the lock, before any mutation.
+
+        Raises:
+            StaleTaskError: ``ask`` is not above the last one taken from
+                ``trainer_id``; nothing is changed. ``ask`` 0 is not checked.
+        """
+        if not ask:
+            return
+        last = self._asks.get(trainer_id, 0)
+        if ask <= last:
+            raise StaleTaskError(
+                f"trainer {trainer_id}: call {ask} was overtaken by its call {last}"
+            )
+        self._asks[trainer_id] = ask
 
     def _task_reply(self, result: Dispatch | Wait | Finished) -> master_pb2.GetTaskResponse:
         """The GetTask answer for what :meth:`TaskQueue.get_task` returned."""
@@ -139,6 +167,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         get_next = request.get_next and request.success
 
         def report(now: float) -> tuple[Dispatch | Wait | Finished | None, list[TaskEvent]]:
+            if get_next:
+                self._take_ask(request.trainer_id, request.ask)
             events = self._queue.report_task(
                 request.task_id,
                 request.pass_id,

@@ -26,15 +26,24 @@ class GetTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TRAINER_ID_FIELD_NUMBER: _builtins.int
+    ASK_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
+    ask: _builtins.int
+    """Increases with every call a trainer sends that may dispatch a task (each
+    retry too). The master answers a call whose `ask` is not above the last
+    one it took from that trainer with FAILED_PRECONDITION and changes
+    nothing: a retried call overtaken by a later one never undoes what the
+    later one dispatched. 0: not checked.
+    """
     def __init__(
         self,
         *,
         trainer_id: _builtins.str = ...,
+        ask: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -147,6 +156,7 @@ class ReportTaskRequest(_message.Message):
     SKIPPED_FIELD_NUMBER: _builtins.int
     SKIPPED_BATCHES_FIELD_NUMBER: _builtins.int
     GET_NEXT_FIELD_NUMBER: _builtins.int
+    ASK_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     task_id: _builtins.int
     pass_id: _builtins.int
@@ -170,6 +180,8 @@ class ReportTaskRequest(_message.Message):
     GetTask made right after the report, in the same ledger write. If the
     report is rejected, nothing is dispatched.
     """
+    ask: _builtins.int
+    """With `get_next`: as in GetTaskRequest."""
     def __init__(
         self,
         *,
@@ -185,10 +197,11 @@ class ReportTaskRequest(_message.Message):
         skipped: _builtins.int = ...,
         skipped_batches: _builtins.int = ...,
         get_next: _builtins.bool = ...,
+        ask: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
