@@ -138,6 +138,25 @@ def test_forked_roles_are_children_of_the_server_and_stop_when_it_closes(
     wait_for(lambda: pid_gone(ps.pid), "the orphaned child to stop", timeout_s=DEADLINE_S)
 
 
+def test_the_fork_server_forks_with_no_native_thread_but_openblas_after_preloading() -> None:
+    # gRPC, the etcd client and pyarrow are imported before every fork: none
+    # may leave a thread running (a fork copies only the calling thread).
+    server = ForkServer(child_env("fork-server"))
+    try:
+        child = server.start(["--version"], child_env("version"))  # answered after the preload
+        assert child.wait(timeout=DEADLINE_S) == 0
+        (server_pid,) = server.pids().values()
+        names = [
+            Path(f"/proc/{server_pid}/task/{tid}/comm").read_text().strip()
+            for tid in os.listdir(f"/proc/{server_pid}/task")
+        ]
+    finally:
+        server.close()
+    assert "jemalloc_bg_thd" not in names
+    assert not [n for n in names if n.startswith(("grpc", "default-executor", "resolver"))]
+    assert len(names) <= 2, names  # the main thread and numpy's OpenBLAS server
+
+
 def test_a_spawn_after_the_server_is_gone_is_a_clear_error(tmp_path: Path) -> None:
     server = ForkServer(child_env("fork-server"))
     server.close()

@@ -41,13 +41,19 @@ SIGTERM if the server dies (``PR_SET_PDEATHSIG``). Children find the server's
 pid in ``ELASTICPS_PARENT_PID`` and stop when they are orphaned.
 
 Fork safety: the server forks from a single Python thread and imports only
-:data:`PRELOAD` (torch and what it pulls in). Importing torch starts one
-native thread, numpy's OpenBLAS server, which has its own fork handlers, as
-PyTorch's ``DataLoader`` workers rely on. gRPC, etcd clients and pyarrow are
-imported by each child after the fork. Glibc reads ``MALLOC_*`` variables and
-Python reads ``PYTHONUNBUFFERED`` when a process starts, so those come from
-the server's own environment (see :func:`~elasticps.launcher.local_backend.child_env`),
-not from the per-child ``env``.
+:data:`PRELOAD`: torch, gRPC, the etcd client, pyarrow and the role modules,
+so that a child starts its role without importing anything (about 1 s of CPU
+per role process saved). Importing is all it does with them: no gRPC channel
+or server, etcd connection, Arrow allocation or thread pool exists before a
+fork (gRPC sets itself up when the first channel or server is made, in the
+child). The only native threads are numpy's OpenBLAS server, which has its
+own fork handlers, as PyTorch's ``DataLoader`` workers rely on, and none of
+Arrow's jemalloc: its background thread is switched off
+(``JE_ARROW_MALLOC_CONF``, see :func:`child_env`; Arrow allocates with
+mimalloc by default anyway). ``tests/integration/test_spawn.py`` checks the
+server's threads. Glibc reads ``MALLOC_*`` variables and Python reads
+``PYTHONUNBUFFERED`` when a process starts, so those come from the server's
+own environment (see :func:`child_env`), not from the per-child ``env``.
 """
 
 from __future__ import annotations
@@ -76,8 +82,22 @@ from elasticps.netutil import die_with_parent_prefix
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ("torch", "safetensors.torch", "elasticps.pserver.shard", "elasticps.trainer.flat")
-"""Modules the server imports before forking: the heavy ones every role shares."""
+PRELOAD = (
+    "torch",
+    "safetensors.torch",
+    "grpc",
+    "pyetcd",
+    "tenacity",
+    "pyarrow.parquet",
+    "elasticps.cli",
+    "elasticps.master.main",
+    "elasticps.pserver.main",
+    "elasticps.trainer.worker",
+)
+"""Modules the server imports before forking: what the roles import (see Fork safety).
+
+One that cannot be imported (an extra not installed) is left to the child,
+which then says what is missing."""
 
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest protocol message, bytes (a spawn request carries the child's environment)."""
@@ -107,6 +127,9 @@ def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, st
     # here (benchmarks/README.md). A user's own settings win.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
+    # No jemalloc background thread in the fork server (it imports pyarrow
+    # before forking) nor in its children; see Fork safety above.
+    env.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     # The child stops itself if the launcher dies (even by SIGKILL).
     env["ELASTICPS_PARENT_PID"] = str(os.getpid())
     env.update(extra or {})
@@ -468,7 +491,8 @@ Entry = Callable[[list[str]], int]
 def _serve(sock: socket.socket, preload: Sequence[str], entry: Entry) -> None:
     """The server's loop: fork on request, report exits; return when the launcher hangs up."""
     for name in preload:
-        importlib.import_module(name)
+        with contextlib.suppress(ImportError):  # the child reports what is missing
+            importlib.import_module(name)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
