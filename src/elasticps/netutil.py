@@ -8,6 +8,33 @@ import sys
 
 from elasticps.errors import PortInUseError
 
+RUNTIME_DIR_ENV = "ELASTICPS_RUNTIME_DIR"
+"""The environment variable naming the directory where a role process on this host
+makes its private runtime directory (a parameter server's ``AF_UNIX`` socket).
+
+The local launchers set it to their job's temporary directory, which they
+remove at the end of the job, so that a SIGKILLed server leaves nothing behind
+in ``/tmp``. Unset, or not a directory: the system's temporary directory."""
+
+
+def runtime_dir(prefix: str) -> str:
+    """Make a private (mode 0700) runtime directory and return its path.
+
+    Under :data:`RUNTIME_DIR_ENV` when it names a directory, else under the
+    system's temporary directory. The caller removes it.
+
+    Raises:
+        OSError: the directory cannot be made.
+    """
+    import os
+    import tempfile
+
+    parent = os.environ.get(RUNTIME_DIR_ENV) or None
+    if parent is not None and not os.path.isdir(parent):
+        parent = None
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
+
+
 LOOPBACK = "127.0.0.1"
 
 

@@ -85,7 +85,7 @@ from elasticps.launcher.supervisor import (
     error_line,
 )
 from elasticps.master.client import MasterClient
-from elasticps.netutil import die_with_parent_prefix
+from elasticps.netutil import RUNTIME_DIR_ENV, die_with_parent_prefix
 from elasticps.storage import Location
 from elasticps.updater import ps_flags
 
@@ -662,6 +662,8 @@ class LocalServers:
         env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
         # The child stops itself if we die (see elasticps.cli).
         env["ELASTICPS_PARENT_PID"] = str(os.getpid())
+        if self._workdir is not None:
+            env[RUNTIME_DIR_ENV] = str(self._workdir)  # removed when the servers stop
         return subprocess.Popen(
             [*die_with_parent_prefix(), sys.executable, "-m", "elasticps", *args],
             stdout=log_file,

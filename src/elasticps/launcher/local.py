@@ -126,7 +126,7 @@ from elasticps.launcher.supervisor import (
 from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
-from elasticps.netutil import check_port_free
+from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
 from elasticps.pserver.sparse import TableSpec
 from elasticps.snapshot import (
     load_consistent_checkpoint,
@@ -246,6 +246,7 @@ class LocalLauncher:
         # (unix time s, tasks done over all passes, samples done), one per poll.
         self.timeline: list[tuple[float, int, int]] = []
         self._pid_log: dict[str, int] = {}
+        self._workdir: Path | None = None  # the job's temporary directory, while it runs
         self._etcd: EtcdServer | None = None
         self._store: JobStore | None = None
         self._etcd_restarts = 0
@@ -545,6 +546,7 @@ class LocalLauncher:
         cfg = self.config
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
+        self._workdir = workdir
         cfg.output.mkdir(parents=True, exist_ok=True)
         (cfg.output / STOP_FILE).unlink(missing_ok=True)  # a request for an earlier run
         for name, text in self._files.items():
@@ -995,7 +997,10 @@ class LocalLauncher:
             self._write_json("pids.json", self._pid_log)
 
     def _start_process(self, role: str, args: list[str]) -> ProcessHandle:
-        return self._spawner.start(args, child_env(role, {LOG_FILE_ENV: str(self._log_path(role))}))
+        env = {LOG_FILE_ENV: str(self._log_path(role))}
+        if self._workdir is not None:
+            env[RUNTIME_DIR_ENV] = str(self._workdir)  # removed at the end of the job
+        return self._spawner.start(args, child_env(role, env))
 
     def _pump(self, child: Child) -> None:
         stdout = child.proc.stdout

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import threading
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from elasticps.config import PSConfig, UpdateMode, check_sparse_eviction, ledger_only
 from elasticps.coord.store import JobStore, KeptLease
 from elasticps.errors import CoordinationError, ElasticPSError
+from elasticps.netutil import runtime_dir as make_runtime_dir
 from elasticps.pserver.checkpoint import CheckpointHealth, ShardCheckpointer, ShardFiles
 from elasticps.pserver.rules import make_update_rule
 from elasticps.pserver.server import ParameterServer
@@ -74,7 +74,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
     lease = store.grant_lease(config.common.lease_ttl_s, on_lost=stop.set)
     # Bind before claiming, so the address we publish is already accepting.
     # Also on AF_UNIX, in a private runtime dir, for trainers on this host.
-    runtime_dir = tempfile.mkdtemp(prefix="elasticps-ps-")
+    runtime_dir = make_runtime_dir("elasticps-ps-")
     server = ParameterServer(
         shard_index=-1,
         mode=config.mode,
