@@ -814,11 +814,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Started before the launcher imports torch (below, and to validate the
     # model file), so that the fork server's import of it runs alongside.
     with start_spawner(config.spawn) as spawner:
-        from elasticps.jobs import register_run
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
         launcher = LocalLauncher(config, spawner=spawner, files=files)
-        register_run(config.output, config.job)  # for elasticps list/status/logs/stop
         with sigterm_as_interrupt():
             try:
                 result = launcher.run()

@@ -425,6 +425,13 @@ class LocalLauncher:
         cfg = self.config
         lock = OutputLock(cfg.output)
         lock.acquire()
+        # Registered (for elasticps list/status/logs/stop) only now that the
+        # output holds the lock file: the registry drops an entry whose
+        # directory holds neither a lock nor a run, so an entry written before
+        # could be dropped by any listing in between.
+        from elasticps.jobs import register_run
+
+        register_run(cfg.output, cfg.job)
         try:
             previous = previous_run_files(cfg.output)
             if cfg.output_url:
