@@ -811,9 +811,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
     os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
-    # Started before the launcher imports torch (below, and to validate the
-    # model file), so that the fork server's import of it runs alongside.
-    with start_spawner(config.spawn) as spawner:
+    # The launcher needs torch too (to validate the model file, write
+    # model.safetensors and evaluate): it imports it once, with what the roles
+    # import, and forks the fork server from itself, before any thread starts.
+    with start_spawner(config.spawn, inline=True) as spawner:
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
         launcher = LocalLauncher(config, spawner=spawner, files=files)

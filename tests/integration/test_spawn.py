@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -155,6 +156,40 @@ def test_the_fork_server_forks_with_no_native_thread_but_openblas_after_preloadi
     assert "jemalloc_bg_thd" not in names
     assert not [n for n in names if n.startswith(("grpc", "default-executor", "resolver"))]
     assert len(names) <= 2, names  # the main thread and numpy's OpenBLAS server
+
+
+INLINE_SCRIPT = """
+import os, sys
+from elasticps.launcher.spawn import ForkServer, _ForkedServer, child_env
+server = ForkServer(child_env("fork-server"), inline=True)
+assert isinstance(server._proc, _ForkedServer), "not forked from this process"
+(pid,) = server.pids().values()
+with open(f"/proc/{pid}/stat") as stat:
+    assert int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+child = server.start(["--version"], child_env("version"))
+assert child.wait(timeout=60) == 0
+out = child.stdout.read().decode()
+server.close()
+assert server._proc.returncode == 0, server._proc.returncode
+print(pid, out.strip())
+"""
+
+
+def test_an_inline_fork_server_is_forked_from_the_launcher_and_serves_alike() -> None:
+    # The launcher's way (elasticps train): one import of torch, shared by the
+    # launcher and the server forked from it. (A pytest worker runs threads,
+    # so ForkServer(inline=True) would start a process here: a script does it.)
+    done = subprocess.run(
+        [sys.executable, "-c", INLINE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S * 4,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    server_pid, _, version = done.stdout.strip().partition(" ")
+    assert version.startswith("elasticps "), done.stdout
+    wait_for(lambda: pid_gone(int(server_pid)), "the inline fork server to exit")
 
 
 def test_a_spawn_after_the_server_is_gone_is_a_clear_error(tmp_path: Path) -> None:
