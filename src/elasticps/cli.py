@@ -814,7 +814,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # The launcher needs torch too (to validate the model file, write
     # model.safetensors and evaluate): it imports it once, with what the roles
     # import, and forks the fork server from itself, before any thread starts.
-    with start_spawner(config.spawn, inline=True) as spawner:
+    with start_spawner(config.spawn, inline_entry=main) as spawner:
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
         launcher = LocalLauncher(config, spawner=spawner, files=files)

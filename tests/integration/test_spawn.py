@@ -160,8 +160,9 @@ def test_the_fork_server_forks_with_no_native_thread_but_openblas_after_preloadi
 
 INLINE_SCRIPT = """
 import os, sys
+from elasticps.cli import main
 from elasticps.launcher.spawn import ForkServer, _ForkedServer, child_env
-server = ForkServer(child_env("fork-server"), inline=True)
+server = ForkServer(child_env("fork-server"), inline_entry=main)
 assert isinstance(server._proc, _ForkedServer), "not forked from this process"
 (pid,) = server.pids().values()
 with open(f"/proc/{pid}/stat") as stat:
@@ -178,7 +179,7 @@ print(pid, out.strip())
 def test_an_inline_fork_server_is_forked_from_the_launcher_and_serves_alike() -> None:
     # The launcher's way (elasticps train): one import of torch, shared by the
     # launcher and the server forked from it. (A pytest worker runs threads,
-    # so ForkServer(inline=True) would start a process here: a script does it.)
+    # so ForkServer(inline_entry=...) would start a process here: a script does it.)
     done = subprocess.run(
         [sys.executable, "-c", INLINE_SCRIPT],
         capture_output=True,

@@ -279,24 +279,31 @@ class ForkServer:
         env: the server's own environment; its ``MALLOC_*`` and
             ``PYTHONUNBUFFERED`` settings hold for every child.
         preload: modules the server imports before its first fork.
-        inline: make the server by forking this process after importing
-            ``preload`` here (see :func:`_fork_server_here`), rather than by
-            starting a new Python that imports them again: about 2 s of CPU
-            less per job for a launcher that needs torch itself. Only while
-            this process runs one thread; otherwise a new process is started.
+        inline_entry: with it, make the server by forking this process
+            after importing ``preload`` here (see :func:`_fork_server_here`),
+            rather than by starting a new Python that imports them again:
+            about 2 s of CPU less per job for a launcher that needs torch
+            itself. It is what each child runs (the ``elasticps`` command's
+            ``main``: passed in, because this module must not import the
+            command). Only while this process runs one thread; otherwise a
+            new process is started.
 
     Raises:
         ElasticPSError: the server process could not be started.
     """
 
     def __init__(
-        self, env: Mapping[str, str], preload: Sequence[str] = PRELOAD, *, inline: bool = False
+        self,
+        env: Mapping[str, str],
+        preload: Sequence[str] = PRELOAD,
+        *,
+        inline_entry: Entry | None = None,
     ) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            if inline and threading.active_count() == 1:
+            if inline_entry is not None and threading.active_count() == 1:
                 self._proc: subprocess.Popen[bytes] | _ForkedServer = _fork_server_here(
-                    mine, theirs, env, preload
+                    mine, theirs, env, preload, inline_entry
                 )
             else:
                 self._proc = subprocess.Popen(
@@ -501,7 +508,11 @@ class _ForkedServer:
 
 
 def _fork_server_here(
-    mine: socket.socket, theirs: socket.socket, env: Mapping[str, str], preload: Sequence[str]
+    mine: socket.socket,
+    theirs: socket.socket,
+    env: Mapping[str, str],
+    preload: Sequence[str],
+    entry: Entry,
 ) -> _ForkedServer:
     """Import ``preload`` here, then fork the server from this (single-threaded) process.
 
@@ -537,9 +548,7 @@ def _fork_server_here(
         if os.getppid() != parent:
             os._exit(1)  # the launcher died before the signal was armed
         _become_server(env)
-        from elasticps.launcher.fork_server_main import run_command
-
-        code = serve([str(theirs.fileno()), ""], run_command)
+        code = serve([str(theirs.fileno()), ""], entry)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -599,10 +608,11 @@ def _wait_gone(pid: int) -> None:
 
 
 @contextlib.contextmanager
-def start_spawner(method: str, *, inline: bool = False) -> Iterator[Spawner]:
+def start_spawner(method: str, *, inline_entry: Entry | None = None) -> Iterator[Spawner]:
     """The spawner ``method`` names (``fork`` or ``exec``), closed on exit.
 
-    ``inline``: a fork server forked from this process (see :class:`ForkServer`).
+    ``inline_entry``: a fork server forked from this process, whose children
+    run it (see :class:`ForkServer`).
 
     Raises:
         ElasticPSError: the fork server could not be started.
@@ -613,7 +623,7 @@ def start_spawner(method: str, *, inline: bool = False) -> Iterator[Spawner]:
         return
     if method != "fork":
         raise ValueError(f"unknown spawn method {method!r}")
-    server = ForkServer(child_env("fork-server"), inline=inline)
+    server = ForkServer(child_env("fork-server"), inline_entry=inline_entry)
     try:
         yield server
     finally:
