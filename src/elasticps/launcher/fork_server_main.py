@@ -5,8 +5,10 @@
 ``elasticps`` command's ``main``. This entry point lives apart from
 :mod:`~elasticps.launcher.spawn` because it depends on the command, which
 depends on the launchers, which depend on ``spawn``: here nothing imports it
-back. The command is imported by each child after the fork, never by the
-server, which imports only what ``spawn.PRELOAD`` names before forking.
+back. ``spawn.PRELOAD`` names the command's module among what the server
+imports before its first fork, so each child starts with it imported.
+``elasticps train`` does not start this process: its launcher forks the
+server from itself and hands it the command's ``main`` directly.
 """
 
 from __future__ import annotations
