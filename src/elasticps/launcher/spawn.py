@@ -528,12 +528,9 @@ def _fork_server_here(
     Raises:
         OSError: the fork failed.
     """
-    for name in ("JE_ARROW_MALLOC_CONF",):
-        if name in env and "pyarrow" not in sys.modules:
-            os.environ[name] = env[name]
-    for name in preload:
-        with contextlib.suppress(ImportError):  # the child reports what is missing
-            importlib.import_module(name)
+    if "JE_ARROW_MALLOC_CONF" in env and "pyarrow" not in sys.modules:
+        os.environ["JE_ARROW_MALLOC_CONF"] = env["JE_ARROW_MALLOC_CONF"]
+    _import_all(preload)
     sys.stdout.flush()
     sys.stderr.flush()
     parent = os.getpid()
@@ -580,7 +577,7 @@ def _become_server(env: Mapping[str, str]) -> None:
         )
         setattr(sys, name, stream)
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
         for option, name in ((_M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"),
                              (_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_")):  # fmt: skip
             value = env.get(name, "")
@@ -591,6 +588,19 @@ def _become_server(env: Mapping[str, str]) -> None:
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _INT_MAX = (1 << 31) - 1  # mallopt takes a C int
+
+
+def _import_all(names: Sequence[str]) -> None:
+    """Import ``names``; one that cannot be imported is left to the child, which
+    then says what is missing."""
+    for name in names:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def _libc() -> ctypes.CDLL:
+    """The C library (Linux), for ``prctl`` and ``mallopt``."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _wait_gone(pid: int) -> None:
@@ -655,9 +665,7 @@ Entry = Callable[[list[str]], int]
 
 def _serve(sock: socket.socket, preload: Sequence[str], entry: Entry) -> None:
     """The server's loop: fork on request, report exits; return when the launcher hangs up."""
-    for name in preload:
-        with contextlib.suppress(ImportError):  # the child reports what is missing
-            importlib.import_module(name)
+    _import_all(preload)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -786,7 +794,7 @@ def _set_parent_death_signal(signum: int) -> None:
     """``prctl(PR_SET_PDEATHSIG, signum)`` on Linux; a no-op elsewhere."""
     if not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = _libc()
     if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
