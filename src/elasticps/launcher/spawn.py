@@ -41,13 +41,14 @@ SIGTERM if the server dies (``PR_SET_PDEATHSIG``). Children find the server's
 pid in ``ELASTICPS_PARENT_PID`` and stop when they are orphaned.
 
 Fork safety: the server forks from a single Python thread and imports only
-:data:`PRELOAD`: torch, gRPC, the etcd client, pyarrow and the role modules,
-so that a child starts its role without importing anything (about 1 s of CPU
-per role process saved). Importing is all it does with them: no gRPC channel
-or server, etcd connection, Arrow allocation or thread pool exists before a
-fork (gRPC sets itself up when the first channel or server is made, in the
-child). The only native threads are numpy's OpenBLAS server, which has its
-own fork handlers, as PyTorch's ``DataLoader`` workers rely on, and none of
+:data:`PRELOAD`: torch, gRPC, the etcd client, pyarrow (and pandas, which pyarrow
+imports when it reads a table) and the role modules, so that a child starts its
+role without importing anything (about 1 s of CPU per role process saved).
+Importing is all it does with them: no gRPC channel or server, etcd
+connection, Arrow allocation or thread pool exists before a fork (gRPC sets
+itself up when the first channel or server is made, in the child).
+The only native threads are numpy's OpenBLAS server, which has its own fork
+handlers, as PyTorch's ``DataLoader`` workers rely on, and none of
 Arrow's jemalloc: its background thread is switched off
 (``JE_ARROW_MALLOC_CONF``, see :func:`child_env`; Arrow allocates with
 mimalloc by default anyway). ``tests/integration/test_spawn.py`` checks the
@@ -90,6 +91,9 @@ PRELOAD = (
     "pyetcd",
     "tenacity",
     "pyarrow.parquet",
+    # pyarrow imports pandas, when installed, on the first table it reads (for the
+    # pandas metadata a schema may carry): about 0.6 s of CPU in every trainer.
+    "pandas",
     "elasticps.cli",
     "elasticps.master.main",
     "elasticps.pserver.main",
