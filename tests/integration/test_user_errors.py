@@ -273,8 +273,8 @@ def test_skip_trains_within_a_point_of_clean_data_and_counts_skipped_records_exa
     flags = ["--trainers", "1", "--ps", "1", "--mode", "sync", "--epochs", str(SKIP_EPOCHS),
              "--batch-size", "16", "--max-task-timeouts", "32"]  # fmt: skip
 
-    clean = train(*flags, model=CNN, data=mnist_dir, output=tmp_path / "clean")
-    skip = train(*flags, "--bad-records", "skip", model=CNN, data=data, output=tmp_path / "skip")
+    clean = train(*flags, data=mnist_dir, output=tmp_path / "clean")
+    skip = train(*flags, "--bad-records", "skip", data=data, output=tmp_path / "skip")
 
     assert clean.returncode == 0, clean.stderr[-4000:]
     assert skip.returncode == 0, skip.stderr[-4000:]
@@ -309,7 +309,7 @@ def test_skip_sets_a_task_aside_after_max_task_timeouts_skipped_mini_batches(
     outcome = train(
         "--trainers", "1", "--ps", "1", "--epochs", "1", "--batch-size", "16",
         "--records-per-task", "512", "--max-task-timeouts", "2", "--bad-records", "skip",
-        model=CNN, data=data, output=tmp_path / "out",
+        data=data, output=tmp_path / "out",
     )  # fmt: skip
 
     assert outcome.returncode == 0, outcome.stderr[-4000:]
