@@ -128,7 +128,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticps.buffers import NO_BUFFERS_ENV
 from elasticps.config import LEDGER_ONLY_ENV
 
 BENCH = Path(__file__).resolve().parent
@@ -623,6 +622,9 @@ def run_case(
         # "-nobuffers": buffers left on the trainers (the B side of carrying them).
         env = {LEDGER_ONLY_ENV: "1"} if variant == ["ledger"] else None
         if variant == ["nobuffers"]:
+            # Imported here: elasticps.buffers imports torch, which this process never uses.
+            from elasticps.buffers import NO_BUFFERS_ENV
+
             env = {NO_BUFFERS_ENV: "1"}
         line, record, wall = runner.elasticps(
             model,
