@@ -219,24 +219,26 @@ def _job(
     return proc.returncode, stdout, stderr
 
 
-def _chaos(scenario: Scenario) -> list[str]:
-    return ["--chaos", scenario.chaos] if scenario.chaos else []
+def _train_cmd(scenario: Scenario, epochs: int, out: Path, *model: str) -> list[str]:
+    """``elasticps train`` of ``scenario``'s job shape and fault; ``model``: the model's flags."""
+    return [
+        sys.executable, "-m", "elasticps", "train", *model, "--output", str(out),
+        "--trainers", "3", "--ps", "2", "--mode", scenario.mode,
+        "--epochs", str(epochs), "--records-per-task", "200",
+        "--lease-ttl-s", str(LEASE_TTL_S), "--checkpoint-every-s", "1", "--no-progress",
+        *(["--chaos", scenario.chaos] if scenario.chaos else []), *scenario.extra,
+    ]  # fmt: skip
 
 
 def audit_cmd(scenario: Scenario, audit: Path, epochs: int, out: Path) -> list[str]:
     """The ``elasticps train`` command of ``scenario``'s fault on the audit model."""
     records = json.loads((audit / "audit.json").read_text())["records"]
-    return [
-        sys.executable, "-m", "elasticps", "train",
+    return _train_cmd(
+        scenario, epochs, out,
         "--model", str(audit / "audit_model.py"), "--data", str(audit),
-        "--model-args", json.dumps({"records": records}),
-        "--output", str(out), "--optimizer", "sgd", "--lr", "1",
+        "--model-args", json.dumps({"records": records}), "--optimizer", "sgd", "--lr", "1",
         "--sync-reduction", "sum", "--push-every", "1", "--big-array-bound", "500",
-        "--trainers", "3", "--ps", "2", "--mode", scenario.mode,
-        "--epochs", str(epochs), "--records-per-task", "200",
-        "--lease-ttl-s", str(LEASE_TTL_S), "--checkpoint-every-s", "1", "--no-progress",
-        *_chaos(scenario), *scenario.extra,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def run_audit(scenario: Scenario, audit: Path, epochs: int) -> dict[str, object]:
@@ -277,18 +279,10 @@ def run_scenario(
     with tempfile.TemporaryDirectory(prefix="elasticps-recovery-") as tmp:
         out = Path(tmp) / "out"
         if one_job:
-            cmd = [*audit_cmd(scenario, audit, epochs, out), "--etcd-port", str(port),
-                   "--job", job]  # fmt: skip
+            cmd = audit_cmd(scenario, audit, epochs, out)
         else:
-            cmd = [
-                sys.executable, "-m", "elasticps", "train",
-                "--model", str(MLP), "--data", str(data), "--output", str(out),
-                "--trainers", "3", "--ps", "2", "--mode", scenario.mode,
-                "--epochs", str(epochs), "--records-per-task", "200",
-                "--lease-ttl-s", str(LEASE_TTL_S), "--checkpoint-every-s", "1",
-                "--etcd-port", str(port), "--job", job, "--no-progress",
-                *_chaos(scenario), *scenario.extra,
-            ]  # fmt: skip
+            cmd = _train_cmd(scenario, epochs, out, "--model", str(MLP), "--data", str(data))
+        cmd += ["--etcd-port", str(port), "--job", job]
         poller = VersionPoller(f"127.0.0.1:{port}", job)
         code, stdout, stderr = _job(scenario, cmd, out, poller)
         if code != 0:
