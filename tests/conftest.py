@@ -5,6 +5,7 @@ from __future__ import annotations
 import compileall
 import os
 import re
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,13 +17,20 @@ from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Compile the package's modules to bytecode once.
+    """Let the processes the tests start keep the bytecode they compile.
 
-    The tests start hundreds of Python processes (jobs, commands). Where the
-    environment stops Python from writing bytecode (``PYTHONDONTWRITEBYTECODE``),
-    each of them would compile every module of the package again: about 0.5 s
-    of CPU per process. Writing is atomic, so xdist workers may race here.
+    The tests start hundreds of Python processes (jobs, commands), and the
+    install command skips compiling to bytecode (``pip install --no-compile``).
+    Where the environment stops Python from writing bytecode
+    (``PYTHONDONTWRITEBYTECODE``), each process would compile every module it
+    imports again: about 11 s of CPU for torch, pyarrow, pandas and gRPC, and
+    0.5 s for this package. So the variable is dropped here, before xdist
+    starts its workers, whose environment every test's process inherits, and
+    the package is compiled once. Writing bytecode is atomic, so processes may
+    race to write the same file.
     """
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     compileall.compile_dir(Path(elasticps.__file__).parent, quiet=1)
 
 
