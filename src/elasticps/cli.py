@@ -805,8 +805,11 @@ def _add_sync_reduction(p: argparse.ArgumentParser) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from elasticps.launcher.spawn import start_spawner
+    from elasticps.preflight import check_before_import
 
     config = job_config(args)
+    # A mistyped path or a port in use is refused before torch is imported.
+    check_before_import(config)
     files = {CONFIG_FILE: _job_file_text(args)}
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression

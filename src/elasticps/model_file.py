@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from elasticps.buffers import buffer_specs
 from elasticps.errors import ModelContractError, one_line
+from elasticps.preflight import require_model_file
 
 __all__ = [
     "ModelSpec",
@@ -293,9 +294,7 @@ def load_model_file(
             tuple of strings.
     """
     shown = str(path)
-    resolved = Path(path).resolve()
-    if not resolved.is_file():
-        raise ModelContractError(f"model file not found: {shown}")
+    resolved = require_model_file(path)
     module = _import_file(resolved, shown)
     cls = _model_class(module, model_class, shown)
     loss = _callable(module, "loss", "loss(outputs, targets) -> Tensor", shown)

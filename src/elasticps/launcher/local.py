@@ -127,6 +127,7 @@ from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
+from elasticps.preflight import check_resume_location
 from elasticps.pserver.sparse import TableSpec
 from elasticps.snapshot import (
     load_consistent_checkpoint,
@@ -380,13 +381,14 @@ class LocalLauncher:
             raise DataError(f"--eval-each-pass needs a test.parquet in {cfg.data}")
         if cfg.resume is not None:
             resume = Location.of(cfg.resume)
-            if not _is_dir(resume):
-                raise DataError(f"--resume {cfg.resume}: no such directory")
-            if _is_file(resume / "run.json") and _is_dir(resume / "snapshot"):
-                raise DataError(
-                    f"--resume {cfg.resume} is a job's output directory; its consistent "
-                    f"checkpoint is {resume / 'snapshot'}"
-                )
+            is_dir = _is_dir(resume)
+            check_resume_location(
+                cfg.resume,
+                is_dir=is_dir,
+                is_job_output=is_dir
+                and _is_file(resume / "run.json")
+                and _is_dir(resume / "snapshot"),
+            )
             verify_snapshot_files(resume)
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
