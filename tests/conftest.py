@@ -17,7 +17,7 @@ from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Let the processes the tests start keep the bytecode they compile.
+    """Let the processes the tests start keep their bytecode; one compute thread each.
 
     The tests start hundreds of Python processes (jobs, commands), and the
     install command skips compiling to bytecode (``pip install --no-compile``).
@@ -31,6 +31,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+    # The suite runs several jobs at once on few cores: every process computes on
+    # one thread (as the roles do), so that OpenMP threads do not spin against
+    # each other. A multi-threaded evaluation beside two other jobs took 10x longer.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     compileall.compile_dir(Path(elasticps.__file__).parent, quiet=1)
 
 
