@@ -93,12 +93,13 @@ def kill_leftovers(output: Path) -> None:
 
 @pytest.fixture
 def running_job(mnist_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
-    """A long job (many passes of the MLP) started by ``train --config``; stopped by PID after."""
+    """A long job (many passes of the paced MLP, which leaves the CPU to the commands
+    under test) started by ``train --config``; stopped by PID after."""
     output = tmp_path / "runs" / "long"
     job_file = write_job_file(
         tmp_path / "job.toml",
         mnist_dir,
-        model=str(ROOT / "examples" / "mnist_mlp.py"),
+        model=str(Path(__file__).with_name("paced_mlp.py")),
         job="long",
         output=str(output),
         epochs=200,
