@@ -384,8 +384,12 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
     )
     assert build_spec(config).ranges()[-1].end == ROWS
     with JobStore(etcd_server.endpoint, config.common.job) as store:
-        # Trainer "kept" stays registered; "gone" never was (it died with the master).
+        # Trainer "kept" stays registered; "gone" dies with the active master. (Were
+        # "gone" never registered, the active master could requeue its task as soon as
+        # any trainer watch event came, before the test reports its progress.)
         store.register_trainer("kept", {}, store.grant_lease(LONG_TTL_S))
+        gone_lease = store.grant_lease(LONG_TTL_S)
+        store.register_trainer("gone", {}, gone_lease)
         active = MasterThread(config)
         standby: MasterThread | None = None
         clients: list[MasterClient] = []
@@ -411,6 +415,7 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
             standby = MasterThread(config)
             wait_for(lambda: "standby" in caplog.text, "the second master to wait as a standby")
 
+            gone_lease.revoke()
             expire_lock_holder(etcd_admin, store)
             expired_at = time.monotonic()
             resolving = MasterClient(lambda: store.master_address(timeout_s=1.0), retry_s=10.0)
