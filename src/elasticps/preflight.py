@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from elasticps.errors import DataError, ModelContractError
 from elasticps.netutil import check_port_free
-from elasticps.storage import is_url
+from elasticps.storage import Location, is_dir_or_unreachable, is_file_or_unreachable, is_url
 
 if TYPE_CHECKING:
     from elasticps.config import JobConfig
@@ -44,24 +44,23 @@ def require_model_file(path: str | Path) -> Path:
     return resolved
 
 
-def check_resume_location(resume: str | Path, *, is_dir: bool, is_job_output: bool) -> None:
+def check_resume_location(resume: str | Path) -> None:
     """Refuse a ``--resume`` that is no directory, or a job's output directory.
 
     Args:
-        resume: the ``--resume`` value, as given.
-        is_dir: whether it is a directory (or a URL prefix holding objects).
-        is_job_output: whether it holds a ``run.json`` and a ``snapshot/``.
+        resume: the ``--resume`` value, a path or a URL.
 
     Raises:
-        DataError: either case; the second names the checkpoint to resume from.
+        DataError: either case (the second names the checkpoint to resume
+            from), or the storage cannot be reached.
     """
-    if not is_dir:
+    where = Location.of(resume)
+    if not is_dir_or_unreachable(where):
         raise DataError(f"--resume {resume}: no such directory")
-    if is_job_output:
-        snapshot = f"{str(resume).rstrip('/')}/snapshot"
+    if is_file_or_unreachable(where / "run.json") and is_dir_or_unreachable(where / "snapshot"):
         raise DataError(
             f"--resume {resume} is a job's output directory; its consistent checkpoint is "
-            f"{snapshot}"
+            f"{where / 'snapshot'}"
         )
 
 
@@ -82,12 +81,7 @@ def check_before_import(config: JobConfig) -> None:
 
         resolve_dataset_files(config.data, "train")
     if config.resume is not None and not is_url(config.resume):
-        resume = Path(config.resume)
-        check_resume_location(
-            config.resume,
-            is_dir=resume.is_dir(),
-            is_job_output=(resume / "run.json").is_file() and (resume / "snapshot").is_dir(),
-        )
+        check_resume_location(config.resume)
     if config.etcd_port:
         check_port_free(config.etcd_port, what="--etcd-port")
     if config.master_port:

@@ -41,7 +41,15 @@ from typing import Any, Final
 
 from elasticps.errors import ConfigError, DataError, one_line
 
-__all__ = ["OBJECT_STORES", "Location", "is_url", "path_or_url", "require_file"]
+__all__ = [
+    "OBJECT_STORES",
+    "Location",
+    "is_dir_or_unreachable",
+    "is_file_or_unreachable",
+    "is_url",
+    "path_or_url",
+    "require_file",
+]
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
@@ -400,6 +408,30 @@ class Location:
                 source.copy_tree_to(target / name)
             else:
                 source.copy_to(target / name)
+
+
+def is_file_or_unreachable(location: Location) -> bool:
+    """``location.is_file()``.
+
+    Raises:
+        DataError: the storage cannot be reached.
+    """
+    try:
+        return location.is_file()
+    except OSError as exc:
+        raise DataError(f"cannot reach {location}: {exc}") from exc
+
+
+def is_dir_or_unreachable(location: Location) -> bool:
+    """``location.is_dir()``.
+
+    Raises:
+        DataError: the storage cannot be reached.
+    """
+    try:
+        return location.is_dir()
+    except OSError as exc:
+        raise DataError(f"cannot reach {location}: {exc}") from exc
 
 
 def require_file(location: Location, what: str = "data file") -> Location:

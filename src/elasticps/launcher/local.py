@@ -135,7 +135,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
-from elasticps.storage import Location
+from elasticps.storage import Location, is_dir_or_unreachable, is_file_or_unreachable
 from elasticps.tables import TableSet
 from elasticps.updater import ps_flags
 
@@ -302,7 +302,9 @@ class LocalLauncher:
         cfg = self.config
         given = parse_model_args(cfg.model_args)
         args = given
-        if cfg.resume is not None and _is_file(Location.of(cfg.resume) / "manifest.json"):
+        if cfg.resume is not None and is_file_or_unreachable(
+            Location.of(cfg.resume) / "manifest.json"
+        ):
             try:
                 extra = read_snapshot_manifest(Location.of(cfg.resume)).get("extra")
             except DataError:
@@ -364,7 +366,9 @@ class LocalLauncher:
             if cfg.bad_records != "skip":
                 for path in train:
                     check_no_nulls(path, spec.columns)
-            tests = find_split(cfg.data, "test") if _is_dir(Location.of(cfg.data)) else ()
+            tests = (
+                find_split(cfg.data, "test") if is_dir_or_unreachable(Location.of(cfg.data)) else ()
+            )
             if len(tests) > 1:
                 raise DataError(
                     f"{cfg.data} holds {len(tests)} test files; evaluation reads one test.parquet"
@@ -380,16 +384,8 @@ class LocalLauncher:
         if cfg.eval_each_pass and test is None:
             raise DataError(f"--eval-each-pass needs a test.parquet in {cfg.data}")
         if cfg.resume is not None:
-            resume = Location.of(cfg.resume)
-            is_dir = _is_dir(resume)
-            check_resume_location(
-                cfg.resume,
-                is_dir=is_dir,
-                is_job_output=is_dir
-                and _is_file(resume / "run.json")
-                and _is_dir(resume / "snapshot"),
-            )
-            verify_snapshot_files(resume)
+            check_resume_location(cfg.resume)
+            verify_snapshot_files(Location.of(cfg.resume))
         if cfg.etcd_port:
             check_port_free(cfg.etcd_port, what="--etcd-port")
         if cfg.master_port:
@@ -1862,19 +1858,3 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _is_file(location: Location) -> bool:
-    """``location.is_file()``, an unreachable storage reported as a DataError."""
-    try:
-        return location.is_file()
-    except OSError as exc:
-        raise DataError(f"cannot reach {location}: {exc}") from exc
-
-
-def _is_dir(location: Location) -> bool:
-    """``location.is_dir()``, an unreachable storage reported as a DataError."""
-    try:
-        return location.is_dir()
-    except OSError as exc:
-        raise DataError(f"cannot reach {location}: {exc}") from exc
