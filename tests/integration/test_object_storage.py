@@ -161,11 +161,13 @@ def test_a_job_trains_from_s3_into_s3_as_well_as_from_local_files(
         tmp_path / "local" / "pids.json",
         s3,
     )
-    assert abs(float(str(line["accuracy"])) - float(str(local["accuracy"]))) <= 0.02, (
-        line,
-        local,
-    )
-    assert float(str(line["accuracy"])) >= 0.85
+    s3_accuracy, local_accuracy = float(str(line["accuracy"])), float(str(local["accuracy"]))
+    # Sync-SGD over 2 trainers: which trainer takes which task, so which mini-batches
+    # are averaged in one step, follows timing. Ten runs of this job alone here:
+    # 0.925-0.935; ten beside two busy loops: 0.900-0.931. A job that misread its
+    # records would be far below (an untrained model scores about 0.1).
+    assert min(s3_accuracy, local_accuracy) >= 0.88, (line, local)
+    assert abs(s3_accuracy - local_accuracy) <= 0.05, (line, local)
 
 
 def test_resume_from_s3_onto_another_number_of_parameter_servers(
