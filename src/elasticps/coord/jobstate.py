@@ -18,6 +18,15 @@ class JobProgress(StoreBase):
     See :class:`~elasticps.coord.base.StoreBase` for the constructor.
     """
 
+    def pass_summaries(self) -> dict[int, dict[str, object]]:
+        """Every pass audit written so far, by pass (0-based).
+
+        Raises:
+            CoordinationError: etcd failed, or an audit is malformed.
+        """
+        found, _ = self.get_prefix_json(self.keys.passes_prefix)
+        return {int(k): v for k, v in found.items() if k.isdigit()}
+
     def watch_pass_summaries(
         self, on_change: Callable[[dict[int, dict[str, object]]], None]
     ) -> Watch:

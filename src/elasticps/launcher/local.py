@@ -1675,7 +1675,7 @@ def read_pass_audits(
     delay = 0.05
     while True:
         try:
-            found, _ = store.get_prefix_json(store.keys.passes_prefix)
+            by_pass = store.pass_summaries()
             break
         except CoordinationError as exc:
             if not is_transient(exc) or clock() >= deadline:
@@ -1683,7 +1683,6 @@ def read_pass_audits(
             log.info("reading the pass audits: %s; retrying", exc)
             sleep(delay)
             delay = min(2 * delay, 1.0)
-    by_pass = {int(k): v for k, v in found.items() if k.isdigit()}
     audits = [by_pass[n] for n in range(epochs) if n in by_pass]
     missing = [n for n in range(epochs) if n not in by_pass]
     return audits, missing

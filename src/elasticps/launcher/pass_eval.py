@@ -32,7 +32,7 @@ import torch
 from elasticps.buffers import state_from_flat
 from elasticps.coord.store import JobStore, Watch
 from elasticps.data.parquet import FileName
-from elasticps.errors import ElasticPSError
+from elasticps.errors import CoordinationError, ElasticPSError
 from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.model_file import ModelSpec
 from elasticps.snapshot import load_consistent_checkpoint, take_consistent_checkpoint
@@ -132,7 +132,15 @@ class PassEvaluator:
         self._watch = self._store.watch_pass_summaries(self._on_passes)
 
     def close(self) -> list[PassEvaluation]:
-        """Stop following passes, finish the evaluations already due, and return all results."""
+        """Stop following passes, finish the evaluations already due, and return all results.
+
+        The passes are read once more first: the watch may not have delivered
+        the last one yet when the job ends with it.
+        """
+        try:
+            self._on_passes(self._store.pass_summaries())
+        except CoordinationError as exc:
+            log.warning("could not read the passes that ended last, to evaluate them: %s", exc)
         if self._watch is not None:
             self._watch.cancel()
         self._passes.put(_STOP)
