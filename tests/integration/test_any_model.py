@@ -11,7 +11,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from elasticps.placement import stable_shard
-from elasticps.testing import pid_gone, wait_for
+from elasticps.testing import pid_gone, run_elasticps, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -171,16 +170,7 @@ def is_ours(pid: int) -> bool:
 
 
 def run(tmp_path: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "elasticps", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
-        check=False,
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-    )
-    return done
+    return run_elasticps(args, timeout_s=JOB_TIMEOUT_S, cwd=tmp_path)
 
 
 def train(tmp_path: Path, model: str, data: Path, *extra: str) -> tuple[dict[str, object], Path]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from elasticps.testing import pid_gone, wait_for
+from elasticps.testing import pid_gone, run_elasticps, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -35,6 +35,9 @@ JOB_TIMEOUT_S = 150.0
 def elasticps(
     *args: str | Path, cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    if env is None:
+        return run_elasticps(args, timeout_s=COMMAND_TIMEOUT_S, cwd=cwd)
+    # A new interpreter: the environment may change what it can import.
     return subprocess.run(
         [sys.executable, "-m", "elasticps", *map(str, args)],
         cwd=cwd,

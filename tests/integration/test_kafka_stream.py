@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from elasticps.testing import kill_leftovers, wait_for
+from elasticps.testing import kill_leftovers, run_elasticps, wait_for
 from elasticps.testing.audit import check_run, write_dataset
 from elasticps.testing.broker import Broker, create_topic, produce_json
 
@@ -99,13 +98,7 @@ def train(args: list[str]) -> subprocess.CompletedProcess[str]:
     """``elasticps train`` with ``args``: exit 0 and no process left behind."""
     out = Path(args[args.index("--output") + 1])
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "elasticps", "train", *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
+        proc = run_elasticps(["train", *args], timeout_s=150)
     finally:
         leftovers = kill_leftovers(out / "pids.json")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -24,7 +24,7 @@ import pytest
 
 from elasticps.evaluate import evaluate
 from elasticps.model_file import load_model_file
-from elasticps.testing import pid_gone, wait_for
+from elasticps.testing import pid_gone, run_elasticps, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -205,14 +205,9 @@ def small_job_args(mnist_dir: Path, *extra: str) -> list[str | Path]:
 
 
 def evaluate_checkpoint(checkpoint: Path, data: Path) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, "-m", "elasticps", "evaluate", "--model", str(MLP),
-         "--output", str(checkpoint), "--data", str(data)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )  # fmt: skip
+    done = run_elasticps(
+        ["evaluate", "--model", MLP, "--output", checkpoint, "--data", data], timeout_s=60
+    )
     assert done.returncode == 0, done.stderr
     result: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
     return result

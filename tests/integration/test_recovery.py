@@ -17,13 +17,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from elasticps.testing import run_elasticps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -86,8 +86,7 @@ def _all_gone(pids: dict[str, int], timeout_s: float = 5.0) -> list[str]:
 def run_job(mnist_dir: Path, out: Path, mode: str, *extra: str) -> JobRun:
     """Run one job to the end and check that it left no process behind."""
     cmd = [
-        sys.executable, "-m", "elasticps", "train",
-        "--model", str(MLP), "--data", str(mnist_dir), "--output", str(out),
+        "train", "--model", str(MLP), "--data", str(mnist_dir), "--output", str(out),
         "--trainers", "3", "--ps", "2", "--mode", mode, "--epochs", str(EPOCHS),
         "--records-per-task", "200", "--lease-ttl-s", "2", "--seed", "0",
         "--checkpoint-every-s", "1", "--no-progress", *extra,
@@ -95,9 +94,7 @@ def run_job(mnist_dir: Path, out: Path, mode: str, *extra: str) -> JobRun:
     if mode == "async":
         cmd += ["--lr-schedule", ASYNC_LR_SCHEDULE]
     try:
-        proc = subprocess.run(
-            cmd, check=False, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
-        )
+        proc = run_elasticps(cmd, timeout_s=JOB_TIMEOUT_S)
     finally:
         leftovers = _kill_leftovers(out / "pids.json")
     assert not leftovers, f"processes left running after the job: {leftovers}"

@@ -11,8 +11,6 @@ read exactly P, on whichever server holds it.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 
 from elasticps.checkpoint import load_checkpoint
 from elasticps.tables import load_tables
-from elasticps.testing import run_train
+from elasticps.testing import run_elasticps, run_train
 from elasticps.testing.audit import AuditResult, check_counters, sparse_counters, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -200,11 +198,10 @@ def test_pass_evaluations_and_evaluate_command_use_the_trained_rows(tmp_path: Pa
     evaluations = record["pass_evaluations"]
     assert isinstance(evaluations, list) and [e["pass_id"] for e in evaluations] == [0]
     assert evaluations[-1]["loss"] == pytest.approx(final, rel=1e-6, abs=1e-9)
-    again = subprocess.run(
-        [sys.executable, "-m", "elasticps", "evaluate", "--model", str(model_file),
-         "--output", str(out), "--data", str(data / "test.parquet")],
-        check=False, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    again = run_elasticps(
+        ["evaluate", "--model", model_file, "--output", out, "--data", data / "test.parquet"],
+        timeout_s=60,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout)["loss"] == pytest.approx(final, rel=1e-6, abs=1e-9)
 

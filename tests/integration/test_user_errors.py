@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elasticps.testing import pid_gone, wait_for
+from elasticps.testing import pid_gone, run_elasticps, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -61,16 +61,11 @@ def train(
     timeout_s: float = JOB_TIMEOUT_S,
 ) -> Outcome:
     """Run ``elasticps train`` to completion; whatever it left running is killed afterwards."""
-    command = [sys.executable, "-m", "elasticps", "train", "--model", str(model)]
+    command = ["train", "--model", str(model)]
     command += ["--data", str(data), "--output", str(output), "--no-progress", *map(str, args)]
     try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            cwd=output.parent if output.parent.is_dir() else None,
-            check=False,
+        done = run_elasticps(
+            command, timeout_s=timeout_s, cwd=output.parent if output.parent.is_dir() else None
         )
     finally:
         kill_leftovers(output)
@@ -534,10 +529,10 @@ def test_a_full_disk_stops_the_job_after_the_grace_period_and_the_parameters_are
     assert (fallback / "model.safetensors").is_file() and (fallback / "snapshot").is_dir()
     record = json.loads((fallback / "run.json").read_text())
     assert record["state"] == "failed" and record["checkpoint_health"]["ok"] is False
-    evaluated = subprocess.run(
-        [sys.executable, "-m", "elasticps", "evaluate", "--model", str(MLP),
-         "--checkpoint", str(fallback), "--data", str(mnist_dir / "test.parquet")],
-        capture_output=True, text=True, timeout=120, check=False,
+    evaluated = run_elasticps(
+        ["evaluate", "--model", MLP, "--checkpoint", fallback,
+         "--data", mnist_dir / "test.parquet"],
+        timeout_s=120,
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["accuracy"] > 0.5

@@ -291,6 +291,10 @@ class ForkServer:
             ``main``: passed in, because this module must not import the
             command). Only while this process runs one thread; otherwise a
             new process is started.
+        server_module: the module that new process runs (``python -m
+            MODULE FD PRELOAD``, calling :func:`serve` with its own entry); by
+            default one whose children run the ``elasticps`` command's
+            ``main``.
 
     Raises:
         ElasticPSError: the server process could not be started.
@@ -302,6 +306,7 @@ class ForkServer:
         preload: Sequence[str] = PRELOAD,
         *,
         inline_entry: Entry | None = None,
+        server_module: str = _SERVER_MODULE,
     ) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -312,7 +317,7 @@ class ForkServer:
             else:
                 self._proc = subprocess.Popen(
                     [
-                        *die_with_parent_prefix(), sys.executable, "-m", _SERVER_MODULE,
+                        *die_with_parent_prefix(), sys.executable, "-m", server_module,
                         str(theirs.fileno()), ",".join(preload),
                     ],
                     pass_fds=(theirs.fileno(),),
