@@ -26,7 +26,7 @@ import elasticps
 from elasticps import events
 from elasticps.api.cluster import Parquet
 from elasticps.errors import JobFailedError
-from elasticps.testing import wait_for
+from elasticps.testing import session_children, wait_for
 from elasticps.testing.audit import Model, check_counters, model_file, write_dataset
 from elasticps.testing.audit import loss as audit_loss
 
@@ -47,7 +47,11 @@ def audit_data(tmp_path_factory: pytest.TempPathFactory) -> Parquet:
 
 
 def _children() -> list[psutil.Process]:
-    return [c for c in psutil.Process(os.getpid()).children() if c.is_running()]
+    return [
+        c
+        for c in psutil.Process(os.getpid()).children()
+        if c.is_running() and c.pid not in session_children()
+    ]
 
 
 @pytest.fixture(autouse=True)

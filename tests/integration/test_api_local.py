@@ -23,7 +23,7 @@ import elasticps
 from elasticps import events
 from elasticps.api.servers import LocalServers, ServersConfig
 from elasticps.coord.store import JobStore
-from elasticps.testing import wait_for
+from elasticps.testing import session_children, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -52,7 +52,11 @@ def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def no_children_left() -> bool:
-    return not [c for c in psutil.Process(os.getpid()).children() if c.is_running()]
+    return not [
+        c
+        for c in psutil.Process(os.getpid()).children()
+        if c.is_running() and c.pid not in session_children()
+    ]
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import elasticps
-from elasticps.testing import wait_for
+from elasticps.testing import session_children, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -41,7 +41,11 @@ def load_example(name: str) -> ModuleType:
 
 
 def no_children_left() -> bool:
-    return not [c for c in psutil.Process(os.getpid()).children() if c.is_running()]
+    return not [
+        c
+        for c in psutil.Process(os.getpid()).children()
+        if c.is_running() and c.pid not in session_children()
+    ]
 
 
 def test_ranking_towers_share_three_parameters_on_the_ps_and_rank_well(tmp_path: Path) -> None:

@@ -146,6 +146,14 @@ def fork_commands(enabled: bool) -> None:
         server.close()
 
 
+def session_children() -> set[int]:
+    """PIDs of this process's children that live for the session (the command server of
+    :func:`fork_commands`, once started): a test that checks it left no child
+    behind skips them."""
+    server = _COMMANDS.server
+    return set() if server is None else {server.pid}
+
+
 def run_elasticps(
     args: Sequence[str | Path],
     *,
