@@ -26,7 +26,7 @@ import elasticps
 from elasticps import events
 from elasticps.api.cluster import Parquet
 from elasticps.errors import JobFailedError
-from elasticps.testing import session_children, wait_for
+from elasticps.testing import child_pids, wait_for
 from elasticps.testing.audit import Model, check_counters, model_file, write_dataset
 from elasticps.testing.audit import loss as audit_loss
 
@@ -46,30 +46,22 @@ def audit_data(tmp_path_factory: pytest.TempPathFactory) -> Parquet:
     )
 
 
-def _children() -> list[psutil.Process]:
-    return [
-        c
-        for c in psutil.Process(os.getpid()).children()
-        if c.is_running() and c.pid not in session_children()
-    ]
-
-
 @pytest.fixture(autouse=True)
 def _check_children() -> Iterator[None]:
     yield
-    wait_for(lambda: not _children(), what="every process of the job to be stopped", timeout_s=10)
+    wait_for(lambda: not child_pids(), what="every process of the job to be stopped", timeout_s=10)
 
 
 def _ps_pids() -> list[int]:
     """PIDs of this process's parameter-server children (``python -m elasticps ps ...``)."""
     out = []
-    for child in _children():
+    for pid in child_pids():
         try:
-            cmdline = child.cmdline()
+            cmdline = psutil.Process(pid).cmdline()
         except psutil.Error:
             continue
         if "elasticps" in cmdline and "ps" in cmdline and "--claim-timeout-s" in cmdline:
-            out.append(child.pid)
+            out.append(pid)
     return sorted(out)
 
 

@@ -8,7 +8,6 @@ this process's children.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import elasticps
 from elasticps import events
 from elasticps.api.servers import LocalServers, ServersConfig
 from elasticps.coord.store import JobStore
-from elasticps.testing import session_children, wait_for
+from elasticps.testing import child_pids, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -52,11 +51,7 @@ def cross_entropy(outputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def no_children_left() -> bool:
-    return not [
-        c
-        for c in psutil.Process(os.getpid()).children()
-        if c.is_running() and c.pid not in session_children()
-    ]
+    return not child_pids()
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticps.testing import pid_gone, wait_for
+from elasticps.testing import child_pids, pid_gone, wait_for
 from elasticps.testing.command_server import CommandServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -48,7 +48,7 @@ def test_output_exit_status_directory_and_environment_are_the_commands_own(
 def test_a_command_past_its_timeout_is_killed(server: CommandServer, tmp_path: Path) -> None:
     (tmp_path / "model.py").write_text("import time\n\ntime.sleep(600)\n")
     (tmp_path / "train.parquet").write_bytes(b"")  # not read: the model never loads
-    before = set(_children_of_server(server))
+    before = set(child_pids(server.pid))
     with pytest.raises(subprocess.TimeoutExpired):
         server.run(
             ["train", "--model", "model.py", "--data", "train.parquet", "--output", "out"],
@@ -56,21 +56,7 @@ def test_a_command_past_its_timeout_is_killed(server: CommandServer, tmp_path: P
             cwd=tmp_path,
         )
     wait_for(
-        lambda: all(pid_gone(p) for p in set(_children_of_server(server)) - before),
+        lambda: all(pid_gone(p) for p in set(child_pids(server.pid)) - before),
         "the command to be killed",
         timeout_s=10,
     )
-
-
-def _children_of_server(server: CommandServer) -> list[int]:
-    pid = server.pid
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found

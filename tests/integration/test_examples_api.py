@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
-import psutil
 import pytest
 import torch
 
 import elasticps
-from elasticps.testing import session_children, wait_for
+from elasticps.testing import child_pids, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -41,11 +39,7 @@ def load_example(name: str) -> ModuleType:
 
 
 def no_children_left() -> bool:
-    return not [
-        c
-        for c in psutil.Process(os.getpid()).children()
-        if c.is_running() and c.pid not in session_children()
-    ]
+    return not child_pids()
 
 
 def test_ranking_towers_share_three_parameters_on_the_ps_and_rank_well(tmp_path: Path) -> None:

@@ -146,12 +146,33 @@ def fork_commands(enabled: bool) -> None:
         server.close()
 
 
-def session_children() -> set[int]:
-    """PIDs of this process's children that live for the session (the command server of
-    :func:`fork_commands`, once started): a test that checks it left no child
-    behind skips them."""
-    server = _COMMANDS.server
-    return set() if server is None else {server.pid}
+def child_pids(parent: int | None = None) -> list[int]:
+    """PIDs of the processes whose parent is ``parent`` (exited ones not yet reaped too).
+
+    Args:
+        parent: a PID; default this process, whose command server (see
+            :func:`fork_commands`), which lives for the session, is left out.
+
+    Returns:
+        The PIDs, in no order (Linux: read from ``/proc``).
+    """
+    skip = set()
+    if parent is None:
+        parent = os.getpid()
+        if _COMMANDS.server is not None:
+            skip.add(_COMMANDS.server.pid)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in skip:
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # Field 4, after the command name in parentheses (which may hold spaces).
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append(int(entry.name))
+    return found
 
 
 def run_elasticps(
