@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from elasticps.errors import DataError, ModelContractError
 from elasticps.netutil import check_port_free
-from elasticps.storage import Location, is_dir_or_unreachable, is_file_or_unreachable, is_url
+from elasticps.storage import Location, dir_exists, file_exists, is_url
 
 if TYPE_CHECKING:
     from elasticps.config import JobConfig
@@ -55,9 +55,9 @@ def check_resume_location(resume: str | Path) -> None:
             from), or the storage cannot be reached.
     """
     where = Location.of(resume)
-    if not is_dir_or_unreachable(where):
+    if not dir_exists(where):
         raise DataError(f"--resume {resume}: no such directory")
-    if is_file_or_unreachable(where / "run.json") and is_dir_or_unreachable(where / "snapshot"):
+    if file_exists(where / "run.json") and dir_exists(where / "snapshot"):
         raise DataError(
             f"--resume {resume} is a job's output directory; its consistent checkpoint is "
             f"{where / 'snapshot'}"

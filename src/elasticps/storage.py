@@ -35,6 +35,7 @@ import posixpath
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -44,8 +45,8 @@ from elasticps.errors import ConfigError, DataError, one_line
 __all__ = [
     "OBJECT_STORES",
     "Location",
-    "is_dir_or_unreachable",
-    "is_file_or_unreachable",
+    "dir_exists",
+    "file_exists",
     "is_url",
     "path_or_url",
     "require_file",
@@ -410,28 +411,22 @@ class Location:
                 source.copy_to(target / name)
 
 
-def is_file_or_unreachable(location: Location) -> bool:
-    """``location.is_file()``.
+def file_exists(location: Location) -> bool:
+    """``location.is_file()``, an unreachable storage reported as a user error.
 
     Raises:
         DataError: the storage cannot be reached.
     """
-    try:
-        return location.is_file()
-    except OSError as exc:
-        raise DataError(f"cannot reach {location}: {exc}") from exc
+    return _ask(location, location.is_file)
 
 
-def is_dir_or_unreachable(location: Location) -> bool:
-    """``location.is_dir()``.
+def dir_exists(location: Location) -> bool:
+    """``location.is_dir()``, an unreachable storage reported as a user error.
 
     Raises:
         DataError: the storage cannot be reached.
     """
-    try:
-        return location.is_dir()
-    except OSError as exc:
-        raise DataError(f"cannot reach {location}: {exc}") from exc
+    return _ask(location, location.is_dir)
 
 
 def require_file(location: Location, what: str = "data file") -> Location:
@@ -440,13 +435,18 @@ def require_file(location: Location, what: str = "data file") -> Location:
     Raises:
         DataError: there is none, or the storage cannot be reached.
     """
-    try:
-        found = location.is_file()
-    except OSError as exc:
-        raise DataError(f"cannot reach {what} {location}: {one_line(exc)}") from exc
-    if not found:
+    if not _ask(location, location.is_file, what):
         raise DataError(f"{what} not found: {location}")
     return location
+
+
+def _ask(location: Location, question: Callable[[], bool], what: str = "") -> bool:
+    """``question()`` about ``location``; an OSError becomes a DataError naming ``what``."""
+    try:
+        return question()
+    except OSError as exc:
+        named = f"{what} {location}" if what else str(location)
+        raise DataError(f"cannot reach {named}: {one_line(exc)}") from exc
 
 
 def path_or_url(text: str) -> str | Path:

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elasticps.errors import DataError, one_line
-from elasticps.storage import Location, require_file
+from elasticps.storage import Location, dir_exists, require_file
 
 FileName = str | Path | Location
 """A Parquet file: a local path, or a URL (see :mod:`elasticps.storage`)."""
@@ -285,11 +285,7 @@ def resolve_dataset_files(data: FileName, split: str = "train") -> tuple[Locatio
     files = find_split(data, split)
     if not files:
         where = Location.of(data)
-        try:
-            is_dir = where.is_dir()
-        except OSError as exc:
-            raise DataError(f"cannot reach {where}: {one_line(exc)}") from exc
-        if is_dir:
+        if dir_exists(where):
             raise DataError(
                 f"data file not found: {where / (split + '.parquet')} (nor a {split}/ "
                 "directory or other Parquet files)"

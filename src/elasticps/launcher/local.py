@@ -135,7 +135,7 @@ from elasticps.snapshot import (
     take_consistent_checkpoint,
     verify_snapshot_files,
 )
-from elasticps.storage import Location, is_dir_or_unreachable, is_file_or_unreachable
+from elasticps.storage import Location, dir_exists, file_exists
 from elasticps.tables import TableSet
 from elasticps.updater import ps_flags
 
@@ -302,9 +302,7 @@ class LocalLauncher:
         cfg = self.config
         given = parse_model_args(cfg.model_args)
         args = given
-        if cfg.resume is not None and is_file_or_unreachable(
-            Location.of(cfg.resume) / "manifest.json"
-        ):
+        if cfg.resume is not None and file_exists(Location.of(cfg.resume) / "manifest.json"):
             try:
                 extra = read_snapshot_manifest(Location.of(cfg.resume)).get("extra")
             except DataError:
@@ -366,9 +364,7 @@ class LocalLauncher:
             if cfg.bad_records != "skip":
                 for path in train:
                     check_no_nulls(path, spec.columns)
-            tests = (
-                find_split(cfg.data, "test") if is_dir_or_unreachable(Location.of(cfg.data)) else ()
-            )
+            tests = find_split(cfg.data, "test") if dir_exists(Location.of(cfg.data)) else ()
             if len(tests) > 1:
                 raise DataError(
                     f"{cfg.data} holds {len(tests)} test files; evaluation reads one test.parquet"
