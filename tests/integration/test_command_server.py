@@ -46,7 +46,8 @@ def test_output_exit_status_directory_and_environment_are_the_commands_own(
 
 
 def test_a_command_past_its_timeout_is_killed(server: CommandServer, tmp_path: Path) -> None:
-    (tmp_path / "model.py").write_text("import time\n\ntime.sleep(600)\n")
+    # Its import never returns: it waits on an event nothing sets.
+    (tmp_path / "model.py").write_text("import threading\n\nthreading.Event().wait()\n")
     (tmp_path / "train.parquet").write_bytes(b"")  # not read: the model never loads
     before = set(child_pids(server.pid))
     with pytest.raises(subprocess.TimeoutExpired):

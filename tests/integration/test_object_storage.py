@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from elasticps.storage import Location
-from elasticps.testing import run_train
+from elasticps.testing import run_train, wait_for
 from elasticps.testing.audit import check_run, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -60,15 +59,16 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "ELASTICPS_STATE_DIR": str(tmp_path_factory.mktemp("state")),
     }
     try:
-        deadline = time.monotonic() + 30.0
-        while True:
+
+        def serving() -> bool:
             try:
                 urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1.0).close()
-                break
             except OSError:
                 assert server.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "moto_server did not start in 30 s"
-                time.sleep(0.1)
+                return False
+            return True
+
+        wait_for(serving, "moto_server to start", timeout_s=30.0, interval_s=0.1)
         with pytest.MonkeyPatch.context() as patch:
             for key, value in env.items():
                 patch.setenv(key, value)
