@@ -56,3 +56,42 @@ def test_discard_with_nothing_in_flight_returns_at_once() -> None:
     reporter.discard()
     reporter.close()
     assert master.offsets == []
+
+
+class CountingMaster:
+    """Records progress offsets and when they arrived; answers at once."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.offsets: list[int] = []
+
+    def report_progress(self, request: master_pb2.ReportProgressRequest) -> None:
+        with self.cond:
+            self.offsets.append(request.offset)
+            self.cond.notify_all()
+
+
+def test_updates_within_the_interval_are_coalesced_into_one_report() -> None:
+    master = CountingMaster()
+    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=600.0)
+    task = master_pb2.Task(task_id=1, pass_id=0, attempt=1)
+    reporter.update(task, 10)  # the first goes at once
+    with master.cond:
+        assert master.cond.wait_for(lambda: master.offsets == [10], DEADLINE_S)
+    for offset in range(20, 100, 10):
+        reporter.update(task, offset)  # held back by the interval, each replacing the last
+    reporter.close()  # closing sends the latest without waiting out the interval
+    assert master.offsets == [10, 90]
+
+
+def test_discard_drops_an_update_held_back_by_the_interval() -> None:
+    master = CountingMaster()
+    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=600.0)
+    task = master_pb2.Task(task_id=1, pass_id=0, attempt=1)
+    reporter.update(task, 10)
+    with master.cond:
+        assert master.cond.wait_for(lambda: master.offsets == [10], DEADLINE_S)
+    reporter.update(task, 20)
+    reporter.discard()
+    reporter.close()
+    assert master.offsets == [10]

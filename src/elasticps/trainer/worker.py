@@ -153,19 +153,34 @@ def idle_wait_s(idle: int, master_wait_s: float) -> float:
     return min(master_wait_s, FIRST_IDLE_WAIT_S * 2.0 ** min(idle, 30))
 
 
+PROGRESS_EVERY_S = 1.0
+"""Seconds between two progress reports of one trainer (at most one report each)."""
+
+
 class ProgressReporter:
     """Reports progress inside tasks to the master from a background thread.
 
     The training loop only records the latest acknowledged offset; the
     thread sends it (coalescing updates) so that the round trip to the
-    master and its etcd transaction never sit on the training path. The
-    cost is a lag of a few mini-batches in what the master knows, which
-    only matters if the trainer dies: see the README's "Exactly-once" section.
+    master and its etcd transaction never sit on the training path, and at
+    most one report per ``min_interval_s`` seconds, so that a job pushing
+    every mini-batch does not keep the master and etcd busy with a report per
+    push (about a fifth of a 2-core machine with 2 trainers, measured in
+    ``benchmarks/README.md``). The cost is a lag of up to ``min_interval_s``
+    in what the master knows, which only matters if the trainer dies: the
+    next attempt trains those records again and every parameter server drops
+    their pushes as duplicates (docs/fault-tolerance.md, "Push keys").
     """
 
-    def __init__(self, master: MasterClient, trainer_id: str) -> None:
+    def __init__(
+        self,
+        master: MasterClient,
+        trainer_id: str,
+        min_interval_s: float = PROGRESS_EVERY_S,
+    ) -> None:
         self._master = master
         self._trainer_id = trainer_id
+        self._min_interval_s = min_interval_s
         self._cond = threading.Condition()
         self._latest: master_pb2.ReportProgressRequest | None = None
         # An update taken by the thread and not yet answered by the master.
@@ -215,14 +230,22 @@ class ProgressReporter:
         self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
+        next_at = 0.0  # monotonic time before which no report is sent (unless closing)
         while True:
             with self._cond:
-                while self._latest is None and not self._closed:
-                    self._cond.wait()
+                while not self._closed:
+                    if self._latest is None:
+                        self._cond.wait()
+                        continue
+                    wait_s = next_at - time.monotonic()
+                    if wait_s <= 0:
+                        break
+                    self._cond.wait(wait_s)
                 if self._latest is None:
                     return  # closed, nothing left to send
                 request, self._latest = self._latest, None
                 self._sending = True
+            next_at = time.monotonic() + self._min_interval_s
             try:
                 self._master.report_progress(request)
             except StaleTaskError:
