@@ -163,9 +163,8 @@ def test_range_read_projects_the_requested_columns(grouped_file: Path, reader: R
     assert reader.read_rows(grouped_file, 3, 3, ["name", "id"]).column_names == ["name", "id"]
 
 
-def test_range_read_decodes_only_the_overlapping_row_groups(
-    grouped_file: Path, reader: RangeReader, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _spy_on_group_reads(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The row groups each ``read_row_groups`` call decodes, in call order."""
     requested: list[list[int]] = []
     original = pq.ParquetFile.read_row_groups
 
@@ -175,11 +174,39 @@ def test_range_read_decodes_only_the_overlapping_row_groups(
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
     monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("read the whole file"))
+    return requested
 
-    reader.read_rows(grouped_file, 12, 30, ["id"])  # groups 1 (7..13) to 4 (28..34)
-    reader.read_rows(grouped_file, 14, 21, ["id"])  # exactly group 2
-    reader.read_rows(grouped_file, 99, 100, ["id"])  # last group only
+
+def test_range_read_decodes_only_the_overlapping_row_groups(
+    grouped_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requested = _spy_on_group_reads(monkeypatch)
+    with RangeReader(cache_bytes=0) as reader:
+        reader.read_rows(grouped_file, 12, 30, ["id"])  # groups 1 (7..13) to 4 (28..34)
+        reader.read_rows(grouped_file, 14, 21, ["id"])  # exactly group 2
+        reader.read_rows(grouped_file, 99, 100, ["id"])  # last group only
     assert requested == [[1, 2, 3, 4], [2], [14]]
+
+
+def test_decoded_row_groups_are_kept_up_to_the_budget_least_recently_used_out(
+    grouped_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = pq.read_table(grouped_file, columns=["id"])["id"].to_pylist()
+    group_bytes = pq.ParquetFile(grouped_file).read_row_group(0, columns=["id"]).nbytes
+    requested = _spy_on_group_reads(monkeypatch)
+    # Room for 3 groups, not 4 (a slice's validity bitmap may add a byte).
+    with RangeReader(cache_bytes=3 * group_bytes + group_bytes // 2) as reader:
+
+        def ids(start: int, end: int, columns: list[str] | None = None) -> list[int]:
+            got = reader.read_rows(grouped_file, start, end, columns or ["id"])
+            return list(got["id"].to_pylist())
+
+        assert ids(12, 20) == whole[12:20]  # groups 1, 2
+        assert ids(15, 27) == whole[15:27]  # groups 2 (kept), 3 (decoded)
+        assert ids(0, 3) == whole[0:3]  # group 0; group 1 (least recently used) is dropped
+        assert ids(8, 16) == whole[8:16]  # group 1 again, group 2 kept
+        assert ids(8, 16, ["id", "square"]) == whole[8:16]  # other columns: kept apart
+    assert requested == [[1, 2], [3], [0], [1], [1, 2]]
 
 
 def test_files_with_empty_row_groups_are_read_correctly(

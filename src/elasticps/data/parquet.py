@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,6 +312,10 @@ class _OpenFile:
         return self.group_starts[-1]
 
 
+DEFAULT_GROUP_CACHE_BYTES = 256 << 20
+"""Bytes of decoded row groups a :class:`RangeReader` keeps by default (256 MiB)."""
+
+
 class RangeReader:
     """Reads row ranges of Parquet files, decoding only the overlapping row groups.
 
@@ -319,15 +324,31 @@ class RangeReader:
     is safe to share between threads, but a ``pyarrow.parquet.ParquetFile`` is
     not documented as thread-safe: give each reading thread its own reader.
 
+    Decoded row groups are kept too, least recently used first out, up to
+    ``cache_bytes`` bytes (Arrow's ``Table.nbytes``): a row group that two
+    adjacent tasks share is decoded once, and a dataset that fits is decoded
+    once per trainer rather than once per pass. Decoding is most of a read's
+    CPU: a 512-row task of ``elasticps data mnist`` (784 uint8 pixels a row,
+    3 row groups of 250 rows) takes 6.6 ms of CPU to decode, against 0.6 ms to
+    turn into tensors (measured in ``benchmarks/README.md``). Files are
+    assumed not to change while a job reads them.
+
     Example::
 
         reader = RangeReader()
         table = reader.read_rows("data/train.parquet", 1000, 1100, ["pixels", "label"])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cache_bytes: int = DEFAULT_GROUP_CACHE_BYTES) -> None:
+        """
+        Args:
+            cache_bytes: most bytes of decoded row groups kept (0: none).
+        """
         self._files: dict[str, _OpenFile] = {}
         self._lock = threading.Lock()
+        self._cache_bytes = cache_bytes
+        self._groups: OrderedDict[tuple[str, int, tuple[str, ...] | None], pa.Table] = OrderedDict()
+        self._cached_bytes = 0
 
     def _open(self, path: FileName) -> _OpenFile:
         location = Location.of(path)
@@ -414,20 +435,57 @@ class RangeReader:
         # last group starting before `end`.
         first_group = bisect.bisect_right(starts, start) - 1
         last_group = bisect.bisect_left(starts, end) - 1
-        try:
-            table = opened.file.read_row_groups(
-                list(range(first_group, last_group + 1)), columns=names
-            )
-        except (pa.ArrowException, OSError) as exc:
-            raise DataError(
-                f"cannot read rows [{start}, {end}) of {path}: {one_line(exc)}"
-            ) from exc
+        url = Location.of(path).url
+        cols = None if names is None else tuple(names)
+        groups = range(first_group, last_group + 1)
+        with self._lock:
+            found = {g: self._cached_group(url, g, cols) for g in groups}
+        to_read = [g for g, t in found.items() if t is None]
+        if to_read:
+            try:
+                fresh = opened.file.read_row_groups(to_read, columns=names)
+            except (pa.ArrowException, OSError) as exc:
+                raise DataError(
+                    f"cannot read rows [{start}, {end}) of {path}: {one_line(exc)}"
+                ) from exc
+            offset = 0
+            with self._lock:
+                for g in to_read:
+                    rows = starts[g + 1] - starts[g]
+                    found[g] = part = fresh.slice(offset, rows)
+                    offset += rows
+                    self._keep_group(url, g, cols, part)
+        parts = [t for t in found.values() if t is not None]
+        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return table.slice(start - starts[first_group], end - start)
+
+    def _cached_group(self, url: str, group: int, cols: tuple[str, ...] | None) -> pa.Table | None:
+        """A decoded row group, if kept (marked as just used). Called under the lock."""
+        table = self._groups.get((url, group, cols))
+        if table is not None:
+            self._groups.move_to_end((url, group, cols))
+        return table
+
+    def _keep_group(
+        self, url: str, group: int, cols: tuple[str, ...] | None, table: pa.Table
+    ) -> None:
+        """Keep a decoded row group, dropping the least recently used past the budget."""
+        size = table.nbytes
+        key = (url, group, cols)
+        if size > self._cache_bytes or key in self._groups:
+            return
+        self._groups[key] = table
+        self._cached_bytes += size
+        while self._cached_bytes > self._cache_bytes:
+            _, dropped = self._groups.popitem(last=False)
+            self._cached_bytes -= dropped.nbytes
 
     def close(self) -> None:
         """Close every cached file; the reader can still be used afterwards."""
         with self._lock:
             files, self._files = self._files, {}
+            self._groups.clear()
+            self._cached_bytes = 0
         for opened in files.values():
             _close(opened)
 
