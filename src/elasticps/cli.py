@@ -263,7 +263,8 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         "--ps-transport",
         choices=PS_TRANSPORTS,
         default=_env("ps-transport", "auto"),
-        help="auto: AF_UNIX to parameter servers on this host, TCP to others",
+        help="auto: AF_UNIX and shared memory to parameter servers on this host, TCP to "
+        "others; unix: AF_UNIX, tensors through the socket; shm: AF_UNIX and shared memory",
     )
     p.add_argument(
         "--bad-records",

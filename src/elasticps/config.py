@@ -399,7 +399,7 @@ def check_sparse_eviction(text: str) -> dict[str, int]:
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 """Values of ``--grad-compression`` (:class:`TrainerConfig`)."""
 
-PS_TRANSPORTS = ("auto", "tcp", "unix")
+PS_TRANSPORTS = ("auto", "tcp", "unix", "shm")
 """Values of ``--ps-transport`` (:class:`TrainerConfig`)."""
 
 SPAWN_METHODS = ("fork", "exec")
@@ -474,8 +474,10 @@ class TrainerConfig:
         connect_timeout_s: seconds to wait for the PS and the master to appear.
         grad_compression: dtype gradients are pushed in: ``none`` (float32),
             ``fp16`` or ``bf16`` (half the bytes; the PS widens them back).
-        ps_transport: ``auto`` (AF_UNIX to parameter servers on this host,
-            TCP to others), ``tcp`` or ``unix``.
+        ps_transport: ``auto`` (AF_UNIX and shared memory to parameter
+            servers on this host, TCP to others), ``tcp``, ``unix`` (AF_UNIX,
+            every tensor through the socket) or ``shm`` (AF_UNIX and shared
+            memory for dense float32 pushes and their parameters).
         overlap_push: async mode: send a push that does not pull in the
             background, overlapping the next mini-batches' compute (1.10-1.25x
             samples/s with spare CPU, 0.8-0.9x on a saturated machine:

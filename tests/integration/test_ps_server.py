@@ -7,6 +7,7 @@ client and socket the test opened.
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -614,6 +615,75 @@ def test_client_on_the_same_host_uses_the_unix_socket_unless_told_tcp(
     assert torch.equal(fresh.params, values - grad)
 
 
+@pytest.mark.parametrize("mode", [UpdateMode.ASYNC, UpdateMode.SYNC])
+def test_pushes_over_shared_memory_give_what_bodies_give(
+    cluster: Cluster, tmp_path: Path, mode: UpdateMode
+) -> None:
+    cluster.start(2, mode, unix_dir=tmp_path)
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    shared = cluster.peer(INITIALIZER, values=values)
+    shared.client.hello(initialize=True)
+    assert [c.shared for c in shared.client._conns] == [True, True]
+    grad = dyadic_values(shared.placement.total_numel, 0.5)
+
+    for step in range(1, 4):  # the second and later pushes reuse the shared memory
+        shared.grads.copy_(grad)
+        shared.client.push(num_samples=1, want_params=True, key=PushKey(0, 0, step - 1, step))
+        assert torch.equal(shared.params, values - step * grad)
+    assert [s["pushes"] for s in shard_stats(shared)] == [3, 3]
+
+    # A client without shared memory sees the same shards, and its pushes mix in.
+    bodies = cluster.peer(SECOND, shared_memory=False)
+    bodies.client.hello(initialize=False)
+    assert [c.shared for c in bodies.client._conns] == [False, False]
+    assert torch.equal(bodies.params, values - 3 * grad)
+    if mode is UpdateMode.ASYNC:
+        bodies.grads.copy_(grad)
+        bodies.client.push(num_samples=1, want_params=True)
+        shared.client.pull()
+        assert torch.equal(shared.params, values - 4 * grad)
+
+
+def test_shared_memory_that_could_shrink_is_refused_and_bodies_are_used(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster.start(1, UpdateMode.ASYNC, unix_dir=tmp_path)
+    values = dyadic_values(reference_placement(1).total_numel, -1.0)
+    # A memfd without the seal against shrinking: a server mapping it could be
+    # killed by SIGBUS, so it must refuse it.
+    monkeypatch.setattr(client_module, "_SEALS", fcntl.F_SEAL_GROW)
+    peer = cluster.peer(INITIALIZER, values=values)
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [False]
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    peer.client.push(num_samples=1, want_params=True)
+    assert torch.equal(peer.params, values - grad)
+
+
+def test_a_shared_push_without_shared_memory_is_refused_and_the_connection_stays_usable(
+    cluster: Cluster,
+) -> None:
+    values = initialized(cluster, 1, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+    raw_hello(sock, cluster)
+    send_frame(sock, FrameHeader(MsgType.PUSH, DType.FLOAT32, flags=Flags.SHARED, sender=SECOND))
+    assert "attach_shm" in expect_error(sock, "bad_push")
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header, _ = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert_shard_untouched(cluster, values)
+
+
+def test_attach_shm_over_tcp_closes_the_connection(cluster: Cluster) -> None:
+    initialized(cluster, 1, UpdateMode.ASYNC)
+    sock = cluster.raw(0)
+    raw_hello(sock, cluster)
+    send_json(sock, MsgType.CONTROL, {"op": "attach_shm", "numel": 1})
+    assert "AF_UNIX" in expect_error(sock, "bad_frame")
+    assert_closed_by_server(sock)
+
+
 def test_endpoints_control_op_names_the_unix_path_and_the_host(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -624,7 +694,12 @@ def test_endpoints_control_op_names_the_unix_path_and_the_host(
     header, body = read_reply(sock)
 
     assert header.msg_type is MsgType.CONTROL_OK
-    assert body == {"shard": 0, "unix": str(tmp_path / "ps-0.sock"), "host_id": local_host_id()}
+    assert body == {
+        "shard": 0,
+        "unix": str(tmp_path / "ps-0.sock"),
+        "host_id": local_host_id(),
+        "shm": True,
+    }
     cluster.close()
     assert not (tmp_path / "ps-0.sock").exists()  # stop() removes the socket file
 

@@ -183,7 +183,7 @@ def test_plain_int_fields_are_encoded_like_enums() -> None:
         (FrameHeader(MsgType.PARAMS, DType.FLOAT32, body_nbytes=1 << 64), "body_nbytes"),
         (FrameHeader(42), "msg_type 42"),  # type: ignore[arg-type]
         (FrameHeader(MsgType.PULL, dtype=9), "dtype 9"),  # type: ignore[arg-type]
-        (FrameHeader(MsgType.PUSH, DType.FLOAT32, flags=8), "flags"),  # type: ignore[arg-type]
+        (FrameHeader(MsgType.PUSH, DType.FLOAT32, flags=16), "flags"),  # type: ignore[arg-type]
         (FrameHeader(MsgType.PULL, body_nbytes=4), "PULL frame must have no body"),
         (FrameHeader(MsgType.PULL, flags=Flags.WANT_PARAMS), "only on PUSH"),
         (FrameHeader(MsgType.HELLO), "JSON body"),
@@ -208,7 +208,7 @@ def test_encode_header_rejects_invalid_fields(header: FrameHeader, match: str) -
         (raw_header(msg_type=0), "unknown msg_type 0"),
         (raw_header(msg_type=99), "unknown msg_type 99"),
         (raw_header(dtype=9), "unknown dtype 9"),
-        (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=8), "unknown flags"),
+        (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=16), "unknown flags"),
         (raw_header(msg_type=int(MsgType.PUSH), dtype=1, flags=0x80), "unknown flags"),
         (raw_header(flags=int(Flags.WANT_PARAMS)), "only on PUSH"),
         (

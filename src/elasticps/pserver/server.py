@@ -110,8 +110,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
+import mmap
 import os
 import socket
 import stat
@@ -580,7 +582,17 @@ class ParameterServer:
             raise
         assert state.trainer_id is not None  # set by HELLO
         grad: torch.Tensor | None = None
-        if not header.flags & Flags.EMPTY:
+        if header.flags & Flags.SHARED:
+            shared = state.shared
+            if shared is None or shared.numel != shard.numel:
+                self._skip_rows_frame(state, header)
+                raise _RequestError(
+                    "bad_push",
+                    "a PUSH with flag SHARED needs shared memory attached to the connection "
+                    "(CONTROL attach_shm) for this shard",
+                )
+            grad = shared.grads
+        elif not header.flags & Flags.EMPTY:
             dtype = header.dtype
             if dtype not in PUSH_DTYPES or header.body_nbytes != shard.numel * dtype.itemsize:
                 discard_body(state.conn, header, state.scratch)
@@ -621,7 +633,8 @@ class ParameterServer:
             self._updated_any = True
             log.info("ps %d: first gradient accepted by this server", self.shard_index)
         if header.flags & Flags.WANT_PARAMS:
-            self._send_params(state.conn, shard, result.status)
+            into = state.shared.params if header.flags & Flags.SHARED and state.shared else None
+            self._send_params(state.conn, shard, result.status, into=into)
         else:
             send_frame(
                 state.conn,
@@ -752,22 +765,28 @@ class ParameterServer:
         conn: socket.socket,
         shard: ParameterShard,
         status: PushStatus = PushStatus.APPLIED,
+        *,
+        into: torch.Tensor | None = None,
     ) -> None:
+        """Send the shard's parameters: in the body, or written into ``into`` (the
+        connection's shared memory, float32 ``[numel]``) with an empty body."""
         values = shard.values
         generation = shard.generation
         with shard.reading() as version:
+            if into is not None:
+                into.copy_(values)
             send_frame(
                 conn,
                 FrameHeader(
                     MsgType.PARAMS,
                     dtype=DType.FLOAT32,
                     model_version=version,
-                    body_nbytes=values.numel() * 4,
+                    body_nbytes=0 if into is not None else values.numel() * 4,
                     epoch=self.epoch,
                     generation=generation,
                     status=status,
                 ),
-                [tensor_view(values)],
+                () if into is not None else [tensor_view(values)],
             )
 
     def _on_control(self, state: _Connection, msg: dict[str, object]) -> None:
@@ -789,8 +808,17 @@ class ParameterServer:
             send_json(
                 state.conn,
                 MsgType.CONTROL_OK,
-                {"shard": self.shard_index, "unix": self._unix_path, "host_id": self._host_id},
+                {
+                    "shard": self.shard_index,
+                    "unix": self._unix_path,
+                    "host_id": self._host_id,
+                    "shm": True,  # CONTROL attach_shm is understood
+                },
                 epoch=self.epoch,
+            )
+        elif op == "attach_shm":
+            send_json(
+                state.conn, MsgType.CONTROL_OK, self._attach_shm(state, msg), epoch=self.epoch
             )
         elif op == "shutdown":
             send_json(state.conn, MsgType.CONTROL_OK, {"shard": self.shard_index}, epoch=self.epoch)
@@ -825,6 +853,46 @@ class ParameterServer:
             )
         else:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
+
+    def _attach_shm(self, state: _Connection, msg: dict[str, object]) -> dict[str, object]:
+        """Map the shared memory a trainer hands over (see :mod:`elasticps.wire.frame`,
+        "Shared memory"); the answer says whether it is used, and if not, why.
+
+        Raises:
+            FrameError: the connection is not AF_UNIX (no descriptor can follow),
+                or the byte carrying the descriptor is missing.
+        """
+        if state.conn.family != socket.AF_UNIX:
+            raise FrameError("attach_shm is only possible over AF_UNIX")
+        # The descriptor rides on the one byte right behind the request: read it
+        # first, whatever the answer, so the stream stays in step.
+        data, fds, _, _ = socket.recv_fds(state.conn, 1, 1)
+        if data != b"\0":
+            for fd in fds:
+                os.close(fd)
+            raise FrameError("attach_shm must be followed by one 0 byte carrying a descriptor")
+        reason = ""
+        try:
+            with self._cond:
+                shard = self._shard
+            numel = msg.get("numel")
+            if shard is None or not state.hello_done:
+                reason = "send HELLO first"
+            elif len(fds) != 1:
+                reason = f"{len(fds)} descriptors came with the request, not 1"
+            elif not isinstance(numel, int) or numel != shard.numel or numel == 0:
+                reason = f"numel must be this shard's ({shard.numel}), got {numel!r}"
+            else:
+                reason = _check_shared_file(fds[0], 8 * numel)
+                if not reason:
+                    state.shared = _SharedRegion(fds[0], numel)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if reason:
+            log.info("ps %d: shared memory not attached: %s", self.shard_index, reason)
+            return {"shard": self.shard_index, "attached": False, "reason": reason}
+        return {"shard": self.shard_index, "attached": True}
 
     # --- exactly-once and realignment (driven by the master) -------------------------
 
@@ -1169,6 +1237,37 @@ class _RequestError(ElasticPSError):
         self.code = code
 
 
+def _check_shared_file(fd: int, nbytes: int) -> str:
+    """Why the shared-memory file ``fd`` cannot be mapped for ``nbytes`` bytes ("" if it can).
+
+    It must be at least that long and sealed against shrinking (``F_SEAL_SHRINK``):
+    a file that shrank under the mapping would kill this server with SIGBUS.
+    """
+    try:
+        size = os.fstat(fd).st_size
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        return f"not a sealable shared-memory file: {exc}"
+    if size < nbytes:
+        return f"the file holds {size} bytes, {nbytes} are needed"
+    if not seals & fcntl.F_SEAL_SHRINK:
+        return "the file is not sealed against shrinking (F_SEAL_SHRINK)"
+    return ""
+
+
+class _SharedRegion:
+    """A trainer's shared memory for one connection: float32 gradients ``[numel]``,
+    then float32 parameters ``[numel]``."""
+
+    def __init__(self, fd: int, numel: int) -> None:
+        self.numel = numel
+        self._map = mmap.mmap(fd, 8 * numel)  # MAP_SHARED, read and write
+        self.grads = torch.frombuffer(self._map, dtype=torch.float32, count=numel)
+        self.params = torch.frombuffer(
+            self._map, dtype=torch.float32, count=numel, offset=4 * numel
+        )
+
+
 class _Connection:
     """Per-connection state: reusable header scratch and gradient buffer."""
 
@@ -1178,6 +1277,7 @@ class _Connection:
         self.trainer_id: int | None = None
         self.hello_done = False
         self.grad_buffer: torch.Tensor | None = None
+        self.shared: _SharedRegion | None = None
         self._wire: torch.Tensor | None = None
 
     def wire_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

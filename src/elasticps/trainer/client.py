@@ -27,6 +27,12 @@ Three options change that path, all chosen at construction:
 - ``grad_compression``: ``"fp16"`` or ``"bf16"`` converts the float32
   gradient into a reused 16-bit buffer and sends that (half the bytes); the
   server widens it back to float32. Parameters always travel as float32.
+- ``shared_memory`` (on by default): over AF_UNIX, each connection hands its
+  server a memfd holding the shard's gradients and parameters; a float32
+  push then gathers the gradient into it and sends a bare header, and the
+  server writes the parameters back into it (see
+  :mod:`elasticps.wire.frame`, "Shared memory"). Pushes staged for
+  background sending or compression still travel in bodies.
 
 Exactly-once. A push may carry a :class:`~elasticps.pserver.coverage.PushKey`
 (the records whose gradients it sums). Servers apply a key at most once, so
@@ -56,9 +62,12 @@ its slot like a reconnection does.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
+import mmap
+import os
 import socket
 import threading
 import time
@@ -103,7 +112,7 @@ from elasticps.wire.frame import (
 
 T = TypeVar("T")
 
-TRANSPORTS = ("auto", "tcp", "unix")
+TRANSPORTS = ("auto", "tcp", "unix", "shm")
 """Values of ``ParameterClient(transport=...)``."""
 
 GRAD_COMPRESSIONS: dict[str, torch.dtype] = {
@@ -177,6 +186,7 @@ class _ShardConnection:
         staging: torch.Tensor | None = None,
         transport: str = "auto",
         tables: Sequence[TableEntry] = (),
+        shared_memory: bool = False,
     ) -> None:
         self.layout = layout
         self.hello_layout: dict[str, object] = layout.describe()
@@ -204,6 +214,14 @@ class _ShardConnection:
             self.staged_dtype = dtype_from_torch(staging.dtype)
         self.wanted_transport = transport
         self.transport = "tcp"
+        self._params = params
+        self._grads = grads
+        # Shared memory with a server on this host (see elasticps.wire.frame,
+        # "Shared memory"): wanted, offered by the server, and attached.
+        self.wants_shared = shared_memory and layout.numel > 0
+        self.server_offers_shared = False
+        self.shared = False
+        self._shared: _SharedMemory | None = None
         self.sock: socket.socket | None = None
         # Set by slots_changed (another thread) when the slot was claimed anew.
         self.superseded = False
@@ -211,6 +229,8 @@ class _ShardConnection:
     def connect(self, slot: PSSlot, timeout_s: float) -> None:
         """Open a connection to the server holding ``slot`` (closing any old one)."""
         self.close()
+        self.shared = False
+        self.server_offers_shared = False
         self.sock = self._connect(slot.address, timeout_s)
         self.address = slot.address
         self.epoch = slot.epoch
@@ -274,6 +294,7 @@ class _ShardConnection:
                 unix.close()
                 reason = f"cannot connect to {path}: {exc}"
             else:
+                self.server_offers_shared = answer.get("shm") is True
                 return unix
         if forced:
             raise ServiceUnavailableError(
@@ -364,6 +385,42 @@ class _ShardConnection:
         generation = answer.get("generation")
         self.version = version if isinstance(version, int) else 0
         self.generation = generation if isinstance(generation, int) else 0
+        if self.wants_shared and self.server_offers_shared and self.transport == "unix":
+            self._attach_shared()
+
+    def _attach_shared(self) -> None:
+        """Hand the server this connection's shared memory; use it if it agrees."""
+        if self._shared is None:
+            try:
+                self._shared = _SharedMemory(self.layout)
+            except OSError as exc:
+                log.info("parameter server %d: no shared memory (%s)", self.layout.index, exc)
+                self.wants_shared = False
+                return
+        send_json(
+            self._sock(),
+            MsgType.CONTROL,
+            {"op": "attach_shm", "numel": self.layout.numel},
+            epoch=self.epoch,
+        )
+        socket.send_fds(self._sock(), [b"\0"], [self._shared.fd])
+        header = self._reply()
+        self._expect(header, MsgType.CONTROL_OK)
+        answer = recv_json(self._sock(), header)
+        self.shared = answer.get("attached") is True
+        if not self.shared:
+            log.info(
+                "parameter server %d: shared memory refused (%s); sending bodies",
+                self.layout.index, answer.get("reason"),
+            )  # fmt: skip
+
+    def release(self) -> None:
+        """Close the connection and free its shared memory."""
+        self.close()
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+        self.shared = False
 
     def push(
         self,
@@ -391,6 +448,11 @@ class _ShardConnection:
             | (Flags.WANT_PARAMS if want_params else Flags.NONE)
             | (Flags.ROWS if with_rows else Flags.NONE)
         )
+        shared = self.shared and not staged and not empty
+        if shared:
+            assert self._shared is not None
+            self._shared.write_grads(self._grads)
+            flags |= Flags.SHARED
         dtype, views = (
             (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
         )
@@ -405,7 +467,7 @@ class _ShardConnection:
                 num_samples=num_samples,
                 model_version=self.version if computed_on is None else computed_on[0],
                 step=step,
-                body_nbytes=0 if empty else self.layout.numel * dtype.itemsize,
+                body_nbytes=0 if empty or shared else self.layout.numel * dtype.itemsize,
                 epoch=self.epoch,
                 task_id=0 if k is None else k.task_id,
                 pass_id=0 if k is None else k.pass_id,
@@ -413,7 +475,7 @@ class _ShardConnection:
                 key_hi=0 if k is None else k.hi,
                 generation=self.generation if computed_on is None else computed_on[1],
             ),
-            () if empty else views,
+            () if empty or shared else views,
         )
         if with_rows:
             assert rows is not None and rows.rows is not None
@@ -494,7 +556,16 @@ class _ShardConnection:
 
     def _receive_params(self, header: FrameHeader) -> None:
         self._expect(header, MsgType.PARAMS)
-        recv_body_into(self._sock(), header, self.param_views)
+        if header.body_nbytes == 0 and self.layout.numel:
+            # The answer to a SHARED push: the server wrote them into shared memory.
+            if self._shared is None or not self.shared:
+                raise ProtocolError(
+                    f"parameter server {self.layout.index} sent PARAMS without a body "
+                    "on a connection without shared memory"
+                )
+            self._shared.read_params(self._params)
+        else:
+            recv_body_into(self._sock(), header, self.param_views)
         self.version = header.model_version
         self.generation = header.generation
 
@@ -503,6 +574,61 @@ class _ShardConnection:
         header = self._reply()
         self._expect(header, MsgType.CONTROL_OK)
         return recv_json(self._sock(), header)
+
+
+# A server maps only a file that cannot shrink under it (SIGBUS); nor may it grow.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class _SharedMemory:
+    """The shared memory of one connection (see elasticps.wire.frame, "Shared memory").
+
+    A memfd, sealed against resizing, holding float32 gradients ``[numel]`` then
+    float32 parameters ``[numel]`` of one shard, in the shard's order; the
+    trainer's flat buffers are gathered into it and scattered from it, one
+    copy per range of the layout.
+
+    Raises:
+        OSError: the system has no memfd or cannot seal it.
+    """
+
+    def __init__(self, layout: ShardLayout) -> None:
+        numel = layout.numel
+        self.fd = os.memfd_create(
+            f"elasticps-ps{layout.index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        )
+        try:
+            os.ftruncate(self.fd, 8 * numel)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._map = mmap.mmap(self.fd, 8 * numel)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        grads = torch.frombuffer(self._map, dtype=torch.float32, count=numel)
+        params = torch.frombuffer(self._map, dtype=torch.float32, count=numel, offset=4 * numel)
+        # (flat buffer range, shared region piece) pairs, in the shard's order.
+        self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        offset = 0
+        for lo, hi in layout.ranges:
+            n = hi - lo
+            self._pieces.append((lo, hi, grads[offset : offset + n], params[offset : offset + n]))
+            offset += n
+
+    def write_grads(self, grads: torch.Tensor) -> None:
+        """Gather the shard's ranges of the flat gradient buffer into the shared region."""
+        for lo, hi, g, _ in self._pieces:
+            g.copy_(grads[lo:hi])
+
+    def read_params(self, params: torch.Tensor) -> None:
+        """Scatter the parameters the server wrote into the flat parameter buffer."""
+        for lo, hi, _, p in self._pieces:
+            params[lo:hi].copy_(p)
+
+    def close(self) -> None:
+        self._pieces = []
+        with contextlib.suppress(BufferError):
+            self._map.close()  # still exported if a tensor view outlives us: GC frees it
+        os.close(self.fd)
 
 
 class PushHandle:
@@ -619,9 +745,10 @@ class ParameterClient:
             ElasticPSError while there is none.
         reconnect_timeout_s: how long to wait for a lost server, seconds.
         stop: when set, reconnection gives up at once.
-        transport: ``"auto"`` (AF_UNIX to servers on this host, TCP to the
-            others), ``"tcp"`` or ``"unix"`` (fails for a server that is not
-            reachable over AF_UNIX).
+        transport: ``"auto"`` (AF_UNIX and shared memory to servers on this
+            host, TCP to the others), ``"tcp"``, ``"unix"`` (AF_UNIX, every
+            tensor in a body) or ``"shm"`` (AF_UNIX and shared memory); the
+            last two fail for a server that is not reachable over AF_UNIX.
         overlap_push: send pushes that do not want parameters back and come
             with an ``on_acknowledged`` callback (see :meth:`push`) from a
             background thread, overlapping the next mini-batch's compute (the
@@ -640,6 +767,10 @@ class ParameterClient:
         sync: sync-SGD: a re-sent push keeps the version it was computed on.
         tables: the model's sparse tables, partitioned over
             ``placement.num_shards`` servers (see :meth:`pull_rows`).
+        shared_memory: with ``transport`` ``"auto"`` or ``"shm"``, move
+            float32 gradients and parameters through shared memory with
+            servers reached over AF_UNIX (see the module docstring); False
+            always sends bodies.
 
     Raises:
         ConfigError: an unknown ``transport`` or ``grad_compression``.
@@ -665,6 +796,7 @@ class ParameterClient:
         initial_values: Callable[[], torch.Tensor] | None = None,
         sync: bool = False,
         tables: Sequence[TableEntry] = (),
+        shared_memory: bool = True,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -720,8 +852,9 @@ class ParameterClient:
                     params,
                     grads,
                     staging=self._staging,
-                    transport=transport,
+                    transport="unix" if transport == "shm" else transport,
                     tables=self.tables,
+                    shared_memory=shared_memory and transport in ("auto", "shm"),
                 )
                 self._conns.append(conn)
                 first.append((conn, _as_slot(layout.index, addresses[layout.index])))
@@ -1173,7 +1306,7 @@ class ParameterClient:
             except Exception as exc:
                 log.warning("the last push was not acknowledged: %s", exc)
         for c in getattr(self, "_conns", []):
-            c.close()
+            c.release()
         for pool in (getattr(self, "_pool", None), getattr(self, "_background", None)):
             if pool is not None:
                 pool.shutdown(wait=False)

@@ -117,6 +117,28 @@ before it reads a single body byte, so a malformed or oversized frame never
 makes it allocate or read. Any :class:`~elasticps.errors.FrameError` means the
 stream can no longer be trusted: the receiver closes the connection.
 
+Shared memory
+=============
+
+A trainer on the same host as a server (so over AF_UNIX) may hand the
+connection a shared-memory file, so that dense gradients and parameters stop
+being copied through the socket: a CONTROL ``{"op": "attach_shm", "numel":
+N}`` is followed at once by one byte (0) that carries a file descriptor
+(``SCM_RIGHTS``): a memfd of at least ``8 * N`` bytes holding float32 ``[N]``
+gradients at offset 0 and float32 ``[N]`` parameters at offset ``4 * N``,
+where ``N`` is the shard's element count. The server answers CONTROL_OK
+``{"shard": i, "attached": true}``, or ``false`` with a ``reason`` (it then
+maps nothing, and the trainer keeps sending bodies). From then on a PUSH
+with Flags.SHARED (dtype FLOAT32, no body) takes its gradient from the first
+region, read after the header arrives; with WANT_PARAMS, the server writes
+the shard's parameters into the second region before it sends the PARAMS
+header, whose body is empty. A trainer writes the gradient region only
+before sending a PUSH and reads the parameter region only after its reply,
+so the two sides never touch a region at the same time. Nothing else moves
+through the shared memory: HELLO, INIT_VALUES, PULL, rows and 16-bit
+gradients travel in bodies as before. Measured in ``benchmarks/README.md``
+("shared memory").
+
 Requests and replies
 ====================
 
@@ -289,6 +311,10 @@ class Flags(enum.IntFlag):
     """On PUSH: no gradient; the sender only joins the sync barrier. Body must be empty."""
     ROWS = 4
     """On PUSH (not with EMPTY): a ROW_GRADS frame follows at once, part of the same push."""
+    SHARED = 8
+    """On PUSH (not with EMPTY): the gradient is in the connection's shared memory
+    (see "Shared memory"), not in the body, which is empty; with WANT_PARAMS the
+    reply's parameters are written there too, and its PARAMS body is empty."""
 
 
 class PushStatus(enum.IntEnum):
@@ -318,7 +344,7 @@ _TO_TORCH: Final[dict[DType, torch.dtype]] = {
 }
 _FROM_TORCH: Final[dict[torch.dtype, DType]] = {v: k for k, v in _TO_TORCH.items()}
 # A plain int: ~ on an IntFlag member only complements within the known bits.
-_KNOWN_FLAGS: Final[int] = int(Flags.WANT_PARAMS | Flags.EMPTY | Flags.ROWS)
+_KNOWN_FLAGS: Final[int] = int(Flags.WANT_PARAMS | Flags.EMPTY | Flags.ROWS | Flags.SHARED)
 
 JSON_TYPES: Final[frozenset[MsgType]] = frozenset(
     {MsgType.HELLO, MsgType.HELLO_OK, MsgType.ERROR, MsgType.CONTROL, MsgType.CONTROL_OK}
@@ -467,6 +493,14 @@ def _check_consistency(h: FrameHeader) -> None:
             )
         if h.flags & Flags.ROWS:
             raise FrameError("PUSH with flag EMPTY cannot carry ROWS")
+        if h.flags & Flags.SHARED:
+            raise FrameError("PUSH with flag EMPTY cannot be SHARED")
+    elif mt is MsgType.PUSH and h.flags & Flags.SHARED:
+        if h.body_nbytes != 0 or h.dtype is not DType.FLOAT32:
+            raise FrameError(
+                "PUSH with flag SHARED must have dtype FLOAT32 and no body, got "
+                f"{h.body_nbytes} bytes of {h.dtype.name}"
+            )
     elif mt in ID_TYPES:
         if h.dtype is not DType.INT64:
             raise FrameError(f"{mt.name} frame must have dtype INT64, got {h.dtype.name}")
