@@ -20,8 +20,14 @@ repetition) so that a noisy machine hurts every case alike:
 ``elasticps-unix``
     The same as ``elasticps-tcp`` over the product's AF_UNIX fast path: each
     ``ParameterServer`` also listens on a Unix socket and the client is forced
-    to it with ``ParameterClient(transport="unix")`` (``"auto"``, the
-    default, picks it for servers on the same host).
+    to it with ``ParameterClient(transport="unix")``: every tensor goes
+    through the socket.
+``elasticps-shm``
+    The same with the shared memory the product uses on one host
+    (``transport="shm"``; ``"auto"``, the default, picks it for servers on
+    the same host): the gradient is copied into a memfd the server maps, the
+    request and reply are bare headers, the server writes the parameters
+    back into the memfd.
 ``raw-tcp`` / ``raw-unix``
     The reference: a minimal server written here (16-byte header, ``recv_into``
     a preallocated buffer, ``param.add_(grad, alpha=-lr)``,
@@ -436,8 +442,11 @@ def _elasticps_case(
     params = torch.zeros(numel, dtype=torch.float32)
     client = ParameterClient(placement, addresses, params, grads, trainer_id=0, transport=transport)
     client.hello(initialize=True)
-    if set(client.transports) != {transport}:
-        raise RuntimeError(f"{name}: connected over {client.transports}, not {transport}")
+    wire = "unix" if transport == "shm" else transport
+    if set(client.transports) != {wire}:
+        raise RuntimeError(f"{name}: connected over {client.transports}, not {wire}")
+    if [c.shared for c in client._conns] != [transport == "shm"] * num_ps:
+        raise RuntimeError(f"{name}: shared memory is not as asked")
 
     def round_trip() -> None:
         if two_messages:
@@ -471,6 +480,7 @@ ALL_CASES = (
     "elasticps-tcp",
     "elasticps-tcp-2msg",
     "elasticps-unix",
+    "elasticps-shm",
     "raw-tcp",
     "raw-tcp-2conn",
     "raw-unix",
@@ -501,6 +511,7 @@ def _spawn_servers(
                         ("elasticps-tcp", {}),
                         ("elasticps-tcp-2msg", {}),
                         ("elasticps-unix", {"family": "unix"}),
+                        ("elasticps-shm", {"family": "unix"}),
                     ],
                 ),
                 (
@@ -559,7 +570,7 @@ def _build_cases(
         def addrs(kind: str, case: str, num_ps: int = num_ps) -> list[str]:
             return [servers[f"{kind}-{i}"].addresses[f"{case}_{num_ps}_{i}"] for i in range(num_ps)]
 
-        for name in ("elasticps-tcp", "elasticps-tcp-2msg", "elasticps-unix"):
+        for name in ("elasticps-tcp", "elasticps-tcp-2msg", "elasticps-unix", "elasticps-shm"):
             if name not in wanted:
                 continue
             cases.append(
@@ -722,6 +733,8 @@ def _report(
             "elasticps_over_raw_unix": ("elasticps-tcp", "raw-unix"),
             "elasticps_unix_over_raw_unix": ("elasticps-unix", "raw-unix"),
             "elasticps_unix_over_tcp": ("elasticps-unix", "elasticps-tcp"),
+            "elasticps_shm_over_unix": ("elasticps-shm", "elasticps-unix"),
+            "elasticps_shm_over_raw_unix": ("elasticps-shm", "raw-unix"),
             "elasticps_over_limit": ("elasticps-tcp", "limit"),
         }
         r = {k: round(m[a] / m[b], 3) for k, (a, b) in pairs.items() if a in m and b in m}

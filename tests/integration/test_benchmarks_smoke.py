@@ -107,6 +107,7 @@ def test_tensor_plane_smoke_prints_every_case_and_the_ratios() -> None:
             "elasticps-tcp",
             "elasticps-tcp-2msg",
             "elasticps-unix",
+            "elasticps-shm",
             "raw-tcp",
             "raw-unix",
             "grpc-stream",
@@ -120,6 +121,7 @@ def test_tensor_plane_smoke_prints_every_case_and_the_ratios() -> None:
         ratios = summary["ratios"][key]
         assert ratios["elasticps_over_raw_tcp"] > 0
         assert ratios["elasticps_unix_over_raw_unix"] > 0
+        assert ratios["elasticps_shm_over_unix"] > 0
         assert ratios["elasticps_speedup_vs_grpc"] > 0
     assert wait_until_gone(summary["server_pids"]) == []
 
