@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from elasticps.config import OptimizerConfig, UpdateMode
+from elasticps.coord.store import PSSlot
 from elasticps.errors import ConfigError, RemoteError, ServiceUnavailableError
 from elasticps.netutil import LOOPBACK
 from elasticps.placement import Placement
@@ -642,6 +643,28 @@ def test_pushes_over_shared_memory_give_what_bodies_give(
         bodies.client.push(num_samples=1, want_params=True)
         shared.client.pull()
         assert torch.equal(shared.params, values - 4 * grad)
+
+
+def test_a_new_connection_gets_new_shared_memory(cluster: Cluster, tmp_path: Path) -> None:
+    # A server still handling a request of a connection the trainer gave up may
+    # write into that connection's memory later: it must not be the memory the
+    # trainer reads the answers of its new connection from.
+    cluster.start(1, UpdateMode.ASYNC, unix_dir=tmp_path)
+    values = dyadic_values(reference_placement(1).total_numel, -1.0)
+    peer = cluster.peer(INITIALIZER, values=values)
+    peer.client.hello(initialize=True)
+    conn = peer.client._conns[0]
+    before = conn._shared
+    assert conn.shared and before is not None
+
+    conn.connect(PSSlot(0, cluster.addresses[0], 0), DEADLINE_S)
+    conn.hello(INITIALIZER, None)
+
+    assert conn.shared and conn._shared is not None and conn._shared is not before
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    peer.client.push(num_samples=1, want_params=True)
+    assert torch.equal(peer.params, values - grad)
 
 
 def test_shared_memory_that_could_shrink_is_refused_and_bodies_are_used(

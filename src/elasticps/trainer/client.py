@@ -227,9 +227,13 @@ class _ShardConnection:
         self.superseded = False
 
     def connect(self, slot: PSSlot, timeout_s: float) -> None:
-        """Open a connection to the server holding ``slot`` (closing any old one)."""
-        self.close()
-        self.shared = False
+        """Open a connection to the server holding ``slot`` (closing any old one).
+
+        A new connection gets new shared memory: a server still handling a
+        request of the old one (a deposed server, or one whose connection was
+        cut) may write into the old memory later, which nothing reads any more.
+        """
+        self.release()
         self.server_offers_shared = False
         self.sock = self._connect(slot.address, timeout_s)
         self.address = slot.address
