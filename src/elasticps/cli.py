@@ -51,6 +51,7 @@ from elasticps.config import (
     PSConfig,
     TrainerConfig,
     UpdateMode,
+    default_records_per_task,
     model_args_text,
     parse_model_args,
 )
@@ -276,9 +277,23 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _records_per_task(args: argparse.Namespace) -> int:
+    """``--records-per-task``, or its default for the command's ``--batch-size``."""
+    if args.records_per_task is not None:
+        return int(args.records_per_task)
+    return default_records_per_task(getattr(args, "batch_size", None))
+
+
 def _add_task_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=int(str(_env("epochs", 1))))
-    p.add_argument("--records-per-task", type=int, default=int(str(_env("records-per-task", 512))))
+    env_records = _env("records-per-task", None)
+    p.add_argument(
+        "--records-per-task",
+        type=int,
+        default=None if env_records is None else int(str(env_records)),
+        help="rows per task handed out by the master (default: 8 mini-batches of "
+        "--batch-size, at least 512)",
+    )
     p.add_argument("--task-timeout-s", type=float, default=float(str(_env("task-timeout-s", 60.0))))
     p.add_argument("--max-task-timeouts", type=int, default=int(str(_env("max-task-timeouts", 3))))
     p.add_argument("--master-port", type=int, default=int(str(_env("master-port", 0))))
@@ -648,7 +663,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         optimizer=_optimizer(args),
         big_array_bound=args.big_array_bound,
         placement=args.placement,
-        records_per_task=args.records_per_task,
+        records_per_task=_records_per_task(args),
         task_timeout_s=args.task_timeout_s,
         max_task_timeouts=args.max_task_timeouts,
         lease_ttl_s=args.lease_ttl_s,
@@ -981,7 +996,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         until_offset=None if args.until_offset is None else int(args.until_offset),
         until_time=None if args.until_time is None else _wall_time(args.until_time),
         stream_resume=args.stream_resume,
-        records_per_task=args.records_per_task,
+        records_per_task=_records_per_task(args),
         num_passes=args.epochs,
         task_timeout_s=args.task_timeout_s,
         max_task_timeouts=args.max_task_timeouts,
@@ -1208,7 +1223,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     }
     master_args = (
         "--epochs", str(args.epochs),
-        "--records-per-task", str(args.records_per_task),
+        "--records-per-task", str(_records_per_task(args)),
         "--task-timeout-s", str(args.task_timeout_s),
         "--max-task-timeouts", str(args.max_task_timeouts),
     )  # fmt: skip
@@ -1377,6 +1392,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         apply_config_file(subparser(parser, "train"), known.config)
     args = parser.parse_args(argv)
     _check_required_output(args)
+    if getattr(args, "records_per_task", 0) is None:
+        # Resolved here, so that the job file written with the run records it.
+        args.records_per_task = _records_per_task(args)
     return args
 
 

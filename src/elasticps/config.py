@@ -399,6 +399,33 @@ def check_sparse_eviction(text: str) -> dict[str, int]:
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16")
 """Values of ``--grad-compression`` (:class:`TrainerConfig`)."""
 
+MINIBATCHES_PER_TASK = 8
+"""Mini-batches per task by default (see :func:`default_records_per_task`)."""
+
+MIN_DEFAULT_RECORDS_PER_TASK = 512
+"""The fewest rows per task by default."""
+
+
+def default_records_per_task(batch_size: int | None) -> int:
+    """Rows per task when ``--records-per-task`` is not given.
+
+    :data:`MINIBATCHES_PER_TASK` mini-batches of ``batch_size`` rows, and at
+    least :data:`MIN_DEFAULT_RECORDS_PER_TASK` (512 at 64 rows or fewer a
+    mini-batch; 2,048 at 256). A task has fixed costs (a master round trip
+    that reports it and brings the next one; with sparse tables, a first
+    pull of rows of its own), so a task of too few mini-batches spends much
+    of its time on them; ElasticDL sizes its tasks in mini-batches the same
+    way (``--num_minibatches_per_task``). Measured in
+    ``benchmarks/README.md`` ("2,048 rows a task").
+
+    Args:
+        batch_size: rows per mini-batch, or None when unknown (then 512).
+    """
+    if batch_size is None:
+        return MIN_DEFAULT_RECORDS_PER_TASK
+    return max(MIN_DEFAULT_RECORDS_PER_TASK, MINIBATCHES_PER_TASK * batch_size)
+
+
 PS_TRANSPORTS = ("auto", "tcp", "unix", "shm")
 """Values of ``--ps-transport`` (:class:`TrainerConfig`)."""
 
