@@ -277,13 +277,6 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _records_per_task(args: argparse.Namespace) -> int:
-    """``--records-per-task``, or its default for the command's ``--batch-size``."""
-    if args.records_per_task is not None:
-        return int(args.records_per_task)
-    return default_records_per_task(getattr(args, "batch_size", None))
-
-
 def _add_task_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=int(str(_env("epochs", 1))))
     env_records = _env("records-per-task", None)
@@ -663,7 +656,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         optimizer=_optimizer(args),
         big_array_bound=args.big_array_bound,
         placement=args.placement,
-        records_per_task=_records_per_task(args),
+        records_per_task=args.records_per_task,
         task_timeout_s=args.task_timeout_s,
         max_task_timeouts=args.max_task_timeouts,
         lease_ttl_s=args.lease_ttl_s,
@@ -996,7 +989,7 @@ def _cmd_master(args: argparse.Namespace) -> int:
         until_offset=None if args.until_offset is None else int(args.until_offset),
         until_time=None if args.until_time is None else _wall_time(args.until_time),
         stream_resume=args.stream_resume,
-        records_per_task=_records_per_task(args),
+        records_per_task=args.records_per_task,
         num_passes=args.epochs,
         task_timeout_s=args.task_timeout_s,
         max_task_timeouts=args.max_task_timeouts,
@@ -1223,7 +1216,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     }
     master_args = (
         "--epochs", str(args.epochs),
-        "--records-per-task", str(_records_per_task(args)),
+        "--records-per-task", str(args.records_per_task),
         "--task-timeout-s", str(args.task_timeout_s),
         "--max-task-timeouts", str(args.max_task_timeouts),
     )  # fmt: skip
@@ -1392,9 +1385,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         apply_config_file(subparser(parser, "train"), known.config)
     args = parser.parse_args(argv)
     _check_required_output(args)
-    if getattr(args, "records_per_task", 0) is None:
-        # Resolved here, so that the job file written with the run records it.
-        args.records_per_task = _records_per_task(args)
+    if "records_per_task" in vars(args) and args.records_per_task is None:
+        # Its default follows --batch-size (the master's command has none: 512).
+        # Resolved here once, so that every use and the job file agree.
+        args.records_per_task = default_records_per_task(getattr(args, "batch_size", None))
     return args
 
 
