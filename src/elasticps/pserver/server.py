@@ -113,7 +113,6 @@ import dataclasses
 import fcntl
 import json
 import logging
-import mmap
 import os
 import socket
 import stat
@@ -160,6 +159,7 @@ from elasticps.wire.frame import (
     PushStatus,
     discard_body,
     local_host_id,
+    map_shared_region,
     recv_body_into,
     recv_exact_into,
     recv_header,
@@ -167,6 +167,7 @@ from elasticps.wire.frame import (
     send_error,
     send_frame,
     send_json,
+    shared_region_nbytes,
     tensor_view,
 )
 
@@ -582,6 +583,8 @@ class ParameterServer:
             raise
         assert state.trainer_id is not None  # set by HELLO
         grad: torch.Tensor | None = None
+        # With SHARED, the parameters of a WANT_PARAMS reply go to shared memory.
+        params_into: torch.Tensor | None = None
         if header.flags & Flags.SHARED:
             shared = state.shared
             if shared is None or shared.numel != shard.numel:
@@ -591,7 +594,7 @@ class ParameterServer:
                     "a PUSH with flag SHARED needs shared memory attached to the connection "
                     "(CONTROL attach_shm) for this shard",
                 )
-            grad = shared.grads
+            grad, params_into = shared.grads, shared.params
         elif not header.flags & Flags.EMPTY:
             dtype = header.dtype
             if dtype not in PUSH_DTYPES or header.body_nbytes != shard.numel * dtype.itemsize:
@@ -633,8 +636,7 @@ class ParameterServer:
             self._updated_any = True
             log.info("ps %d: first gradient accepted by this server", self.shard_index)
         if header.flags & Flags.WANT_PARAMS:
-            into = state.shared.params if header.flags & Flags.SHARED and state.shared else None
-            self._send_params(state.conn, shard, result.status, into=into)
+            self._send_params(state.conn, shard, result.status, into=params_into)
         else:
             send_frame(
                 state.conn,
@@ -883,7 +885,7 @@ class ParameterServer:
             elif not isinstance(numel, int) or numel != shard.numel or numel == 0:
                 reason = f"numel must be this shard's ({shard.numel}), got {numel!r}"
             else:
-                reason = _check_shared_file(fds[0], 8 * numel)
+                reason = _check_shared_file(fds[0], shared_region_nbytes(numel))
                 if not reason:
                     state.shared = _SharedRegion(fds[0], numel)
         finally:
@@ -1261,11 +1263,7 @@ class _SharedRegion:
 
     def __init__(self, fd: int, numel: int) -> None:
         self.numel = numel
-        self._map = mmap.mmap(fd, 8 * numel)  # MAP_SHARED, read and write
-        self.grads = torch.frombuffer(self._map, dtype=torch.float32, count=numel)
-        self.params = torch.frombuffer(
-            self._map, dtype=torch.float32, count=numel, offset=4 * numel
-        )
+        self._map, self.grads, self.params = map_shared_region(fd, numel)
 
 
 class _Connection:

@@ -66,7 +66,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import mmap
 import os
 import socket
 import threading
@@ -102,11 +101,13 @@ from elasticps.wire.frame import (
     discard_body,
     dtype_from_torch,
     local_host_id,
+    map_shared_region,
     recv_body_into,
     recv_header,
     recv_json,
     send_frame,
     send_json,
+    shared_region_nbytes,
     tensor_view,
 )
 
@@ -217,10 +218,10 @@ class _ShardConnection:
         self._params = params
         self._grads = grads
         # Shared memory with a server on this host (see elasticps.wire.frame,
-        # "Shared memory"): wanted, offered by the server, and attached.
+        # "Shared memory"): wanted, offered by the server, and (once the server
+        # agreed) attached to this connection.
         self.wants_shared = shared_memory and layout.numel > 0
         self.server_offers_shared = False
-        self.shared = False
         self._shared: _SharedMemory | None = None
         self.sock: socket.socket | None = None
         # Set by slots_changed (another thread) when the slot was claimed anew.
@@ -392,31 +393,46 @@ class _ShardConnection:
         if self.wants_shared and self.server_offers_shared and self.transport == "unix":
             self._attach_shared()
 
+    @property
+    def shared(self) -> bool:
+        """Whether dense float32 pushes on this connection go through shared memory."""
+        return self._shared is not None
+
     def _attach_shared(self) -> None:
-        """Hand the server this connection's shared memory; use it if it agrees."""
-        if self._shared is None:
-            try:
-                self._shared = _SharedMemory(self.layout)
-            except OSError as exc:
-                log.info("parameter server %d: no shared memory (%s)", self.layout.index, exc)
-                self.wants_shared = False
-                return
-        send_json(
-            self._sock(),
-            MsgType.CONTROL,
-            {"op": "attach_shm", "numel": self.layout.numel},
-            epoch=self.epoch,
-        )
-        socket.send_fds(self._sock(), [b"\0"], [self._shared.fd])
-        header = self._reply()
-        self._expect(header, MsgType.CONTROL_OK)
-        answer = recv_json(self._sock(), header)
-        self.shared = answer.get("attached") is True
-        if not self.shared:
-            log.info(
-                "parameter server %d: shared memory refused (%s); sending bodies",
-                self.layout.index, answer.get("reason"),
-            )  # fmt: skip
+        """Hand the server new shared memory for this connection; keep it if it agrees.
+
+        Once per connection: the server keeps it across HELLOs.
+        """
+        if self._shared is not None:
+            return
+        try:
+            memory = _SharedMemory(self.layout)
+        except OSError as exc:
+            log.info("parameter server %d: no shared memory (%s)", self.layout.index, exc)
+            self.wants_shared = False
+            return
+        try:
+            send_json(
+                self._sock(),
+                MsgType.CONTROL,
+                {"op": "attach_shm", "numel": self.layout.numel},
+                epoch=self.epoch,
+            )
+            socket.send_fds(self._sock(), [b"\0"], [memory.fd])
+            header = self._reply()
+            self._expect(header, MsgType.CONTROL_OK)
+            answer = recv_json(self._sock(), header)
+        except BaseException:
+            memory.close()
+            raise
+        if answer.get("attached") is True:
+            self._shared = memory
+            return
+        memory.close()
+        log.info(
+            "parameter server %d: shared memory refused (%s); sending bodies",
+            self.layout.index, answer.get("reason"),
+        )  # fmt: skip
 
     def release(self) -> None:
         """Close the connection and free its shared memory."""
@@ -424,7 +440,6 @@ class _ShardConnection:
         if self._shared is not None:
             self._shared.close()
             self._shared = None
-        self.shared = False
 
     def push(
         self,
@@ -452,11 +467,11 @@ class _ShardConnection:
             | (Flags.WANT_PARAMS if want_params else Flags.NONE)
             | (Flags.ROWS if with_rows else Flags.NONE)
         )
-        shared = self.shared and not staged and not empty
-        if shared:
-            assert self._shared is not None
-            self._shared.write_grads(self._grads)
+        memory = None if staged or empty else self._shared
+        if memory is not None:
+            memory.write_grads(self._grads)
             flags |= Flags.SHARED
+        shared = memory is not None
         dtype, views = (
             (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
         )
@@ -562,7 +577,7 @@ class _ShardConnection:
         self._expect(header, MsgType.PARAMS)
         if header.body_nbytes == 0 and self.layout.numel:
             # The answer to a SHARED push: the server wrote them into shared memory.
-            if self._shared is None or not self.shared:
+            if self._shared is None:
                 raise ProtocolError(
                     f"parameter server {self.layout.index} sent PARAMS without a body "
                     "on a connection without shared memory"
@@ -597,19 +612,16 @@ class _SharedMemory:
     """
 
     def __init__(self, layout: ShardLayout) -> None:
-        numel = layout.numel
         self.fd = os.memfd_create(
             f"elasticps-ps{layout.index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
         try:
-            os.ftruncate(self.fd, 8 * numel)
+            os.ftruncate(self.fd, shared_region_nbytes(layout.numel))
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map = mmap.mmap(self.fd, 8 * numel)
+            self._map, grads, params = map_shared_region(self.fd, layout.numel)
         except BaseException:
             os.close(self.fd)
             raise
-        grads = torch.frombuffer(self._map, dtype=torch.float32, count=numel)
-        params = torch.frombuffer(self._map, dtype=torch.float32, count=numel, offset=4 * numel)
         # (flat buffer range, shared region piece) pairs, in the shard's order.
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         offset = 0

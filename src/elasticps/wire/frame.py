@@ -169,6 +169,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import mmap
 import os
 import socket
 import struct
@@ -204,6 +205,7 @@ __all__ = [
     "encode_header",
     "encode_header_into",
     "local_host_id",
+    "map_shared_region",
     "recv_body_into",
     "recv_exact_into",
     "recv_header",
@@ -211,6 +213,7 @@ __all__ = [
     "send_error",
     "send_frame",
     "send_json",
+    "shared_region_nbytes",
     "tensor_view",
 ]
 
@@ -1062,6 +1065,30 @@ def discard_body(sock: socket.socket, header: FrameHeader, scratch: bytearray) -
                 f"{header.body_nbytes} body bytes missing"
             ) from exc
         remaining -= chunk
+
+
+def shared_region_nbytes(numel: int) -> int:
+    """Bytes of a connection's shared memory for a shard of ``numel`` elements
+    (see "Shared memory"): float32 gradients, then float32 parameters."""
+    return 8 * numel
+
+
+def map_shared_region(fd: int, numel: int) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
+    """Map a connection's shared memory (see "Shared memory") for reading and writing.
+
+    Returns:
+        The mapping, its gradient region (float32 ``[numel]``, at offset 0) and
+        its parameter region (float32 ``[numel]``, at offset ``4 * numel``);
+        both tensors are views of the mapping.
+
+    Raises:
+        OSError / ValueError: ``fd`` cannot be mapped for
+            :func:`shared_region_nbytes` bytes.
+    """
+    region = mmap.mmap(fd, shared_region_nbytes(numel))  # MAP_SHARED, read and write
+    grads = torch.frombuffer(region, dtype=torch.float32, count=numel)
+    params = torch.frombuffer(region, dtype=torch.float32, count=numel, offset=4 * numel)
+    return region, grads, params
 
 
 def local_host_id() -> str:
