@@ -413,7 +413,8 @@ class RangeReader:
             DataError: the file is missing or is not Parquet, the range is out
                 of bounds, a requested column is missing, or decoding fails.
         """
-        opened = self._open(path)
+        location = Location.of(path)
+        opened = self._open(location)
         if not 0 <= start <= end <= opened.num_rows:
             raise DataError(
                 f"row range [{start}, {end}) is out of bounds for {path}, "
@@ -435,7 +436,7 @@ class RangeReader:
         # last group starting before `end`.
         first_group = bisect.bisect_right(starts, start) - 1
         last_group = bisect.bisect_left(starts, end) - 1
-        url = Location.of(path).url
+        url = location.url
         cols = None if names is None else tuple(names)
         groups = range(first_group, last_group + 1)
         with self._lock:
