@@ -20,7 +20,13 @@ from elasticps.errors import FrozenParameterError, LayoutMismatchError, SparseTa
 from elasticps.pserver.checkpoint import ShardFiles, tables_dir_of
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.shard import ParameterShard, PushResult
-from elasticps.pserver.sparse import EvictionPolicy, Partitioner, TableSpec, initial_rows
+from elasticps.pserver.sparse import (
+    EvictionPolicy,
+    Partitioner,
+    SparseSGD,
+    TableSpec,
+    initial_rows,
+)
 from elasticps.pserver.sparse_shard import (
     RowGrads,
     ShardTables,
@@ -143,6 +149,42 @@ def test_ids_out_of_range_of_another_server_or_repeated_are_refused(
         s.tables.split_ids(np.array([0, 1]), np.array([hashed_other]), unique=False)
     with pytest.raises(SparseTableError, match="not unique"):
         s.tables.split_ids(np.array([2, 0]), np.array([mine, mine]), unique=True)
+
+
+def test_ids_of_hash_partitioned_tables_are_checked_all_at_once_with_the_same_verdicts() -> None:
+    # Every table hash-partitioned over the same servers: split_ids checks
+    # all ids in one pass (ascending within a table means unique), and
+    # falls back to table by table for anything else, so errors are the same.
+    fixed, hashed = TableSpec("fixed", DIM, ROWS), TableSpec("free", 2)
+    entries = [TableEntry(fixed, "hash", 2), TableEntry(hashed, "hash", 2)]
+    tables = ShardTables(entries, 1, SparseSGD())
+    part = Partitioner("hash", 2)
+    mine = [i for i in range(ROWS) if part.shard_of(np.array([i]))[0] == 1]
+    other = next(i for i in range(ROWS) if part.shard_of(np.array([i]))[0] == 0)
+    big = [k for k in (-(2**62), -5, 10**12, 2**62) if part.shard_of(np.array([k]))[0] == 1]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = np.sort(rng.choice(mine, size=int(rng.integers(0, len(mine))), replace=False))
+        b = np.array(sorted(rng.choice(big, size=int(rng.integers(0, len(big) + 1)),
+                                       replace=False)), np.int64)  # fmt: skip
+        if rng.random() < 0.3:
+            a = rng.permutation(a)  # unique, not ascending: the table-by-table check
+        counts = np.array([len(a), len(b)], np.int64)
+        ids = np.concatenate([a, b]).astype(np.int64)
+        got = tables.split_ids(counts, ids, unique=True)
+        want = tables._split_ids_one_by_one(counts, ids, unique=True)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want] == [a.tolist(), b.tolist()]
+    with pytest.raises(SparseTableError, match="out of range"):
+        tables.split_ids(np.array([1, 0]), np.array([ROWS + 1]), unique=True)
+    with pytest.raises(SparseTableError, match=f"id {other} belongs to parameter server 0"):
+        tables.split_ids(np.array([2, 0]), np.array([mine[0], other]), unique=True)
+    with pytest.raises(SparseTableError, match="not unique"):
+        tables.split_ids(np.array([2, 0]), np.array([mine[0], mine[0]]), unique=True)
+    # One id in each table, equal or descending across the boundary: fine.
+    ok = tables.split_ids(np.array([1, 1]), np.array([mine[1], mine[0]]), unique=True)
+    assert [o.tolist() for o in ok] == [[mine[1]], [mine[0]]]
+    assert [o.tolist() for o in tables.split_ids(np.array([0, 0]), np.array([], np.int64),
+                                                 unique=True)] == [[], []]  # fmt: skip
 
 
 # --- updates ------------------------------------------------------------------------------------

@@ -317,6 +317,24 @@ class ShardTables:
         self.evicted = 0
         # The open sync round: per table, (ids, weighted grads) of each push.
         self._round: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.entries]
+        # For checking every table's ids at once (see split_ids): each table's
+        # id bounds, and the one hash partitioner all tables share, if they do.
+        info = np.iinfo(np.int64)
+        self._lower = np.array(
+            [info.min if e.spec.num_embeddings is None else 0 for e in self.entries], np.int64
+        )
+        self._upper = np.array(
+            [info.max if e.spec.num_embeddings is None else e.spec.num_embeddings
+             for e in self.entries],
+            np.int64,
+        )  # fmt: skip
+        self._bounded = any(e.spec.num_embeddings is not None for e in self.entries)
+        kinds = {(p.kind, p.num_shards) for p in self._partitioners}
+        self._common_hash = (
+            self._partitioners[0]
+            if len(kinds) == 1 and self._partitioners[0].kind == "hash"
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -347,6 +365,40 @@ class ShardTables:
             SparseTableError: an id is out of a fixed table's range, is held
                 by another server, or (``unique``) repeats.
         """
+        if len(ids) and self._all_valid(counts, ids, unique=unique):
+            ends = np.cumsum(counts).tolist()
+            return tuple(ids[e - n : e] for n, e in zip(counts.tolist(), ends, strict=True))
+        return self._split_ids_one_by_one(counts, ids, unique=unique)
+
+    def _all_valid(self, counts: IdArray, ids: IdArray, *, unique: bool) -> bool:
+        """Whether every table's ids pass split_ids' checks, tested on all ids at once.
+
+        False means some may not (a check that needs a partitioner per table,
+        or ids not ascending within a table): the caller checks table by table,
+        which also names the first bad id.
+        """
+        if self._bounded and bool(
+            ((ids < np.repeat(self._lower, counts)) | (ids >= np.repeat(self._upper, counts))).any()
+        ):
+            return False
+        part = self._common_hash
+        if part is None:
+            return False
+        if part.num_shards > 1 and bool((part.shard_of(ids) != self.shard).any()):
+            return False
+        if unique and len(ids) > 1:
+            # Unique within each table if ascending within each (as trainers send
+            # them); where one table's ids end and the next begin, anything goes.
+            ascending = ids[1:] > ids[:-1]
+            starts = np.cumsum(counts)[:-1]
+            ascending[starts[(starts > 0) & (starts < len(ids))] - 1] = True
+            if not bool(ascending.all()):
+                return False
+        return True
+
+    def _split_ids_one_by_one(
+        self, counts: IdArray, ids: IdArray, *, unique: bool
+    ) -> tuple[IdArray, ...]:
         out = []
         start = 0
         for entry, part, n in zip(self.entries, self._partitioners, counts.tolist(), strict=True):
