@@ -88,13 +88,13 @@ def audit_check(out: Path, epochs: int) -> dict[str, object]:
     return check_run(out, epochs).as_dict()
 
 
-CHECKS: dict[str, PostCheck] = {"audit": audit_check}
+CHECKS: dict[str, PostCheck] = {"audit": audit_check, "audit-sparse": audit_check}
 """Post-job checks of the final parameters, by ``--model`` name."""
 
 
 def prepare(model: str, work: Path, audit_records: int) -> Dataset:
     """The data set and model file of ``--model`` (built under ``work``)."""
-    if model == "audit":
+    if model in ("audit", "audit-sparse"):
         from elasticps.testing.audit import DEFAULT_RECORDS, write_dataset
 
         if audit_records != DEFAULT_RECORDS:
@@ -108,7 +108,9 @@ def prepare(model: str, work: Path, audit_records: int) -> Dataset:
             audit_records,
             # The settings that make the audit exact (see elasticps.testing.audit).
             ("--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
-             "--big-array-bound", str(max(1, audit_records // 8))),
+             "--big-array-bound", str(max(1, audit_records // 8)),
+             # The sparse variant: one row of a sparse table per record.
+             *(("--model-class", "SparseModel") if model == "audit-sparse" else ())),
         )  # fmt: skip
     data = work / "mnist"
     if not (data / "train.parquet").exists():
@@ -304,7 +306,10 @@ def _every(text: str) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
-        "--model", default="mlp", help="mlp, cnn, audit (exact per-record check), or a model file"
+        "--model",
+        default="mlp",
+        help="mlp, cnn, audit (exact per-record check), audit-sparse (the same, with the "
+        "counters as rows of a sparse table), or a model file",
     )
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
     parser.add_argument("--epochs", type=int, default=150)

@@ -527,22 +527,7 @@ def ddp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       "wall_s": line["wall_s"], "samples_per_s": round(rate, 1),
                       "training_samples_per_s": loop_rate, "auc": line.get("auc")})  # fmt: skip
             else:
-                out = work / "ddp.json"
-                port = _free_port()
-                t0 = time.perf_counter()
-                ctx = _context()
-                procs = [
-                    ctx.Process(
-                        target=_ddp_worker, args=(r, 2, port, str(data), args.epochs, str(out))
-                    )
-                    for r in range(2)
-                ]
-                for p in procs:
-                    p.start()
-                for p in procs:
-                    p.join(timeout=1800)
-                wall = time.perf_counter() - t0
-                result = json.loads(out.read_text())
+                result, wall = _ddp_run(work, data, args.epochs)
                 rate = result["samples"] / wall
                 loop_rate = result["samples"] / result["loop_s"]
                 emit({"part": "ddp", "case": case, "rep": rep, "samples": result["samples"],
@@ -568,6 +553,44 @@ def ddp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "vs_ddp": whole,
         "vs_ddp_training": training,
     }
+
+
+def _ddp_run(
+    work: Path, data: Path, epochs: int, attempts: int = 3
+) -> tuple[dict[str, Any], float]:
+    """One DDP run (2 processes): its result file's contents and its wall time, seconds.
+
+    gloo sometimes resets a connection on this loopback (``Connection reset
+    by peer``); such a run is reported and run again, at most ``attempts``
+    times in all.
+
+    Raises:
+        RuntimeError: every attempt failed.
+    """
+    out = work / "ddp.json"
+    for attempt in range(attempts):
+        out.unlink(missing_ok=True)  # never read an earlier run's result
+        port = _free_port()
+        t0 = time.perf_counter()
+        ctx = _context()
+        procs = [
+            ctx.Process(target=_ddp_worker, args=(r, 2, port, str(data), epochs, str(out)))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=1800)
+        wall = time.perf_counter() - t0
+        codes = [p.exitcode for p in procs]
+        if codes == [0, 0] and out.exists():
+            return json.loads(out.read_text()), wall
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=60)
+        emit({"part": "ddp", "case": "ddp", "failed_attempt": attempt, "exit_codes": codes})
+    raise RuntimeError(f"DDP failed {attempts} times in a row")
 
 
 def _free_port() -> int:
