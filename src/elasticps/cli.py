@@ -42,6 +42,7 @@ from elasticps.config import (
     BAD_RECORDS,
     GRAD_COMPRESSIONS,
     OPTIMIZERS,
+    OVERLAP_PULL,
     PS_TRANSPORTS,
     SPAWN_METHODS,
     CommonConfig,
@@ -266,6 +267,14 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         default=_env("ps-transport", "auto"),
         help="auto: AF_UNIX and shared memory to parameter servers on this host, TCP to "
         "others; unix: AF_UNIX, tensors through the socket; shm: AF_UNIX and shared memory",
+    )
+    p.add_argument(
+        "--overlap-pull",
+        choices=OVERLAP_PULL,
+        default=_env("overlap-pull", "auto"),
+        help="async mode: compute the next mini-batch while a push and its pull travel, on "
+        "the parameters of the push before (one step staler); auto: on for models with "
+        "sparse tables",
     )
     p.add_argument(
         "--bad-records",
@@ -823,6 +832,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
     os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
+    os.environ["ELASTICPS_OVERLAP_PULL"] = args.overlap_pull
     # The launcher needs torch too (to validate the model file, write
     # model.safetensors and evaluate): it imports it once, with what the roles
     # import, and forks the fork server from itself, before any thread starts.
@@ -1047,6 +1057,7 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout_s,
         grad_compression=args.grad_compression,
         ps_transport=args.ps_transport,
+        overlap_pull=OVERLAP_PULL[args.overlap_pull],
         bad_records=args.bad_records,
         kafka_config=args.kafka_config,
     )

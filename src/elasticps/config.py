@@ -429,6 +429,9 @@ def default_records_per_task(batch_size: int | None) -> int:
 PS_TRANSPORTS = ("auto", "tcp", "unix", "shm")
 """Values of ``--ps-transport`` (:class:`TrainerConfig`)."""
 
+OVERLAP_PULL: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+"""Values of ``--overlap-pull`` and the :attr:`TrainerConfig.overlap_pull` each stands for."""
+
 SPAWN_METHODS = ("fork", "exec")
 """Values of ``--spawn`` (:class:`JobConfig`): how the local launcher starts role processes."""
 
@@ -511,6 +514,12 @@ class TrainerConfig:
             benchmarks/push_options.py). Only pushes handed an
             ``on_acknowledged`` callback go to the background, so progress
             is never reported for a push in flight.
+        overlap_pull: async mode: send pushes that pull in the background
+            too, so that mini-batch ``k + 1`` is computed while push ``k``
+            travels, on the parameters (and rows) pulled by push ``k - 1``:
+            one step staler. None (the default) turns it on for models with
+            sparse tables, whose steps otherwise wait on their row pulls;
+            dense models keep shared memory, which background pushes do not use.
         bad_records: ``fail``: a mini-batch the model file's
             ``batch_to_tensors``, ``forward`` or ``loss`` raises on stops the
             trainer with a :class:`~elasticps.errors.BadRecordError`;
@@ -537,6 +546,7 @@ class TrainerConfig:
     grad_compression: str = "none"
     ps_transport: str = "auto"
     overlap_push: bool = True
+    overlap_pull: bool | None = None
     bad_records: str = "fail"
     model_args: str = ""
     kafka_config: Path | None = None

@@ -46,7 +46,7 @@ modules are float32 only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,7 @@ __all__ = [
     "batch_ids",
     "merge_gradients",
     "partitions",
+    "sparse_module_objects",
     "sparse_modules",
     "table_specs",
 ]
@@ -299,14 +300,21 @@ class SparseBatch:
         return self._recorder.gradients({n: s.dim for n, s in self.specs.items()})
 
     @contextlib.contextmanager
-    def bind(self, model: nn.Module) -> Iterator[SparseBatch]:
+    def bind(
+        self, model: nn.Module, modules: Sequence[SparseModule] | None = None
+    ) -> Iterator[SparseBatch]:
         """Make every sparse module of ``model`` read its rows from this batch, inside the block.
+
+        Args:
+            model: the model.
+            modules: ``sparse_module_objects(model)``, if the caller keeps it
+                (a trainer does, once): saves walking the model every batch.
 
         Raises:
             ModelContractError: two different modules use the same table name.
         """
-        sparse_modules(model)  # checks shared names
-        modules = _all_sparse_modules(model)
+        if modules is None:
+            modules = sparse_module_objects(model)
         previous = [m._source for m in modules]
         for m in modules:
             m._source = self
@@ -558,8 +566,18 @@ def sparse_modules(model: nn.Module) -> dict[str, SparseModule]:
     return found
 
 
-def _all_sparse_modules(model: nn.Module) -> list[SparseModule]:
-    """Every sparse module object of ``model`` (shared tables included), once each."""
+def sparse_module_objects(model: nn.Module) -> list[SparseModule]:
+    """Every sparse module object of ``model`` (shared tables included), once each.
+
+    A caller that runs many batches of one model keeps this list and passes
+    it to :func:`batch_ids` and :meth:`SparseBatch.bind`, instead of having
+    each walk the model's modules again.
+
+    Raises:
+        ModelContractError: two different modules use the same table name
+            (see :func:`sparse_modules`).
+    """
+    sparse_modules(model)  # checks shared names
     seen: dict[int, SparseModule] = {}
     for _, module in model.named_modules():
         if isinstance(module, SparseModule):
@@ -585,7 +603,9 @@ def table_specs(model: nn.Module) -> dict[str, TableSpec]:
     return {name: m.spec for name, m in sparse_modules(model).items()}
 
 
-def batch_ids(model: nn.Module, inputs: object) -> dict[str, Tensor]:
+def batch_ids(
+    model: nn.Module, inputs: object, modules: Sequence[SparseModule] | None = None
+) -> dict[str, Tensor]:
     """The unique ids of each table that a batch's inputs hold, before the forward pass.
 
     Only modules created with ``feature=KEY`` and inputs that are a mapping
@@ -596,6 +616,7 @@ def batch_ids(model: nn.Module, inputs: object) -> dict[str, Tensor]:
     Args:
         model: the model.
         inputs: what ``batch_to_tensors`` returned as the model's input.
+        modules: ``sparse_module_objects(model)``, if the caller keeps it.
 
     Returns:
         Table name -> int64 ``[k]`` unique ascending ids (tables sharing a
@@ -606,9 +627,8 @@ def batch_ids(model: nn.Module, inputs: object) -> dict[str, Tensor]:
     """
     if not isinstance(inputs, Mapping):
         return {}
-    sparse_modules(model)  # checks shared names
     found: dict[str, list[Tensor]] = {}
-    for module in _all_sparse_modules(model):
+    for module in sparse_module_objects(model) if modules is None else modules:
         name = module.spec.name
         if module.feature is None:
             continue

@@ -645,6 +645,61 @@ def test_pushes_over_shared_memory_give_what_bodies_give(
         assert torch.equal(shared.params, values - 4 * grad)
 
 
+@pytest.mark.parametrize("options", [{"overlap_push": True}, {"overlap_pull": True}])
+def test_background_pushes_go_through_shared_memory_and_a_reconnected_server_gets_bodies(
+    cluster: Cluster, tmp_path: Path, options: dict[str, bool]
+) -> None:
+    # The caller writes a background push's gradient into the shared memory;
+    # a connection replaced meanwhile has new, empty memory: it gets the
+    # staged copy in a body instead.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(INITIALIZER, values=values, **options)
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [True, True]
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    want = "overlap_pull" in options
+    sent: list[tuple[socket.socket, bool]] = []  # (connection, through shared memory)
+    real_send = client_module.send_frame
+
+    def recording(sock: socket.socket, header: FrameHeader, body: Any = ()) -> None:
+        if header.msg_type is MsgType.PUSH:
+            sent.append((sock, bool(header.flags & Flags.SHARED)))
+        real_send(sock, header, body)
+
+    client_module.send_frame = recording  # type: ignore[assignment]
+    try:
+        peer.grads.copy_(grad)
+        handle = peer.client.push(num_samples=1, want_params=want, on_acknowledged=lambda: None)
+        peer.grads.zero_()  # the caller may reuse grads at once
+        handle.wait(DEADLINE_S)
+        assert handle.acknowledged
+        peer.client.flush()
+        # The next push waits behind a blocked sender while server 0's
+        # connection is replaced: written into the old memory, it must
+        # reach the new connection in a body.
+        release = threading.Event()
+        assert peer.client._background is not None
+        peer.client._background.submit(release.wait, DEADLINE_S)
+        peer.grads.copy_(grad)
+        handle = peer.client.push(num_samples=1, want_params=want, on_acknowledged=lambda: None)
+        peer.grads.zero_()
+        conn = peer.client._conns[0]
+        conn.connect(PSSlot(0, cluster.addresses[0], 0), DEADLINE_S)
+        conn.hello(INITIALIZER, None)
+        assert conn.shared
+        release.set()
+        handle.wait(DEADLINE_S)
+        assert handle.acknowledged
+    finally:
+        client_module.send_frame = real_send  # type: ignore[assignment]
+    replaced = peer.client._conns[0].sock
+    assert [shm for sock, shm in sent if sock is replaced] == [False]
+    assert [shm for sock, shm in sent if sock is not replaced] == [True, True, True]
+    peer.client.pull()
+    assert torch.equal(peer.params, values - 2 * grad)
+
+
 def test_a_new_connection_gets_new_shared_memory(cluster: Cluster, tmp_path: Path) -> None:
     # A server still handling a request of a connection the trainer gave up may
     # write into that connection's memory later: it must not be the memory the

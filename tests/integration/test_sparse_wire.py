@@ -126,6 +126,97 @@ def test_a_push_pulls_rows_pipelined_behind_it_and_they_include_its_update(
     assert plain.rows is None
 
 
+def test_a_split_is_reused_only_for_the_same_ids_even_if_the_callers_tensor_changes(
+    trainer: tuple[FlatModel, ParameterClient],
+) -> None:
+    # The client keeps each table's last split (a push's rows are the ids its
+    # batch pulled); a tensor changed in place since must be split again.
+    flat, client = trainer
+    local = flat.model.emb.local.table  # type: ignore[union-attr]
+    ids = torch.tensor([1, 2, 3])  # all on server 0
+    assert torch.equal(client.pull_rows({"emb": ids})["emb"], local.lookup(ids))
+    ids.copy_(torch.tensor([20, 25, 29]))  # all on server 1 now
+    assert torch.equal(client.pull_rows({"emb": ids})["emb"], local.lookup(ids))
+    client.push(
+        8, want_params=True, key=PushKey(0, 1, 0, 8), rows={"emb": (ids, torch.ones(3, DIM))}
+    )
+    torch.testing.assert_close(client.pull_rows({"emb": ids})["emb"], local.lookup(ids) - 1.0)
+    with pytest.raises(SparseTableError, match="out of range"):
+        client.pull_rows({"emb": torch.tensor([20, ROWS])})
+
+
+# --- overlap_pull: pushes that pull, in the background ----------------------------------
+
+
+def _overlapped(servers: list[ParameterServer]) -> tuple[FlatModel, ParameterClient]:
+    flat = bind_flat_buffers(Model(), 2, strategy="hash")
+    entries = [TableEntry(s, "range", 2) for s in enn.table_specs(flat.model).values()]
+    client = ParameterClient(
+        flat.placement, [s.address for s in servers], flat.params, flat.grads, 1,
+        tables=entries, overlap_pull=True,
+    )  # fmt: skip
+    client.hello()
+    return flat, client
+
+
+def test_with_overlap_pull_a_push_pulls_in_the_background_and_params_change_at_the_next_call(
+    servers: list[ParameterServer],
+) -> None:
+    flat, client = _overlapped(servers)
+    try:
+        local = flat.model.emb.local.table  # type: ignore[union-attr]
+        before = flat.params.clone()
+        unique, wanted = torch.tensor([2, 17, 29]), torch.tensor([29, 3, 2])
+        flat.grads.fill_(0.5)
+        acked: list[str] = []
+        handle = client.push(
+            8, want_params=True, key=PushKey(0, 1, 0, 8),
+            on_acknowledged=lambda: acked.append(threading.current_thread().name),
+            rows={"emb": (unique, torch.ones(3, DIM))}, prefetch={"emb": wanted},
+        )  # fmt: skip
+        flat.grads.zero_()  # the push sent its staging copy: the caller may reuse grads
+        handle.wait(10.0)
+        assert handle.acknowledged and acked and acked[0].startswith("ps-push")
+        assert handle.rows is not None  # read behind the push, so with its update
+        expected = local.lookup(wanted) - torch.tensor([1.0, 0.0, 1.0])[:, None]
+        torch.testing.assert_close(handle.rows["emb"], expected)
+        # Answered, but the caller's parameters change only at its next call on the client.
+        assert torch.equal(flat.params, before)
+        assert client.versions == [0, 0]
+        client.flush()
+        torch.testing.assert_close(flat.params, before - 0.5)  # SGD, lr 1, dense part
+        assert client.versions == [1, 1]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("bound", "applied"), [(0, False), (1, True)])
+def test_an_overlapped_push_carries_the_version_it_was_computed_on(
+    bound: int, applied: bool
+) -> None:
+    # Push 2 is computed while push 1 travels, on the parameters from before
+    # push 1: one version behind once push 1 is applied.
+    made = [
+        ParameterServer(i, UpdateMode.ASYNC, SGD_LR1, host=LOOPBACK, max_staleness=bound)
+        for i in range(2)
+    ]
+    for s in made:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    flat, client = _overlapped(made)
+    try:
+        for task in (1, 2):
+            flat.grads.fill_(0.5)
+            handle = client.push(8, want_params=True, key=PushKey(0, task, 0, 8),
+                                 on_acknowledged=lambda: None)  # fmt: skip
+        handle.wait(10.0)
+        assert handle.stale is not applied
+        assert handle.statuses == [PushStatus.APPLIED if applied else PushStatus.STALE] * 2
+    finally:
+        client.close()
+        for s in made:
+            s.stop()
+
+
 # --- malformed requests on a raw socket ---------------------------------------------------
 
 

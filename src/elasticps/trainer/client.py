@@ -24,6 +24,12 @@ Three options change that path, all chosen at construction:
   never ahead of what the servers acknowledged. :meth:`ParameterClient.push`
   returns a :class:`PushHandle`; :attr:`ParameterClient.acknowledged_pushes`
   and :meth:`ParameterClient.when_acknowledged` tell what was acknowledged.
+- ``overlap_pull`` (async mode): pushes that want the parameters back are
+  sent in the background too. Everything a server sends back (parameters,
+  and the rows a push prefetches) lands in a staging copy of the parameter
+  buffer, which the calling thread adopts at its next call on the client;
+  so the trainer computes mini-batch ``k + 1`` on the parameters pulled by
+  push ``k - 1`` (one step staler than without it) while push ``k`` travels.
 - ``grad_compression``: ``"fp16"`` or ``"bf16"`` converts the float32
   gradient into a reused 16-bit buffer and sends that (half the bytes); the
   server widens it back to float32. Parameters always travel as float32.
@@ -31,8 +37,10 @@ Three options change that path, all chosen at construction:
   server a memfd holding the shard's gradients and parameters; a float32
   push then gathers the gradient into it and sends a bare header, and the
   server writes the parameters back into it (see
-  :mod:`elasticps.wire.frame`, "Shared memory"). Pushes staged for
-  background sending or compression still travel in bodies.
+  :mod:`elasticps.wire.frame`, "Shared memory"). A push sent in the
+  background has its gradient copied into the shared memory by the caller
+  (and into the staging buffer, for a server reconnected meanwhile, whose
+  new memory holds nothing yet); compressed pushes travel in bodies.
 
 Exactly-once. A push may carry a :class:`~elasticps.pserver.coverage.PushKey`
 (the records whose gradients it sums). Servers apply a key at most once, so
@@ -398,6 +406,11 @@ class _ShardConnection:
         """Whether dense float32 pushes on this connection go through shared memory."""
         return self._shared is not None
 
+    @property
+    def shared_memory(self) -> _SharedMemory | None:
+        """The connection's shared memory, if the server attached it."""
+        return self._shared
+
     def _attach_shared(self) -> None:
         """Hand the server new shared memory for this connection; keep it if it agrees.
 
@@ -450,12 +463,19 @@ class _ShardConnection:
         empty: bool,
         want_params: bool,
         staged: bool = False,
+        shared: _SharedMemory | None = None,
         key: PushKey | None = None,
         computed_on: tuple[int, int] | None = None,
         rows: _Rows | None = None,
         row_pull: _Rows | None = None,
     ) -> np.ndarray | None:
         """Send one push; with ``row_pull``, a ROW_PULL right behind it (pipelined).
+
+        ``staged`` sends the staging buffer; ``shared`` is this connection's
+        shared memory if the caller has written the gradient into it already
+        (a background push): then it goes through shared memory, unless the
+        connection has new memory since (a reconnection), which gets the
+        staged copy.
 
         The server answers the frames of a connection in order, so the rows
         read are those after this push (applied, or refused). Returns the
@@ -467,11 +487,16 @@ class _ShardConnection:
             | (Flags.WANT_PARAMS if want_params else Flags.NONE)
             | (Flags.ROWS if with_rows else Flags.NONE)
         )
-        memory = None if staged or empty else self._shared
-        if memory is not None:
+        memory = None if empty else self._shared
+        if memory is not None and shared is not None and memory is shared:
+            staged = False  # written by the caller (see ParameterClient.push)
+        elif memory is not None and not staged:
             memory.write_grads(self._grads)
+        else:
+            memory = None
+        if memory is not None:
             flags |= Flags.SHARED
-        shared = memory is not None
+        via_memory = memory is not None
         dtype, views = (
             (self.staged_dtype, self.staged_views) if staged else (DType.FLOAT32, self.grad_views)
         )
@@ -486,7 +511,7 @@ class _ShardConnection:
                 num_samples=num_samples,
                 model_version=self.version if computed_on is None else computed_on[0],
                 step=step,
-                body_nbytes=0 if empty or shared else self.layout.numel * dtype.itemsize,
+                body_nbytes=0 if empty or via_memory else self.layout.numel * dtype.itemsize,
                 epoch=self.epoch,
                 task_id=0 if k is None else k.task_id,
                 pass_id=0 if k is None else k.pass_id,
@@ -494,7 +519,7 @@ class _ShardConnection:
                 key_hi=0 if k is None else k.hi,
                 generation=self.generation if computed_on is None else computed_on[1],
             ),
-            () if empty or shared else views,
+            () if empty or via_memory else views,
         )
         if with_rows:
             assert rows is not None and rows.rows is not None
@@ -775,6 +800,14 @@ class ParameterClient:
             the trainer may be computing: async SGD tolerates it). Measured
             1.10-1.25x faster with spare CPU, 0.8-0.9x on a saturated machine
             (benchmarks/push_options.py).
+        overlap_pull: async mode: pushes that want parameters back (with an
+            ``on_acknowledged`` callback) are sent in the background as well;
+            what they pull is received into a staging copy of ``params`` and
+            copied into ``params`` on the caller's thread at its next call on
+            the client (see the module docstring). A push's header then
+            carries the version of the parameters the caller computed on
+            (adopted before the previous push), so bounded staleness counts
+            the extra step.
         grad_compression: ``"none"`` (float32), ``"fp16"`` or ``"bf16"``: the
             dtype gradients travel in (converted into a reused staging buffer).
         initial_values: returns the job's initial parameters (float32
@@ -808,6 +841,7 @@ class ParameterClient:
         stop: threading.Event | None = None,
         transport: str = "auto",
         overlap_push: bool = False,
+        overlap_pull: bool = False,
         grad_compression: str = "none",
         initial_values: Callable[[], torch.Tensor] | None = None,
         sync: bool = False,
@@ -846,8 +880,11 @@ class ParameterClient:
         # once) for compressed or background pushes.
         self._staging: torch.Tensor | None = None
         self._compressed = wire_dtype != torch.float32
-        if overlap_push or self._compressed:
+        if overlap_push or overlap_pull or self._compressed:
             self._staging = torch.empty(placement.total_numel, dtype=wire_dtype)
+        # overlap_pull: servers' answers land here; adopted into params by _adopt.
+        self._received: torch.Tensor | None = params.clone() if overlap_pull else None
+        self._overlap_pull = overlap_pull
         self._acknowledged = 0
         self._last_push: PushHandle | None = None
         self._inflight: tuple[Future[None], PushHandle] | None = None
@@ -855,6 +892,8 @@ class ParameterClient:
         self.tables = tuple(tables)
         self._table_index = {t.spec.name: i for i, t in enumerate(self.tables)}
         self._partitioners = [t.partitioner for t in self.tables]
+        # Table index -> (ids, positions by server) of its last split (see _table_split).
+        self._last_split: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         self._background: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
@@ -865,7 +904,7 @@ class ParameterClient:
                 # push key, or the master's pass check would re-open them forever.
                 conn = _ShardConnection(
                     layout,
-                    params,
+                    params if self._received is None else self._received,
                     grads,
                     staging=self._staging,
                     transport="unix" if transport == "shm" else transport,
@@ -882,8 +921,12 @@ class ParameterClient:
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, len(self._conns) - 1), thread_name_prefix="ps-fanout"
         )
-        if overlap_push:
+        if overlap_push or overlap_pull:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
+        # The (version, generation) of each shard's parameters in ``params``:
+        # those received, or with overlap_pull those adopted.
+        self._adopted = [(c.version, c.generation) for c in self._conns]
+        self._adopt()
 
     def _connect_first(self, conn: _ShardConnection, slot: PSSlot) -> None:
         """Connect to ``slot``; if that fails, wait for the slot as a reconnection does."""
@@ -897,8 +940,20 @@ class ParameterClient:
 
     @property
     def versions(self) -> list[int]:
-        """Model version of each connected shard, as last pulled."""
+        """Model version of each connected shard, as in ``params`` (last pulled or adopted)."""
+        if self._received is not None:
+            return [v for v, _ in self._adopted]
         return [c.version for c in self._conns]
+
+    def _adopt(self) -> None:
+        """overlap_pull: copy what the servers sent into ``params`` (the caller's thread only).
+
+        Called once nothing is in flight, so the staging copy is complete.
+        """
+        if self._received is None:
+            return
+        self._params.copy_(self._received)
+        self._adopted = [(c.version, c.generation) for c in self._conns]
 
     @property
     def generations(self) -> list[int]:
@@ -962,7 +1017,10 @@ class ParameterClient:
         """
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
-            inflight[0].result()
+            try:
+                inflight[0].result()
+            finally:
+                self._adopt()
 
     def _fan_out(
         self,
@@ -1053,10 +1111,12 @@ class ParameterClient:
         """Push the gradient buffer (the mean gradient over ``num_samples`` samples).
 
         Waits for the previous push first. A push is sent in the background
-        only with ``overlap_push``, ``want_params=False`` and an
-        ``on_acknowledged`` callback: the gradient is copied into the staging
-        buffer, this returns at once (``grads`` may be overwritten) and the
-        callback runs on the sender thread once every server acknowledged.
+        only with an ``on_acknowledged`` callback and either ``overlap_push``
+        and ``want_params=False``, or ``overlap_pull``: the gradient is
+        copied into the staging buffer, this returns at once (``grads`` may
+        be overwritten) and the callback runs on the sender thread once
+        every server acknowledged. The parameters it pulls (``overlap_pull``)
+        reach ``params`` at the next call on the client.
         Otherwise the push is sent here, and returns once answered (after
         running the callback, if acknowledged). So a caller that reports
         progress right after ``push`` returns, when the handle is
@@ -1079,8 +1139,9 @@ class ParameterClient:
                 ROW_PULL behind the push on the same connection, without
                 waiting for the push's answer (one round trip for both), and
                 answers it after the push. The rows are in
-                :attr:`PushHandle.rows` (None for a push sent in the
-                background, which does not pull).
+                :attr:`PushHandle.rows` once the push is done (None for a
+                push sent in the background without ``overlap_pull``, which
+                does not pull).
 
         Returns:
             The push's handle; see :class:`PushHandle` for what acknowledged
@@ -1090,16 +1151,30 @@ class ParameterClient:
             ServiceUnavailableError / RemoteError / ProtocolError: this push
                 failed, or the previous one (sent in the background) did.
         """
+        # What the caller computed on: with overlap_pull, the parameters
+        # adopted before the push in flight is answered (flush adopts its).
+        adopted = self._adopted
         self.flush()
         self._step += 1
         step = self._step
         background = (
-            self._background is not None and not want_params and on_acknowledged is not None
+            self._background is not None
+            and on_acknowledged is not None
+            and (not want_params or self._overlap_pull)
         )
         staged = background or self._compressed
         if staged:
             assert self._staging is not None
             self._staging.copy_(self._grads)  # converts to the wire dtype if compressed
+        # A float32 background push goes through shared memory where there is
+        # some: the gradient is written into it here, on the caller's thread.
+        written: dict[int, _SharedMemory] = {}
+        if background and not self._compressed:
+            for c in self._conns:
+                memory = c.shared_memory
+                if memory is not None:
+                    memory.write_grads(self._grads)
+                    written[id(c)] = memory
         handle = PushHandle(step)
         if on_acknowledged is not None:
             handle.add_callback(on_acknowledged)
@@ -1109,8 +1184,11 @@ class ParameterClient:
         computed_on = (
             {id(c): (c.version, c.generation) for c in self._conns} if self._sync else None
         )
+        if self._received is not None and computed_on is None:
+            computed_on = {id(c): a for c, a in zip(self._conns, adopted, strict=True)}
         by_shard = self._split_rows(rows, with_grads=True) if rows else {}
-        wanted = self._split_rows(prefetch, with_grads=False) if prefetch and not background else {}
+        pulls = bool(prefetch) and (not background or self._overlap_pull)
+        wanted = self._split_rows(prefetch, with_grads=False) if prefetch and pulls else {}
         pulled: dict[int, np.ndarray] = {}
 
         def send(c: _ShardConnection) -> PushStatus:
@@ -1121,6 +1199,7 @@ class ParameterClient:
                 empty=False,
                 want_params=want_params,
                 staged=staged,
+                shared=written.get(id(c)),
                 key=key,
                 computed_on=None if computed_on is None else computed_on[id(c)],
                 rows=by_shard.get(c.layout.index),
@@ -1130,21 +1209,31 @@ class ParameterClient:
                 pulled[c.layout.index] = flat
             return c.status
 
+        def rows_pulled() -> None:
+            if pulls and prefetch:
+                handle.rows = self._assemble_rows(prefetch, wanted, pulled)
+
         if background:
             assert self._background is not None
-            future = self._background.submit(self._push_and_acknowledge, send, handle)
+            future = self._background.submit(self._push_and_acknowledge, send, handle, rows_pulled)
             self._inflight = (future, handle)
         else:
-            self._push_and_acknowledge(send, handle)
-            if prefetch:
-                handle.rows = self._assemble_rows(prefetch, wanted, pulled)
+            self._push_and_acknowledge(send, handle, rows_pulled)
+            if want_params:
+                self._adopt()
         return handle
 
     def _push_and_acknowledge(
-        self, send: Callable[[_ShardConnection], PushStatus], handle: PushHandle
+        self,
+        send: Callable[[_ShardConnection], PushStatus],
+        handle: PushHandle,
+        then: Callable[[], None] | None = None,
     ) -> None:
+        """Send a push to every server; ``then`` runs before the handle is done."""
         try:
             statuses = self._fan_out(send)
+            if then is not None:
+                then()
         except BaseException as exc:
             handle._finish(exc, [])
             raise
@@ -1165,7 +1254,9 @@ class ParameterClient:
             c.push(self.trainer_id, 0, self._step, empty=True, want_params=True, key=key)
             return c.status
 
-        return self._fan_out(send)
+        statuses = self._fan_out(send)
+        self._adopt()
+        return statuses
 
     def _split_rows(
         self,
@@ -1190,18 +1281,12 @@ class ParameterClient:
                 raise ConfigError(f"no sparse table named {name!r} on the parameter servers")
             ids_t, grads_t = value if isinstance(value, tuple) else (value, None)
             ids = np.ascontiguousarray(ids_t.detach().reshape(-1).to(torch.int64).numpy())
-            size = self.tables[t].spec.num_embeddings
-            if size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
-                bad = ids[(ids < 0) | (ids >= size)][0]
-                raise SparseTableError(
-                    f"sparse table {name}: id {int(bad)} is out of range [0, {size})"
-                )
             grads = None
             if with_grads and grads_t is not None:
                 grads = np.ascontiguousarray(
                     grads_t.detach().to(torch.float32).reshape(len(ids), -1).numpy()
                 )
-            for shard, pos in enumerate(self._partitioners[t].split(ids)):
+            for shard, pos in enumerate(self._table_split(t, name, ids)):
                 if not len(pos):
                     continue
                 counts, id_parts, row_parts, positions = parts.setdefault(
@@ -1220,6 +1305,30 @@ class ParameterClient:
                 flat_rows = np.concatenate(present) if present else np.zeros(0, np.float32)
             out[shard] = _Rows(counts, np.concatenate(id_parts), flat_rows, tuple(positions))
         return out
+
+    def _table_split(self, t: int, name: str, ids: np.ndarray) -> list[np.ndarray]:
+        """Positions of table ``t``'s ids going to each server (see ``Partitioner.split``).
+
+        The last split of each table is kept: a push's gradient rows are
+        those of the ids its batch pulled (prefetched with the previous
+        push), so the push finds them split already, and range-checked.
+
+        Raises:
+            SparseTableError: an id out of a fixed table's range.
+        """
+        last = self._last_split.get(t)
+        if last is not None and np.array_equal(last[0], ids):
+            return last[1]
+        size = self.tables[t].spec.num_embeddings
+        if size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            bad = ids[(ids < 0) | (ids >= size)][0]
+            raise SparseTableError(
+                f"sparse table {name}: id {int(bad)} is out of range [0, {size})"
+            )
+        positions = self._partitioners[t].split(ids)
+        # A copy: the caller's tensor may change later. One tuple: a reader sees both or neither.
+        self._last_split[t] = (ids.copy(), positions)
+        return positions
 
     def pull_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The current rows of some ids of sparse tables, from the servers that hold them.
@@ -1279,6 +1388,7 @@ class ParameterClient:
         """
         self.flush()
         self._fan_out(lambda c: c.pull())
+        self._adopt()
 
     def pull_consistent(self, timeout_s: float | None = None) -> None:
         """Pull until every shard is at one version and generation (sync mode).

@@ -44,6 +44,7 @@ count once.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import functools
@@ -296,16 +297,32 @@ class Trainer:
         self.name = str(config.trainer_id)
         model = spec.instantiate(config.seed)
         self._tables = enn.table_specs(model)
+        # Found once: every batch binds them and reads their features' ids.
+        self._sparse_modules = enn.sparse_module_objects(model)
         self._table_entries = table_entries(model, config.num_ps)
         self._frozen_tables = frozenset(
             name for name in self._tables if any(fnmatch.fnmatchcase(name, p) for p in frozen)
         )
         self._sparse_grads: list[dict[str, enn.SparseGrad]] = []
-        # The inputs of the mini-batch after the one in training (same task), if
-        # known: a push pulls their rows in the same round trip (see _push).
+        # async mode, sparse tables: pushes that pull go in the background, and
+        # the next mini-batch trains on the parameters of the push before
+        # (see ParameterClient's overlap_pull); on by default for models with
+        # sparse tables, whose step waits on row pulls.
+        self._overlap_pull = config.mode is UpdateMode.ASYNC and (
+            bool(self._tables) if config.overlap_pull is None else config.overlap_pull
+        )
+        # The inputs of the mini-batch whose rows the next push pulls in the same
+        # round trip (see _push), if known (same task): the one after the one in
+        # training, or with overlap_pull the one after that.
         self._next_inputs: object = None
-        # (inputs, ids by table, rows by table) pulled by the last push, for those inputs.
-        self._prefetched: tuple[object, dict[str, Tensor], dict[str, Tensor]] | None = None
+        # overlap_pull: the inputs of the mini-batch right after the one in
+        # training (same task), whose rows a pull of this one's fetches too.
+        self._following_inputs: object = None
+        # (inputs, ids by table, the push that pulls their rows or the rows
+        # pulled already), oldest first.
+        self._prefetched: list[
+            tuple[object, dict[str, Tensor], PushHandle | dict[str, Tensor]]
+        ] = []
         self.flat: FlatModel = bind_flat_buffers(
             model, config.num_ps, config.big_array_bound, config.placement
         )
@@ -360,6 +377,7 @@ class Trainer:
             transport=cfg.ps_transport,
             grad_compression=cfg.grad_compression,
             overlap_push=cfg.overlap_push and cfg.mode is UpdateMode.ASYNC,
+            overlap_pull=self._overlap_pull,
             initial_values=self._initial_values,
             sync=cfg.mode is UpdateMode.SYNC,
             tables=self._table_entries,
@@ -482,16 +500,25 @@ class Trainer:
         self._task = task
         self._acc = _Accumulator(first=task.offset, end=task.offset)
         batches = self._task_batches(task)
+        self._prefetched.clear()
         try:
-            # One batch ahead: a push can then pull the rows of the next one.
-            pending = next(batches, None)
-            while pending is not None:
-                batch_id_or_none, batch, num_records = pending
-                pending = next(batches, None)
+            # Batches read ahead: a push can then pull the rows of the next one
+            # (or, with overlap_pull, of the one after, while the next trains).
+            depth = 2 if self._overlap_pull else 1
+            ahead = collections.deque(itertools.islice(batches, depth + 1))
+            while ahead:
+                batch_id_or_none, batch, num_records = ahead.popleft()
+                ahead.extend(itertools.islice(batches, depth + 1 - len(ahead)))
                 batch_id = self._pass_batches if batch_id_or_none is None else batch_id_or_none
+                target = ahead[depth - 1] if len(ahead) >= depth else None
                 self._next_inputs = (
-                    pending[1][0]
-                    if pending is not None and not isinstance(pending[1], _ModelCodeError)
+                    target[1][0]
+                    if target is not None and not isinstance(target[1], _ModelCodeError)
+                    else None
+                )
+                self._following_inputs = (
+                    ahead[0][1][0]
+                    if self._overlap_pull and ahead and not isinstance(ahead[0][1], _ModelCodeError)
                     else None
                 )
                 if self.stop.is_set():
@@ -530,10 +557,11 @@ class Trainer:
                     continue
                 samples += len(targets)
                 loss_sum += loss * len(targets)
-            self._next_inputs = None
+            self._next_inputs = self._following_inputs = None
             self._flush(client, functools.partial(progress.update, task, task.offset + records))
         except Exception as exc:
-            self._next_inputs = self._prefetched = None
+            self._next_inputs = self._following_inputs = None
+            self._prefetched.clear()
             progress.discard()
             report = master_pb2.ReportTaskRequest(
                 trainer_id=self.name,
@@ -715,7 +743,11 @@ class Trainer:
         called = "forward"
         batch = self._sparse_batch(inputs) if self._tables else None
         try:
-            with batch.bind(self.flat.model) if batch is not None else contextlib.nullcontext():
+            with (
+                batch.bind(self.flat.model, self._sparse_modules)
+                if batch is not None
+                else contextlib.nullcontext()
+            ):
                 outputs = self.flat.model(inputs)
                 called = "loss"
                 loss = self.spec.loss(outputs, targets)
@@ -749,18 +781,51 @@ class Trainer:
             return client.pull_rows({spec.name: ids})[spec.name]
 
         batch = enn.SparseBatch(self._tables, pull=pull)
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] is inputs:
-            # Pulled by the last push, right after it: what a pull now would read.
-            for name, ids in prefetched[1].items():
-                batch.supply(name, ids, prefetched[2][name])
-            return batch
-        wanted = enn.batch_ids(self.flat.model, inputs)
+        prefetched = self._take_prefetched(inputs)
+        if prefetched is not None:
+            ids_by_table, source = prefetched
+            if isinstance(source, PushHandle):
+                if not source.done:
+                    client.flush()  # overlap_pull: the push before this batch's compute
+                rows = source.rows if not source.stale else None
+            else:
+                rows = source
+            if rows is not None:
+                # Pulled right after that push (or with the batch before): what a
+                # pull then would have read.
+                for name, ids in ids_by_table.items():
+                    batch.supply(name, ids, rows[name])
+                return batch
+        wanted = enn.batch_ids(self.flat.model, inputs, self._sparse_modules)
         if wanted:
-            rows = client.pull_rows(wanted)
+            # overlap_pull: the next batch's rows come too, as no push before it
+            # pulls them (the first two batches of a task).
+            following = self._following_inputs
+            ahead: dict[str, Tensor] = {}
+            if following is not None and not any(p[0] is following for p in self._prefetched):
+                with contextlib.suppress(ElasticPSError):  # it raises in its own turn
+                    ahead = enn.batch_ids(self.flat.model, following, self._sparse_modules)
+            request = dict(wanted)
+            for name, ids in ahead.items():
+                request[name] = torch.cat([request[name], ids]) if name in request else ids
+            rows = client.pull_rows(request)
             for name, ids in wanted.items():
-                batch.supply(name, ids, rows[name])
+                batch.supply(name, ids, rows[name][: len(ids)])
+            if ahead:
+                self._prefetched.append(
+                    (following, ahead, {n: rows[n][len(wanted.get(n, ())) :] for n in ahead})
+                )
         return batch
+
+    def _take_prefetched(
+        self, inputs: object
+    ) -> tuple[dict[str, Tensor], PushHandle | dict[str, Tensor]] | None:
+        """The prefetch of ``inputs``' rows, if one was made; older ones are dropped."""
+        for i, (of, ids_by_table, source) in enumerate(self._prefetched):
+            if of is inputs:
+                del self._prefetched[: i + 1]
+                return ids_by_table, source
+        return None
 
     def _sparse_rows(self, batches: int) -> dict[str, tuple[Tensor, Tensor]] | None:
         """The rows to push: the mean over ``batches`` mini-batches, frozen tables left out."""
@@ -804,7 +869,7 @@ class Trainer:
         if cfg.mode is UpdateMode.SYNC and not client.consistent:
             # Never train on a mixture of versions (shards being realigned).
             client.pull_consistent()
-            self._prefetched = None  # rows read before: pulled again
+            self._prefetched.clear()  # rows read before: pulled again
         loss = self._forward_backward(inputs, targets)
         self._batches += 1
         acc = self._acc
@@ -879,8 +944,10 @@ class Trainer:
             )
             self.flat.zero_grad()
             self._sparse_grads = []
-            if prefetch is not None and handle.rows is not None and not handle.stale:
-                self._prefetched = (self._next_inputs, prefetch, handle.rows)
+            if prefetch is not None:
+                # A retry's prefetch replaces the one of the push answered STALE.
+                self._prefetched = [p for p in self._prefetched if p[0] is not self._next_inputs]
+                self._prefetched.append((self._next_inputs, prefetch, handle))
             if not handle.done:
                 # Sent in the background: a STALE answer is handled before the next push.
                 self._inflight = (handle, acc, on_acknowledged)
@@ -899,7 +966,7 @@ class Trainer:
         if not self._tables or self._next_inputs is None:
             return None
         try:
-            wanted = enn.batch_ids(self.flat.model, self._next_inputs)
+            wanted = enn.batch_ids(self.flat.model, self._next_inputs, self._sparse_modules)
         except ElasticPSError:
             return None  # the next batch raises it in its own turn
         return wanted or None
