@@ -630,8 +630,10 @@ class LocalLauncher:
                     )
                 # A record is a sample (a Parquet row). The ledger's audits
                 # cover every pass whichever master ran it; the master's own
-                # count starts at zero after a failover.
-                samples = sum(int(str(p["records_trained"])) for p in self._passes)
+                # count starts at zero after a failover. A stopped job's last
+                # pass has no audit: the master's count covers it.
+                audited = sum(int(str(p["records_trained"])) for p in self._passes)
+                samples = max(audited, samples) if self._final_state == "stopped" else audited
                 self._records_skipped = sum(
                     int(str(p.get("records_skipped", 0))) for p in self._passes
                 )
