@@ -1795,7 +1795,9 @@ def checkpoint_job(
     and is also written to ``/elasticps/<job>/checkpoints/<version>``.
 
     A parameter server restarting meanwhile (killed, or replaced) is waited
-    for and the checkpoint taken again, for up to ``retry_s`` seconds.
+    for and the checkpoint taken again, for up to ``retry_s`` seconds; so is
+    etcd when it does not answer (it may be restarting: the caller keeps
+    supervising it).
 
     Args:
         store: the job's etcd view.
@@ -1811,14 +1813,22 @@ def checkpoint_job(
         The manifest.
 
     Raises:
-        CoordinationError: a PS slot is not claimed in time.
+        CoordinationError: a PS slot is not claimed in time, or etcd did not
+            answer for ``retry_s`` seconds.
         ServiceUnavailableError: a PS did not answer, again and again.
         RemoteError: a PS refused the checkpoint.
     """
     deadline = time.monotonic() + retry_s
     while True:
-        addresses = store.ps_addresses(timeout_s=timeout_s)
-        _, revision = store.get_prefix_json(store.keys.tasks_prefix)
+        try:
+            addresses = store.ps_addresses(timeout_s=timeout_s)
+            _, revision = store.get_prefix_json(store.keys.tasks_prefix)
+        except CoordinationError as exc:
+            if not is_transient(exc) or time.monotonic() >= deadline:
+                raise
+            log.warning("etcd unreachable before the consistent checkpoint (%s); retrying", exc)
+            time.sleep(0.2)
+            continue
         try:
             manifest = take_consistent_checkpoint(
                 addresses,
@@ -1836,10 +1846,22 @@ def checkpoint_job(
             time.sleep(0.2)
     version = manifest["version"]
     if isinstance(version, int):
-        store.put_json(
-            store.keys.checkpoint(version),
-            {"dir": str(out_dir.resolve()), "version": version, "ledger_revision": revision},
-        )
+        while True:
+            try:
+                store.put_json(
+                    store.keys.checkpoint(version),
+                    {
+                        "dir": str(out_dir.resolve()),
+                        "version": version,
+                        "ledger_revision": revision,
+                    },
+                )
+                break
+            except CoordinationError as exc:
+                if not is_transient(exc) or time.monotonic() >= deadline:
+                    raise
+                log.warning("etcd unreachable to publish the checkpoint (%s); retrying", exc)
+                time.sleep(0.2)
     return manifest
 
 
