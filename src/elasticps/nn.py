@@ -61,6 +61,7 @@ from elasticps.pserver.sparse import (
     SparseSGD,
     SparseTable,
     TableSpec,
+    check_id_range,
 )
 
 __all__ = [
@@ -403,12 +404,7 @@ class SparseModule(nn.Module):
                 f"sparse table {self.spec.name}: ids must be int64, got {ids.dtype}"
             )
         flat = ids.reshape(-1).to(torch.int64)
-        n = self.spec.num_embeddings
-        if n is not None and len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= n):
-            bad = flat[(flat < 0) | (flat >= n)][0]
-            raise SparseTableError(
-                f"sparse table {self.spec.name}: id {int(bad)} is out of range [0, {n})"
-            )
+        check_id_range(self.spec.name, flat, self.spec.num_embeddings)
         unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         source = self._source if self._source is not None else self.local
         return source.rows(self.spec, unique), inverse.reshape(ids.shape)

@@ -235,6 +235,23 @@ class TableSpec:
         return cls(**value)
 
 
+def check_id_range(name: str, ids: IdArray | Tensor, num_embeddings: int | None) -> None:
+    """Refuse ids outside a fixed table's ``[0, num_embeddings)`` (None: any key).
+
+    Args:
+        name: the table, for the message.
+        ids: int64 ids, 1-d (a numpy array or a tensor).
+        num_embeddings: the fixed table's size, or None for a hashed table.
+
+    Raises:
+        SparseTableError: naming the first id out of range.
+    """
+    n = num_embeddings
+    if n is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        bad = ids[(ids < 0) | (ids >= n)][0]
+        raise SparseTableError(f"sparse table {name}: id {int(bad)} is out of range [0, {n})")
+
+
 def initial_rows(spec: TableSpec, ids: IdArray) -> FloatArray:
     """The initial values of rows ``ids`` (see the module docstring for the generator).
 
@@ -1175,12 +1192,7 @@ class SparseTable:
             raise SparseTableError(
                 f"sparse table {self.spec.name}: {what} must be 1-d, got shape {list(arr.shape)}"
             )
-        n = self.spec.num_embeddings
-        if n is not None and len(arr) and (arr.min() < 0 or arr.max() >= n):
-            bad = arr[(arr < 0) | (arr >= n)][0]
-            raise SparseTableError(
-                f"sparse table {self.spec.name}: id {int(bad)} is out of range [0, {n})"
-            )
+        check_id_range(self.spec.name, arr, self.spec.num_embeddings)
         return np.ascontiguousarray(arr)
 
     def contains(self, ids: Tensor | IdArray) -> Tensor:

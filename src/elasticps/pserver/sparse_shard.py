@@ -61,6 +61,7 @@ from elasticps.pserver.sparse import (
     SparseRule,
     SparseTable,
     TableSpec,
+    check_id_range,
 )
 
 __all__ = [
@@ -405,12 +406,7 @@ class ShardTables:
             chunk = ids[start : start + n]
             start += n
             name = entry.spec.name
-            size = entry.spec.num_embeddings
-            if n and size is not None and (int(chunk.min()) < 0 or int(chunk.max()) >= size):
-                bad = chunk[(chunk < 0) | (chunk >= size)][0]
-                raise SparseTableError(
-                    f"sparse table {name}: id {int(bad)} is out of range [0, {size})"
-                )
+            check_id_range(name, chunk, entry.spec.num_embeddings)
             if n and part.num_shards > 1:
                 owner = part.shard_of(chunk)
                 if (owner != self.shard).any():

@@ -93,10 +93,10 @@ from elasticps.errors import (
     ProtocolError,
     RemoteError,
     ServiceUnavailableError,
-    SparseTableError,
 )
 from elasticps.placement import Placement, ShardLayout
 from elasticps.pserver.coverage import PushKey
+from elasticps.pserver.sparse import check_id_range
 from elasticps.pserver.sparse_shard import TABLES_KEY, TableEntry
 from elasticps.wire.frame import (
     HEADER_SIZE,
@@ -1319,12 +1319,7 @@ class ParameterClient:
         last = self._last_split.get(t)
         if last is not None and np.array_equal(last[0], ids):
             return last[1]
-        size = self.tables[t].spec.num_embeddings
-        if size is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
-            bad = ids[(ids < 0) | (ids >= size)][0]
-            raise SparseTableError(
-                f"sparse table {name}: id {int(bad)} is out of range [0, {size})"
-            )
+        check_id_range(name, ids, self.tables[t].spec.num_embeddings)
         positions = self._partitioners[t].split(ids)
         # A copy: the caller's tensor may change later. One tuple: a reader sees both or neither.
         self._last_split[t] = (ids.copy(), positions)
