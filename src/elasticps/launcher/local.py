@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NoReturn, TypeVar, cast
 
+import tenacity
 import torch
 from tqdm import tqdm
 
@@ -1639,6 +1640,45 @@ class _RandomKills:
         return max(0.01, min(poll_s, self._next_at - time.monotonic()))
 
 
+def through_etcd_restarts(
+    call: Callable[[], _T],
+    deadline: float,
+    what: str,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> _T:
+    """``call()``, called again while etcd does not answer (it may be restarting).
+
+    Waits 0.05 s after the first failure, doubling up to 1 s, until ``deadline``.
+
+    Args:
+        call: the etcd request.
+        deadline: when to give up, on ``clock``'s scale (seconds).
+        what: what the call does, for the log.
+        clock: monotonic clock, seconds.
+        sleep: waits between attempts, seconds.
+
+    Raises:
+        CoordinationError: a failure that is not etcd being unreachable
+            (see :func:`~elasticps.coord.store.is_transient`), or the last
+            one at ``deadline``.
+    """
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(
+            lambda exc: isinstance(exc, CoordinationError) and is_transient(exc)
+        ),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        stop=lambda state: clock() >= deadline,
+        sleep=sleep,
+        before_sleep=lambda state: log.info(
+            "%s: %s; retrying", what, state.outcome.exception() if state.outcome else None
+        ),
+        reraise=True,
+    )
+    return retrying(call)
+
+
 def read_pass_audits(
     store: JobStore,
     epochs: int,
@@ -1669,18 +1709,13 @@ def read_pass_audits(
         CoordinationError: etcd did not answer for ``retry_s`` seconds, or an
             audit is malformed.
     """
-    deadline = clock() + retry_s
-    delay = 0.05
-    while True:
-        try:
-            by_pass = store.pass_summaries()
-            break
-        except CoordinationError as exc:
-            if not is_transient(exc) or clock() >= deadline:
-                raise
-            log.info("reading the pass audits: %s; retrying", exc)
-            sleep(delay)
-            delay = min(2 * delay, 1.0)
+    by_pass = through_etcd_restarts(
+        store.pass_summaries,
+        clock() + retry_s,
+        "reading the pass audits",
+        clock=clock,
+        sleep=sleep,
+    )
     audits = [by_pass[n] for n in range(epochs) if n in by_pass]
     missing = [n for n in range(epochs) if n not in by_pass]
     return audits, missing
@@ -1820,15 +1855,14 @@ def checkpoint_job(
     """
     deadline = time.monotonic() + retry_s
     while True:
-        try:
-            addresses = store.ps_addresses(timeout_s=timeout_s)
-            _, revision = store.get_prefix_json(store.keys.tasks_prefix)
-        except CoordinationError as exc:
-            if not is_transient(exc) or time.monotonic() >= deadline:
-                raise
-            log.warning("etcd unreachable before the consistent checkpoint (%s); retrying", exc)
-            time.sleep(0.2)
-            continue
+        addresses = through_etcd_restarts(
+            lambda: store.ps_addresses(timeout_s=timeout_s), deadline, "finding the servers"
+        )
+        _, revision = through_etcd_restarts(
+            lambda: store.get_prefix_json(store.keys.tasks_prefix),
+            deadline,
+            "reading the ledger's revision",
+        )
         try:
             manifest = take_consistent_checkpoint(
                 addresses,
@@ -1846,22 +1880,12 @@ def checkpoint_job(
             time.sleep(0.2)
     version = manifest["version"]
     if isinstance(version, int):
-        while True:
-            try:
-                store.put_json(
-                    store.keys.checkpoint(version),
-                    {
-                        "dir": str(out_dir.resolve()),
-                        "version": version,
-                        "ledger_revision": revision,
-                    },
-                )
-                break
-            except CoordinationError as exc:
-                if not is_transient(exc) or time.monotonic() >= deadline:
-                    raise
-                log.warning("etcd unreachable to publish the checkpoint (%s); retrying", exc)
-                time.sleep(0.2)
+        record = {"dir": str(out_dir.resolve()), "version": version, "ledger_revision": revision}
+        through_etcd_restarts(
+            lambda: store.put_json(store.keys.checkpoint(version), record),
+            deadline,
+            "publishing the checkpoint",
+        )
     return manifest
 
 
