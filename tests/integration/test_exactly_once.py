@@ -140,9 +140,10 @@ def test_a_trainer_started_while_a_parameter_server_restarts_joins(
     assert any(r["action"] == "kill" and r["target"] == "trainer" for r in record["chaos"])
 
 
-# Enough passes that the job outlasts the 6 s pause by seconds, loaded machine or not
-# (0.2-0.35 s a pass here once the spare serves; 20 passes once ended 0.02 s early).
-EPOCHS_PAST_PAUSE = 30
+# Enough passes that the job outlasts the 6 s pause by seconds, loaded machine or not,
+# so that the resumed server finds its lease lost while the job still runs (0.18-0.35 s
+# a pass here once the spare serves; 20 and 30 passes have ended before the resume).
+EPOCHS_PAST_PAUSE = 60
 
 
 @pytest.mark.parametrize("mode", MODES)
