@@ -926,7 +926,6 @@ class ParameterClient:
         # The (version, generation) of each shard's parameters in ``params``:
         # those received, or with overlap_pull those adopted.
         self._adopted = [(c.version, c.generation) for c in self._conns]
-        self._adopt()
 
     def _connect_first(self, conn: _ShardConnection, slot: PSSlot) -> None:
         """Connect to ``slot``; if that fails, wait for the slot as a reconnection does."""
