@@ -366,13 +366,17 @@ class ShardTables:
             SparseTableError: an id is out of a fixed table's range, is held
                 by another server, or (``unique``) repeats.
         """
-        if len(ids) and self._all_valid(counts, ids, unique=unique):
-            ends = np.cumsum(counts).tolist()
-            return tuple(ids[e - n : e] for n, e in zip(counts.tolist(), ends, strict=True))
+        ends = np.cumsum(counts)
+        if len(ids) and self._all_valid(counts, ends, ids, unique=unique):
+            return tuple(
+                ids[e - n : e] for n, e in zip(counts.tolist(), ends.tolist(), strict=True)
+            )
         return self._split_ids_one_by_one(counts, ids, unique=unique)
 
-    def _all_valid(self, counts: IdArray, ids: IdArray, *, unique: bool) -> bool:
+    def _all_valid(self, counts: IdArray, ends: IdArray, ids: IdArray, *, unique: bool) -> bool:
         """Whether every table's ids pass split_ids' checks, tested on all ids at once.
+
+        ``ends`` is ``np.cumsum(counts)``: where each table's ids end.
 
         False means some may not (a check that needs a partitioner per table,
         or ids not ascending within a table): the caller checks table by table,
@@ -391,7 +395,7 @@ class ShardTables:
             # Unique within each table if ascending within each (as trainers send
             # them); where one table's ids end and the next begin, anything goes.
             ascending = ids[1:] > ids[:-1]
-            starts = np.cumsum(counts)[:-1]
+            starts = ends[:-1]
             ascending[starts[(starts > 0) & (starts < len(ids))] - 1] = True
             if not bool(ascending.all()):
                 return False
