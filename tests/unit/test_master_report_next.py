@@ -101,6 +101,38 @@ def test_a_rejected_report_dispatches_nothing_and_a_retry_falls_back_to_get_task
         service.stop()
 
 
+def test_a_trainer_holding_a_task_reports_the_one_before_and_gets_the_one_after() -> None:
+    service, journal = service_of(4)
+    try:
+        first = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        ahead = service.GetTask(
+            master_pb2.GetTaskRequest(trainer_id="t0", holding=[first.task_id]), CTX
+        ).task
+        assert (first.task_id, ahead.task_id) == (0, 1)
+        # The report of the first names the held one: it stays the trainer's,
+        # and the answer is the task after it, in one write.
+        journal.writes.clear()
+        request = master_pb2.ReportTaskRequest(
+            trainer_id="t0", task_id=0, pass_id=0, attempt=1, success=True, samples=10,
+            get_next=True, holding=[ahead.task_id],
+        )  # fmt: skip
+        after = service.ReportTask(request, CTX).next.task
+        assert after.task_id == 2
+        assert journal.writes == [[EventKind.DONE, EventKind.DISPATCHED]]
+        status = service.GetJobStatus(master_pb2.GetJobStatusRequest(), CTX)
+        assert (status.tasks_done, status.tasks_pending, status.tasks_todo) == (1, 2, 1)
+        # A report that does not name it gives it back, as never received.
+        request = master_pb2.ReportTaskRequest(
+            trainer_id="t0", task_id=1, pass_id=0, attempt=1, success=True, samples=10,
+            get_next=True,
+        )  # fmt: skip
+        assert service.ReportTask(request, CTX).next.task.task_id == 3
+        status = service.GetJobStatus(master_pb2.GetJobStatusRequest(), CTX)
+        assert (status.tasks_done, status.tasks_pending, status.tasks_todo) == (2, 1, 1)
+    finally:
+        service.stop()
+
+
 def ask(service: MasterService, number: int, trainer: str = "t0") -> master_pb2.GetTaskResponse:
     return service.GetTask(master_pb2.GetTaskRequest(trainer_id=trainer, ask=number), CTX)
 

@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 from elasticps.errors import ConfigError, StaleTaskError, UnknownTaskError
 from elasticps.master.taskqueue import (
     DISPATCH_NOT_RECEIVED,
+    MAX_HELD,
     MAX_RETRY_AFTER_S,
     TRAINER_LOST,
     DataRange,
@@ -320,6 +321,54 @@ def test_a_trainer_asking_again_gets_the_task_it_never_received_requeued() -> No
     again = [dispatch(queue, t) for t in ("t1", "t2")][-1]
     assert (again.task_id, again.attempt, again.offset) == (0, 2, 4)
     assert queue.record(0)["timeouts"] == 0
+
+
+def test_a_trainer_holding_its_task_gets_the_next_one_ahead() -> None:
+    queue = make_queue(5)
+    first = dispatch(queue, "t0")
+    result, events = queue.get_task("t0", now=1.0, holding=[first.task_id])
+    assert isinstance(result, Dispatch) and result.task_id == 1
+    assert kinds(events) == [EventKind.DISPATCHED]  # the held task stays charged to t0
+    assert [d.task_id for d in queue.pending_of("t0")] == [0, 1]
+    # Never more than MAX_HELD: a third is not handed out, and nothing is requeued.
+    assert MAX_HELD == 2
+    result, events = queue.get_task("t0", now=1.0, holding=[0, 1])
+    assert isinstance(result, Wait) and events == []
+    # The report of the first task asks for the one after the held one.
+    succeed(queue, first)
+    result, _ = queue.get_task("t0", now=2.0, holding=[1])
+    assert isinstance(result, Dispatch) and result.task_id == 2
+    # Asking with empty hands requeues what it held, as never received.
+    result, events = queue.get_task("t0", now=3.0)
+    assert [(e.kind, e.task_id, e.reason) for e in events] == [
+        (EventKind.REQUEUED, 1, DISPATCH_NOT_RECEIVED),
+        (EventKind.REQUEUED, 2, DISPATCH_NOT_RECEIVED),
+        (EventKind.DISPATCHED, 3, ""),
+    ]
+
+
+def test_no_task_is_handed_out_ahead_when_another_trainer_would_go_without() -> None:
+    queue = make_queue(4)
+    a, b = dispatch(queue, "a"), dispatch(queue, "b")
+    # Two tasks todo, two trainers holding work: one goes ahead to a.
+    result, _ = queue.get_task("a", now=0.0, holding=[a.task_id])
+    assert isinstance(result, Dispatch) and result.task_id == 2
+    # One todo left for two trainers: b gets none ahead, but gets it with empty hands.
+    result, events = queue.get_task("b", now=0.0, holding=[b.task_id])
+    assert isinstance(result, Wait) and events == []
+    succeed(queue, b)
+    assert dispatch(queue, "b").task_id == 3
+
+
+def test_progress_renews_the_deadline_of_the_task_held_ahead() -> None:
+    queue = make_queue(3)
+    first = dispatch(queue, "t0", now=0.0)
+    ahead, _ = queue.get_task("t0", now=0.0, holding=[first.task_id])
+    assert isinstance(ahead, Dispatch)
+    progress(queue, first, 5, now=TIMEOUT_S - 1)
+    # Past the first deadlines, both attempts are still held: progress is a heartbeat.
+    assert queue.expire(now=TIMEOUT_S + 1) == []
+    assert [d.deadline for d in queue.pending_of("t0")] == [2 * TIMEOUT_S - 1] * 2
 
 
 # --- passes and the end of the job ---------------------------------------------
@@ -905,13 +954,31 @@ class TaskQueueMachine(RuleBasedStateMachine):
 
     @rule(target=dispatches, trainer=st.sampled_from(TRAINERS))
     def get_task(self, trainer: str) -> Dispatch | None:
+        return self.ask(trainer, keep=0)
+
+    @rule(target=dispatches, trainer=st.sampled_from(TRAINERS))
+    def get_task_ahead(self, trainer: str) -> Dispatch | None:
+        # The trainer keeps the first task it holds and asks for the one after it.
+        return self.ask(trainer, keep=1)
+
+    def ask(self, trainer: str, keep: int) -> Dispatch | None:
         held = [] if self.queue.stats().finished else self.queue.pending_of(trainer)
-        result, events = self.queue.get_task(trainer, self.now)
-        # A trainer asks with empty hands: what it still held never reached it.
+        kept, lost = held[:keep], held[keep:]
+        holding = [d.task_id for d in kept]
+        result, events = self.queue.get_task(trainer, self.now, holding=holding)
+        # What the trainer does not name as held never reached it.
         requeued = [e for e in events if e.kind is EventKind.REQUEUED]
-        assert [e.task_id for e in requeued] == [d.task_id for d in held]
+        assert [e.task_id for e in requeued] == [d.task_id for d in lost]
         assert all(e.reason == DISPATCH_NOT_RECEIVED for e in requeued)
-        assert self.queue.pending_of(trainer) == ([result] if isinstance(result, Dispatch) else [])
+        now_held = self.queue.pending_of(trainer)
+        assert [d.task_id for d in now_held if d not in kept] == (
+            [result.task_id] if isinstance(result, Dispatch) else []
+        )
+        assert len(now_held) <= MAX_HELD
+        if kept and isinstance(result, Dispatch):
+            # Handed out ahead only while no trainer would be left without work.
+            stats = self.queue.stats()
+            assert stats.todo + 1 >= len(self.queue.trainers())
         self.record(events)
         if isinstance(result, Dispatch):
             key = (result.task_id, result.attempt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 import tenacity
@@ -81,13 +81,15 @@ class MasterClient:
             self._retired.clear()
             self._channel = self._stub = None
 
-    def get_task(self, trainer_id: str) -> master_pb2.GetTaskResponse:
-        """Ask for a task.
+    def get_task(self, trainer_id: str, holding: Sequence[int] = ()) -> master_pb2.GetTaskResponse:
+        """Ask for a task; while holding tasks (their ids), for the one to train after them.
 
         Raises:
             ServiceUnavailableError: no master answered within the retry budget.
         """
-        reply = self._call("GetTask", master_pb2.GetTaskRequest(trainer_id=trainer_id))
+        reply = self._call(
+            "GetTask", master_pb2.GetTaskRequest(trainer_id=trainer_id, holding=holding)
+        )
         assert isinstance(reply, master_pb2.GetTaskResponse)
         return reply
 

@@ -98,7 +98,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
         def get_task(now: float) -> tuple[Dispatch | Wait | Finished, list[TaskEvent]]:
             self._take_ask(request.trainer_id, request.ask)
-            return self._queue.get_task(request.trainer_id, now)
+            return self._queue.get_task(request.trainer_id, now, holding=request.holding)
 
         with _rpc_errors(context, request.trainer_id):
             result = self._mutate(get_task)
@@ -186,7 +186,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     self._last_loss = request.mean_loss
             if not get_next:
                 return None, events
-            result, more = self._queue.get_task(request.trainer_id, now)
+            result, more = self._queue.get_task(request.trainer_id, now, holding=request.holding)
             return result, events + more
 
         with _rpc_errors(context, request.trainer_id):

@@ -55,7 +55,7 @@ import dataclasses
 import enum
 import heapq
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticps.errors import (
@@ -92,6 +92,9 @@ __all__ = [
 
 MAX_RETRY_AFTER_S = 0.25
 """Longest :class:`Wait` hint, in seconds, so idle trainers notice requeues promptly."""
+
+MAX_HELD = 2
+"""Most attempts one trainer holds: the task it trains and the one it trains next."""
 
 MIN_RETRY_AFTER_S = 0.01
 """Shortest :class:`Wait` hint, in seconds, so a trainer never busy-polls."""
@@ -737,27 +740,40 @@ class TaskQueue:
         self._sealed = True
         return [self._queue_event(EventKind.SEALED), *self._maybe_advance_pass()]
 
-    def get_task(self, trainer_id: str, now: float) -> tuple[GetTaskResult, list[TaskEvent]]:
+    def get_task(
+        self, trainer_id: str, now: float, holding: Collection[int] = ()
+    ) -> tuple[GetTaskResult, list[TaskEvent]]:
         """Hand the front of the todo queue to a trainer.
 
         Does not expire overdue attempts itself; the shell calls
         :meth:`expire` when :meth:`next_deadline` passes.
 
-        A trainer works on one task at a time and reports it before asking
-        again, so it asks with empty hands. An attempt the queue still charges
-        to it is one whose dispatch never reached it: a master persisted the
-        dispatch and died before replying (or the reply was lost and the
-        trainer retried). Such attempts go back to the end of the todo queue
-        first, at their offsets, without a timeout counted, as for a lost
-        trainer; otherwise they would hold up their pass until they timed out.
+        A trainer reports each task before it asks again, so it asks holding
+        only the tasks it names in ``holding``: with empty hands, or, to
+        have its next task at hand when the one it trains ends, holding that
+        one. Any other attempt the queue still charges to it is one whose
+        dispatch never reached it: a master persisted the dispatch and died
+        before replying (or the reply was lost and the trainer retried).
+        Such attempts go back to the end of the todo queue first, at their
+        offsets, without a timeout counted, as for a lost trainer; otherwise
+        they would hold up their pass until they timed out.
+
+        A trainer holding work is handed one more task only while the todo
+        queue has at least as many tasks as there are trainers holding
+        work, and while it holds fewer than :data:`MAX_HELD`: a task held
+        ahead near the end of a pass would otherwise wait for its trainer
+        while another trainer sits idle.
 
         Args:
             trainer_id: the trainer asking for work.
             now: current monotonic time, in seconds.
+            holding: ids of tasks the trainer holds and keeps; those the
+                queue does not charge to it are ignored.
 
         Returns:
             ``(result, events)``: a :class:`Dispatch` (with a DISPATCHED event),
-            a :class:`Wait` if every remaining task is pending elsewhere, or
+            a :class:`Wait` if every remaining task is pending elsewhere (or,
+            for a trainer holding work, if no task is handed out ahead), or
             :class:`Finished` once all passes are over; after REQUEUED events
             (reason :data:`DISPATCH_NOT_RECEIVED`) for attempts the trainer
             never received. A task dispatched again after a timeout, failure
@@ -766,7 +782,10 @@ class TaskQueue:
         """
         if self._finished:
             return Finished(), []
-        events = self._requeue_held(trainer_id, DISPATCH_NOT_RECEIVED)
+        events = self._requeue_held(trainer_id, DISPATCH_NOT_RECEIVED, keep=holding)
+        held = len(self._by_trainer.get(trainer_id, ()))
+        if held and (held >= MAX_HELD or self._num_todo() < len(self._by_trainer)):
+            return Wait(retry_after_s=self._retry_after_s(now)), events
         task_id = self._pop_todo()
         if task_id is None:
             # The pass-transition check after every mutation guarantees that
@@ -805,7 +824,8 @@ class TaskQueue:
     ) -> list[TaskEvent]:
         """Record that a trainer has trained a task's records up to ``offset``.
 
-        Progress is also a heartbeat: it renews the attempt's deadline to
+        Progress is also a heartbeat: it renews the deadline of the attempt,
+        and of any other its trainer holds (see :meth:`get_task`), to
         ``now + task_timeout_s``. A larger offset than the recorded one records
         the segment ``(attempt, recorded offset, offset)`` and emits PROGRESS; an
         offset at or below it (a retried or reordered report) records nothing
@@ -837,7 +857,12 @@ class TaskQueue:
                 f"task {task_id}: progress offset {offset} is beyond the task's end "
                 f"({task.data.num_rows} records)"
             )
-        self._renew_deadline(task_id, task, now + self._config.task_timeout_s)
+        deadline = now + self._config.task_timeout_s
+        for held_id in self._by_trainer.get(task.trainer_id or "", ()):
+            # A heartbeat of the trainer: the task it holds ahead of this one too.
+            held_task = self._tasks[held_id]
+            if held_task.state is TaskState.PENDING:
+                self._renew_deadline(held_id, held_task, deadline)
         if offset <= task.offset:
             return []
         new_skipped = self._new_skipped(task, skipped, offset - task.offset)
@@ -956,10 +981,13 @@ class TaskQueue:
         events.extend(self._maybe_advance_pass())
         return events
 
-    def _requeue_held(self, trainer_id: str, reason: str) -> list[TaskEvent]:
-        """Requeue every attempt ``trainer_id`` holds, in id order; no timeout counted."""
+    def _requeue_held(
+        self, trainer_id: str, reason: str, keep: Collection[int] = ()
+    ) -> list[TaskEvent]:
+        """Requeue every attempt ``trainer_id`` holds but those of tasks ``keep``, in id
+        order; no timeout counted."""
         events: list[TaskEvent] = []
-        for task_id in sorted(self._by_trainer.get(trainer_id, ())):
+        for task_id in sorted(self._by_trainer.get(trainer_id, set()).difference(keep)):
             task = self._tasks[task_id]
             self._release(task_id, task)
             self._requeue(task_id, task)

@@ -8,8 +8,10 @@ plane (length-prefixed frames on plain sockets, see elasticps/wire/frame.py).
 A round trip of 0.3-0.6 ms is fine for these messages.
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -27,6 +29,7 @@ class GetTaskRequest(_message.Message):
 
     TRAINER_ID_FIELD_NUMBER: _builtins.int
     ASK_FIELD_NUMBER: _builtins.int
+    HOLDING_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     ask: _builtins.int
     """Increases with every call a trainer sends that may dispatch a task (each
@@ -35,15 +38,22 @@ class GetTaskRequest(_message.Message):
     nothing: a retried call overtaken by a later one never undoes what the
     later one dispatched. 0: not checked.
     """
+    @_builtins.property
+    def holding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of the tasks the trainer holds and keeps training: the master leaves
+        them charged to it, and the answer is a task to train after them.
+        """
+
     def __init__(
         self,
         *,
         trainer_id: _builtins.str = ...,
         ask: _builtins.int = ...,
+        holding: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "holding", b"holding", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -157,6 +167,7 @@ class ReportTaskRequest(_message.Message):
     SKIPPED_BATCHES_FIELD_NUMBER: _builtins.int
     GET_NEXT_FIELD_NUMBER: _builtins.int
     ASK_FIELD_NUMBER: _builtins.int
+    HOLDING_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     task_id: _builtins.int
     pass_id: _builtins.int
@@ -182,6 +193,10 @@ class ReportTaskRequest(_message.Message):
     """
     ask: _builtins.int
     """With `get_next`: as in GetTaskRequest."""
+    @_builtins.property
+    def holding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With `get_next`: as in GetTaskRequest (tasks held besides the reported one)."""
+
     def __init__(
         self,
         *,
@@ -198,10 +213,11 @@ class ReportTaskRequest(_message.Message):
         skipped_batches: _builtins.int = ...,
         get_next: _builtins.bool = ...,
         ask: _builtins.int = ...,
+        holding: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "holding", b"holding", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

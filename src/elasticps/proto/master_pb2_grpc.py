@@ -61,10 +61,15 @@ class MasterServicer:
 
     def GetTask(self, request, context):
         """Hands one task to a trainer, or says to wait, or that the job is over.
-        A trainer calls it with empty hands: it reports each task before asking
-        again. A task the ledger still charges to the caller is one whose
-        dispatch never reached it (the master persisted the dispatch, then died
-        before replying): it goes back to todo at its offset first.
+        A trainer holds the tasks it names in `holding` (at most one: the task
+        it trains), and reports each task before it asks again. A task the
+        ledger still charges to the caller and that `holding` does not name is
+        one whose dispatch never reached it (the master persisted the dispatch,
+        then died before replying): it goes back to todo at its offset first.
+        With `holding` set, the caller asks for the task it will train next:
+        the master hands one only while todo has at least as many tasks as
+        there are trainers holding work (so none sits idle at the end of a
+        pass), and otherwise answers wait_s, meaning "ask with your report".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
