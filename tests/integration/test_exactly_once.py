@@ -98,7 +98,8 @@ def test_a_trainer_killed_between_acknowledgement_and_progress_report(
 ) -> None:
     """The hook kills trainer 0 right after its 7th push is acknowledged by every
     PS and before it reports that progress: the next attempt trains those records
-    again, and every PS drops the push as a duplicate."""
+    again, and every PS drops the push as a duplicate. The trainer also held the
+    task it would train next: that one goes back to todo too, and is trained once."""
     record, audit = run_audit(
         audit_dir,
         tmp_path / "run",
@@ -107,6 +108,8 @@ def test_a_trainer_killed_between_acknowledgement_and_progress_report(
     )
     assert_exact(record, audit, 4)
     assert "test hook: SIGKILL after push 7" in str(record["stderr"])
+    master_log = (tmp_path / "run" / "logs" / "master-0.log").read_text()
+    assert "trainer 0 left; 2 task(s) requeued" in master_log
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -7,6 +7,14 @@ pulled. In sync mode n = m = 1 and a push waits for the step's new
 parameters. Gradients still accumulated at the end of a task are pushed
 before the task is reported done, so a done task's data is in the model.
 
+Tasks: a trainer holds the task it trains and, when the master grants one
+(see :meth:`~elasticps.master.taskqueue.TaskQueue.get_task`), the task it
+trains next. At the end of a task it goes straight on with the held one;
+the finished task's report waits on the reports thread until every push of
+it is acknowledged, and asks for the task after the held one. Without a
+held task (near the end of a pass), a task's end waits for its pushes and
+its report, which brings the next task, as one call.
+
 A task names rows of a Parquet file, or records of the master's virtual
 source (:data:`~elasticps.master.main.VIRTUAL_SOURCE`): the Python API's
 trainers read those as ``itertools.islice(reader(), start, end)``, one
@@ -45,6 +53,7 @@ count once.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import fnmatch
 import functools
@@ -205,8 +214,9 @@ class ProgressReporter:
             self._latest = request
             self._cond.notify()
 
-    def discard(self) -> None:
-        """Drop any unsent update, and wait for the one being sent, if any.
+    def discard(self, task_id: int | None = None) -> None:
+        """Drop any unsent update (of task ``task_id`` only, if given), and wait for
+        the one being sent, if any.
 
         Called before a task is reported done or failed: that report then
         reaches the master after every progress report of the task, which
@@ -214,7 +224,8 @@ class ProgressReporter:
         logged).
         """
         with self._cond:
-            self._latest = None
+            if task_id is None or (self._latest is not None and self._latest.task_id == task_id):
+                self._latest = None
             self._cond.wait_for(lambda: not self._sending)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -345,7 +356,18 @@ class Trainer:
         self._ps_slots: dict[int, PSSlot] = {}
         self._client: ParameterClient | None = None
         self._task: master_pb2.Task | None = None
-        self._inflight: tuple[PushHandle, _Accumulator, Callable[[], None] | None] | None = None
+        self._inflight: (
+            tuple[PushHandle, _Accumulator, PushKey | None, Callable[[], None] | None] | None
+        ) = None
+        # The task trained next, held while the current one trains (see
+        # _loop): the master call that answers it, on the reports thread.
+        self._ahead: concurrent.futures.Future[master_pb2.GetTaskResponse | None] | None = None
+        # A finished task's report, sent (with the request for the task after
+        # the held one) once its last push is acknowledged.
+        self._deferred: master_pb2.ReportTaskRequest | None = None
+        self._reports: concurrent.futures.ThreadPoolExecutor | None = None
+        self._master: MasterClient | None = None
+        self._progress: ProgressReporter | None = None
         self._acknowledged_pushes = 0
         self._ledger_only = ledger_only()
         who, _, after = os.environ.get(KILL_AFTER_ACK_ENV, "").partition(":")
@@ -387,6 +409,8 @@ class Trainer:
             lambda: self.store.master_address(timeout_s=1.0), retry_s=cfg.connect_timeout_s
         )
         progress = ProgressReporter(master, self.name)
+        self._master, self._progress = master, progress
+        self._reports = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reports")
         try:
             client.hello(initialize=True)
             self._register()
@@ -396,6 +420,7 @@ class Trainer:
             # A push still in flight reports its progress when acknowledged.
             with contextlib.suppress(ElasticPSError, OSError):
                 client.flush()
+            self._last_report()
             progress.close()
             master.close()
             client.close()
@@ -452,9 +477,16 @@ class Trainer:
         while not self.stop.is_set():
             if self._lease_lost.is_set():
                 log.warning("trainer %s: lease lost; registering again", self.name)
+                # The master took back every task we held, the one held ahead too.
+                self._take_ahead(client)
                 self._register()
             if reply is None:
-                reply = master.get_task(self.name)
+                held = self._take_ahead(client)
+                reply = (
+                    master_pb2.GetTaskResponse(task=held)
+                    if held is not None
+                    else master.get_task(self.name)
+                )
             kind = reply.WhichOneof("result")
             if kind == "finished":
                 log.info("trainer %s: job finished after %d mini-batches", self.name, self._batches)
@@ -499,6 +531,9 @@ class Trainer:
             self._pass_batches = 0
         self._task = task
         self._acc = _Accumulator(first=task.offset, end=task.offset)
+        if self._ahead is None and self._deferred is None:
+            # Have the next task at hand when this one ends (see _loop).
+            self._ahead = self._call_master(master.get_task, self.name, holding=[task.task_id])
         batches = self._task_batches(task)
         self._prefetched.clear()
         try:
@@ -558,7 +593,12 @@ class Trainer:
                 samples += len(targets)
                 loss_sum += loss * len(targets)
             self._next_inputs = self._following_inputs = None
-            self._flush(client, functools.partial(progress.update, task, task.offset + records))
+            acknowledged = functools.partial(progress.update, task, task.offset + records)
+            if self._ahead is None:
+                self._flush(client, acknowledged)
+            elif self._acc.end > self._acc.first:
+                # Acknowledged in the background: the report waits for it (_submit_deferred).
+                self._push(client, want_params=True, on_acknowledged=acknowledged)
         except Exception as exc:
             self._next_inputs = self._following_inputs = None
             self._prefetched.clear()
@@ -576,33 +616,103 @@ class Trainer:
             except Exception:  # the original error matters more
                 log.exception("could not report the failure of task %d", task.task_id)
             raise
-        progress.discard()
+        report = master_pb2.ReportTaskRequest(
+            trainer_id=self.name,
+            task_id=task.task_id,
+            pass_id=task.pass_id,
+            attempt=task.attempt,
+            success=True,
+            samples=samples,
+            mean_loss=loss_sum / samples if samples else math.nan,
+            elapsed_s=time.monotonic() - started,
+            skipped=skipped,
+            skipped_batches=skipped_batches,
+            # One call for the report and the next task (the master's
+            # ledger writes both at once); not while stopping or
+            # registering again.
+            get_next=not self.stop.is_set() and not self._lease_lost.is_set(),
+        )
+        held = self._take_ahead(client)
+        if held is not None:
+            # Train the held task now; the report goes once this task's last
+            # push is acknowledged, and asks for the task after the held one.
+            report.holding.append(held.task_id)
+            self._deferred = report
+            self._submit_deferred()
+            return master_pb2.GetTaskResponse(task=held)
+        self._flush(client, functools.partial(progress.update, task, task.offset + records))
+        return self._report(report)
+
+    def _report(self, report: master_pb2.ReportTaskRequest) -> master_pb2.GetTaskResponse | None:
+        """Report a task (after every push of it is acknowledged); the next task, if asked."""
+        assert self._master is not None and self._progress is not None
+        self._progress.discard(report.task_id)
         try:
-            return master.report_task(
-                master_pb2.ReportTaskRequest(
-                    trainer_id=self.name,
-                    task_id=task.task_id,
-                    pass_id=task.pass_id,
-                    attempt=task.attempt,
-                    success=True,
-                    samples=samples,
-                    mean_loss=loss_sum / samples if samples else math.nan,
-                    elapsed_s=time.monotonic() - started,
-                    skipped=skipped,
-                    skipped_batches=skipped_batches,
-                    # One call for the report and the next task (the master's
-                    # ledger writes both at once); not while stopping or
-                    # registering again.
-                    get_next=not self.stop.is_set() and not self._lease_lost.is_set(),
-                )
-            )
+            return self._master.report_task(report)
         except StaleTaskError as exc:
             # We were presumed dead (lease lost, or timed out) and the task went
             # to another trainer. Our pushes carried their keys, so the other
             # attempt's pushes of the same records are duplicates: nothing was
             # applied twice.
-            log.warning("trainer %s: report of task %d rejected: %s", self.name, task.task_id, exc)
+            log.warning(
+                "trainer %s: report of task %d rejected: %s", self.name, report.task_id, exc
+            )
             return None
+
+    def _call_master(
+        self, call: Callable[..., master_pb2.GetTaskResponse | None], *args: object, **kw: object
+    ) -> concurrent.futures.Future[master_pb2.GetTaskResponse | None]:
+        """Run a master call that may dispatch a task on the reports thread."""
+        assert self._reports is not None
+        return self._reports.submit(call, *args, **kw)
+
+    def _take_ahead(self, client: ParameterClient) -> master_pb2.Task | None:
+        """The task held to train next, once its master call has answered; None if none.
+
+        A deferred report is sent first (its pushes acknowledged), as it asks
+        for that task.
+
+        Raises:
+            ServiceUnavailableError: from the master call.
+        """
+        if self._deferred is not None:
+            self._retrain_stale_inflight(client)
+            client.flush()
+            self._submit_deferred()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        reply = ahead.result()
+        if reply is None or reply.WhichOneof("result") != "task":
+            return None
+        if self._lease_lost.is_set():
+            return None  # the master took it back with the lease
+        return reply.task
+
+    def _submit_deferred(self) -> None:
+        """Send the deferred report once no push of it awaits an answer."""
+        report = self._deferred
+        if report is None or self._inflight is not None:
+            return
+        self._deferred = None
+        assert self._ahead is None
+        self._ahead = self._call_master(self._report, report)
+
+    def _last_report(self) -> None:
+        """On the way out: send the deferred report if its pushes are acknowledged,
+        without asking for more; wait for the reports thread."""
+        if self._reports is None:
+            return
+        inflight = self._inflight
+        report, self._deferred = self._deferred, None
+        if report is not None and (
+            inflight is None or (inflight[0].done and not inflight[0].stale)
+        ):
+            report.get_next = False
+            del report.holding[:]
+            self._reports.submit(self._report, report)
+        # Whatever it answers: the tasks we held go back to todo with our lease.
+        self._reports.shutdown(wait=True)
 
     def _bad_record(
         self, raised: _ModelCodeError, task: master_pb2.Task, first: int, end: int
@@ -950,7 +1060,7 @@ class Trainer:
                 self._prefetched.append((self._next_inputs, prefetch, handle))
             if not handle.done:
                 # Sent in the background: a STALE answer is handled before the next push.
-                self._inflight = (handle, acc, on_acknowledged)
+                self._inflight = (handle, acc, key, on_acknowledged)
                 break
             if not handle.stale:
                 break
@@ -1017,13 +1127,14 @@ class Trainer:
 
     def _retrain_stale_inflight(self, client: ParameterClient) -> None:
         """If the push sent in the background was answered STALE, push it again now."""
-        inflight = getattr(self, "_inflight", None)
+        inflight = self._inflight
         if inflight is None:
             return
-        handle, acc, on_acknowledged = inflight
+        handle, acc, key, on_acknowledged = inflight
         client.flush()
         self._inflight = None
         if not handle.stale:
+            self._submit_deferred()
             return
         log.info("trainer %s: a background push was stale; computing it again", self.name)
         saved = self.flat.grads.clone()  # the accumulation in progress
@@ -1040,7 +1151,7 @@ class Trainer:
                 acc.samples,
                 want_params=True,
                 on_acknowledged=None,
-                key=self._key(acc),
+                key=key,
                 rows=self._sparse_rows(acc.batches),
             )
             if not retry.stale:
@@ -1053,6 +1164,7 @@ class Trainer:
                 )
         self.flat.grads.copy_(saved)
         self._sparse_grads = saved_rows
+        self._submit_deferred()
 
     def _flush(
         self, client: ParameterClient, on_acknowledged: Callable[[], None] | None = None
