@@ -15,6 +15,7 @@ pass once every shard holds it all.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -263,13 +264,20 @@ class PassVerifier:
             self._reopen(verdict.rewinds)
             return
         lost, passes_lost = self._lost_earlier_passes(pass_id, answers)
-        sealed: dict[int, dict[str, object]] = {}
+        bodies: dict[int, dict[str, object]] = {}
         for index, answer in sorted(answers.items()):
             body: dict[str, object] = {"op": "seal", "pass": pass_id}
             if isinstance(answer.get("version"), int):
                 body["if_version"] = answer["version"]
-            # Sealing writes a checkpoint: as long as the disk takes.
-            sealed[index] = self._controller.request_one(index, body, timeout_s=300.0)
+            bodies[index] = body
+        # Sealing writes a checkpoint, as long as the disk takes: every server
+        # at once, since the next pass waits for the last.
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(bodies)), "seal") as pool:
+            futures = {
+                index: pool.submit(self._controller.request_one, index, body, timeout_s=300.0)
+                for index, body in bodies.items()
+            }
+        sealed = {index: future.result() for index, future in futures.items()}
         not_durable = sorted(i for i, a in sealed.items() if not a.get("durable"))
         log.info(
             "pass %d: every parameter server holds every record of it; sealed%s",
