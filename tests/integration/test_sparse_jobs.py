@@ -276,6 +276,20 @@ def test_sparse_rows_survive_a_killed_trainer_exactly_once(audit_dir: Path, tmp_
     assert "test hook: SIGKILL after push 5" in str(record["stderr"])
 
 
+def test_stale_background_pushes_computed_again_across_task_ends_count_once(
+    audit_dir: Path, tmp_path: Path
+) -> None:
+    """Async, --max-staleness 0: a push sent in the background while the next
+    mini-batch trains is answered STALE whenever another trainer pushed first,
+    and is computed again before the next push, often after its task ended
+    and the trainer went on with the task it held (the report waits for it)."""
+    out = tmp_path / "run"
+    record, audit = run_audit(audit_dir, out, "async", extra=("--max-staleness", "0"))
+    assert_exact(record, audit, out, 2)
+    logs = "".join(p.read_text() for p in (out / "logs").glob("trainer-*.log"))
+    assert "a background push was stale; computing it again" in logs
+
+
 def test_resume_onto_three_servers_from_two_repartitions_every_row(
     audit_dir: Path, tmp_path: Path
 ) -> None:
