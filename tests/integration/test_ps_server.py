@@ -398,6 +398,41 @@ def test_sync_push_waits_for_every_live_trainer_before_applying(cluster: Cluster
     assert torch.equal(b.params, a.params)
 
 
+def test_a_trainer_waited_for_by_one_shard_only_joins_its_step_and_the_shards_agree(
+    cluster: Cluster,
+) -> None:
+    """Shard 0 learned of trainer THIRD before its step opened, shard 1 did not:
+    shard 1 steps without it and shard 0 waits for it. THIRD, waiting for the
+    shards to agree, would wait for itself; it joins shard 0's step without a
+    gradient, and both apply SECOND's gradient alone."""
+    values = initialized(cluster, 2, UpdateMode.SYNC)
+    cluster.servers[0].set_live_trainers({SECOND, THIRD})
+    cluster.servers[1].set_live_trainers({SECOND})
+    a, b = cluster.peer(SECOND), cluster.peer(THIRD, sync=True)
+    a.client.hello(initialize=False)
+    b.client.hello(initialize=False)
+    a.grads.copy_(dyadic_values(a.placement.total_numel, 1.0))
+    watcher = observer(cluster)
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        waiting = pool.submit(a.client.push, 1, want_params=True)
+        wait_for(
+            lambda: [s["version"] for s in shard_stats(watcher)] == [0, 1],
+            "shard 1 to step without THIRD",
+        )
+        b.client.pull()
+        assert b.client.versions == [0, 1] and not b.client.consistent
+        b.client.pull_consistent(timeout_s=DEADLINE_S)
+        waiting.result(timeout=DEADLINE_S)
+    finally:
+        pool.shutdown(wait=False)
+
+    assert b.client.versions == a.client.versions == [1, 1]
+    assert torch.equal(a.params, values - a.grads)
+    assert torch.equal(b.params, a.params)
+
+
 @pytest.mark.parametrize("num_servers", [1, 2])
 def test_client_with_a_different_layout_is_refused_and_the_shard_is_unchanged(
     cluster: Cluster, num_servers: int

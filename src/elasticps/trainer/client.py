@@ -161,6 +161,11 @@ class _ReconnectError(Exception):
     """A connection must be replaced (lost, or its server refused our epoch)."""
 
 
+LAGGING_LOOKS = 4
+"""Inconsistent pulls in a row (about 75 ms) after which a sync trainer joins the open
+step of the shards one version behind (see ``ParameterClient._join_lagging``)."""
+
+
 def _backoff(first_s: float = 0.02, max_s: float = 0.5) -> Iterator[float]:
     """Exponential delays between reconnection attempts, seconds."""
     delay = first_s
@@ -1401,16 +1406,51 @@ class ParameterClient:
         wait_s = self._reconnect_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
         delays = _backoff(0.005, 0.1)
+        looks = 0
         while True:
             self.pull()
             if self.consistent:
                 return
+            looks += 1
+            if looks % LAGGING_LOOKS == 0:
+                self._join_lagging()
+                continue
             if time.monotonic() >= deadline or self._stop.is_set():
                 raise ServiceUnavailableError(
                     "the parameter servers did not agree on a model version within "
                     f"{wait_s:g} s: versions {self.versions}, generations {self.generations}"
                 )
             self._stop.wait(next(delays))
+
+    def _join_lagging(self) -> None:
+        """Sync mode: take part, without a gradient, in the open step of shards one
+        version behind the others (same generation).
+
+        A trainer that joins while a step is open may be waited for by the
+        step of one shard and not by that of another, which closed without it
+        (each shard fixes whom a step waits for when the step opens, from its
+        own view of etcd). Waiting for the shards to agree would then wait for
+        ourselves: the lagging shard's step waits for our push. An empty push
+        there completes that step with the gradients the other shard applied.
+        It is harmless otherwise: a trainer here has no push in any open step,
+        and a step that only empty pushes join moves no version.
+        """
+        if not self._sync or len(set(self.generations)) != 1:
+            return
+        versions = self.versions
+        ahead = max(versions)
+        if min(versions) != ahead - 1:
+            return
+        lagging = [c for c, v in zip(self._conns, versions, strict=True) if v != ahead]
+
+        def send(c: _ShardConnection) -> None:
+            c.push(self.trainer_id, 0, self._step, empty=True, want_params=True)
+
+        log.info(
+            "shards at versions %s: joining the open step of those behind without a gradient",
+            versions,
+        )
+        self._fan_out(send, lagging)
 
     def stats(self) -> list[dict[str, object]]:
         """Each server's ``stats`` control answer."""
