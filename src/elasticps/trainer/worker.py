@@ -676,9 +676,8 @@ class Trainer:
             ServiceUnavailableError: from the master call.
         """
         if self._deferred is not None:
+            # It waits for the push in flight; resolving that push sends it.
             self._retrain_stale_inflight(client)
-            client.flush()
-            self._submit_deferred()
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
