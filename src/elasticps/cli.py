@@ -32,7 +32,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # gRPC's fork handlers are not needed (children are exec'ed at once) and are noisy.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -71,6 +71,9 @@ from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
 from elasticps.storage import Location, is_url, path_or_url
+
+if TYPE_CHECKING:
+    from elasticps.launcher.scratch import JobScratch
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -822,7 +825,7 @@ def _add_sync_reduction(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from elasticps.launcher.spawn import start_spawner
+    from elasticps.launcher.scratch import JobScratch
     from elasticps.preflight import check_before_import
 
     config = job_config(args)
@@ -833,13 +836,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
     os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
     os.environ["ELASTICPS_OVERLAP_PULL"] = args.overlap_pull
+    # etcd starts while torch is imported (about 1.5 s); it answers by then.
+    scratch = JobScratch.create(config.job, config.etcd_port)
+    try:
+        scratch.etcd.spawn()
+        return _train_locally(config, files, scratch)
+    finally:
+        scratch.close()
+
+
+def _train_locally(config: JobConfig, files: dict[str, str], scratch: JobScratch) -> int:
+    from elasticps.launcher.spawn import start_spawner
+
     # The launcher needs torch too (to validate the model file, write
     # model.safetensors and evaluate): it imports it once, with what the roles
     # import, and forks the fork server from itself, before any thread starts.
     with start_spawner(config.spawn, inline_entry=main) as spawner:
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
-        launcher = LocalLauncher(config, spawner=spawner, files=files)
+        launcher = LocalLauncher(config, spawner=spawner, files=files, scratch=scratch)
         with sigterm_as_interrupt():
             try:
                 result = launcher.run()

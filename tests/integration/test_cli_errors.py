@@ -1,8 +1,10 @@
 """User mistakes on the command line: one line on stderr, exit status 2, nothing started.
 
 Every case runs ``python -m elasticps`` as a real subprocess. ``train`` must
-reject the mistake while validating its inputs, before it spawns etcd or any
-role process, so no ``pids.json`` may appear in the output directory.
+reject the mistake while validating its inputs, before it starts any role
+process, so no ``pids.json`` may appear in the output directory. The job's etcd
+may have started (it starts while torch is imported): it must be stopped, and
+its temporary directory removed, by the time the command exits.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class Outcome:
     stderr: str
 
 
-def elasticps(*args: str | Path, cwd: Path) -> Outcome:
-    """Run ``python -m elasticps ARGS`` to completion (killed by subprocess.run on timeout)."""
+def elasticps(*args: str | Path, cwd: Path, tmpdir: Path | None = None) -> Outcome:
+    """Run ``python -m elasticps ARGS`` to completion (killed by subprocess.run on timeout),
+    with ``TMPDIR`` set to ``tmpdir`` if given."""
+    env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     done = subprocess.run(
         [sys.executable, "-m", "elasticps", *map(str, args)],
         capture_output=True,
@@ -48,6 +52,7 @@ def elasticps(*args: str | Path, cwd: Path) -> Outcome:
         timeout=COMMAND_TIMEOUT_S,
         cwd=cwd,
         check=False,
+        env=env,
     )
     return Outcome(done.returncode, done.stdout, done.stderr)
 
@@ -78,13 +83,23 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def output(tmp_path: Path) -> Iterator[Path]:
-    """The job's output directory; after the test, it must hold no pids.json.
+    """The job's output directory; after the test, it must hold no pids.json, and the
+    command's temporary directory (``TMPDIR``, see :func:`train`) must be empty with no
+    process using it.
 
     Should ``train`` have started a job after all, every process it lists is
     killed by PID before the test is failed.
     """
     out = tmp_path / "out"
+    (tmp_path / "tmp").mkdir()
     yield out
+    scratch = tmp_path / "tmp"
+    users = [pid for pid in running_pids() if str(scratch).encode() in cmdline_of(pid)]
+    for pid in users:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not users, f"processes left running in the job's temporary directory: {users}"
+    assert list(scratch.iterdir()) == [], "the job's temporary directory was not removed"
     pids_path = out / "pids.json"
     if pids_path.exists():
         pids = json.loads(pids_path.read_text())
@@ -93,6 +108,17 @@ def output(tmp_path: Path) -> Iterator[Path]:
                 if is_ours(int(pid)):
                     os.kill(int(pid), signal.SIGKILL)
         pytest.fail(f"train started processes before rejecting its input: {pids}")
+
+
+def running_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def cmdline_of(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def is_ours(pid: int) -> bool:
@@ -125,6 +151,7 @@ def train(*args: str | Path, data: Path, output: Path, model: Path = MLP) -> Out
         "--no-progress",
         *args,
         cwd=output.parent,
+        tmpdir=output.parent / "tmp",
     )
 
 

@@ -83,6 +83,57 @@ def test_start_refuses_a_requested_port_that_is_taken(tmp_path: Path) -> None:
     assert server.pid is None
 
 
+def test_spawn_returns_at_once_and_start_waits_for_that_process(tmp_path: Path) -> None:
+    server = EtcdServer(EtcdServerConfig(data_dir=tmp_path / "data", client_port=0))
+    try:
+        server.spawn()
+        pid = server.pid
+        assert pid is not None
+        endpoint = server.endpoint  # known at once: the ports are picked by spawn()
+        server.start()
+        assert (server.pid, server.endpoint) == (pid, endpoint)  # the same process
+        with JobStore(endpoint, "j") as job_store:
+            job_store.set_job_state("running")
+            assert job_store.job_state() == "running"
+    finally:
+        server.stop()
+    assert pid_gone(pid)
+
+
+def test_a_spawned_etcd_that_never_started_stops_by_pid(tmp_path: Path) -> None:
+    server = EtcdServer(EtcdServerConfig(data_dir=tmp_path / "data", client_port=0))
+    server.spawn()
+    pid = server.pid
+    assert pid is not None
+    server.stop()
+    assert pid_gone(pid)
+    assert server.pid is None
+
+
+def test_start_after_spawn_picks_new_ports_when_a_picked_one_was_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elasticps.coord import etcd_server
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picks = iter([port])
+        real = etcd_server.free_port
+        # The first pick is a port another process holds (the race start() retries).
+        monkeypatch.setattr(etcd_server, "free_port", lambda host: next(picks, None) or real(host))
+        server = EtcdServer(EtcdServerConfig(data_dir=tmp_path / "data", client_port=0))
+        try:
+            server.spawn()
+            server.start()
+            assert server.port != port
+            with JobStore(server.endpoint, "j") as job_store:
+                assert job_store.job_state() is None
+        finally:
+            server.stop()
+
+
 def test_restart_keeps_data_and_endpoint(
     etcd_server_factory: Callable[[], EtcdServer],
 ) -> None:

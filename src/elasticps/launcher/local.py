@@ -17,15 +17,20 @@ killed and stuck ones and deletes surplus ones newest first. The etcd endpoint
 is written to ``<output>/run.json`` (key ``etcd``) as soon as etcd is up, so
 ``elasticps scale`` can find a running job.
 
-At the end it pulls the final parameters from the parameter servers, saves
-them as a safetensors checkpoint with a JSON manifest under ``output``, and,
-if the data directory has a ``test.parquet``, evaluates them.
+At the end it takes a consistent checkpoint of the parameter servers, stops
+them (they save their shards while the launcher goes on), saves the model as
+a safetensors checkpoint with a JSON manifest under ``output``, and, if the
+data directory has a ``test.parquet``, evaluates it. The launcher wakes for
+the job's end when the master writes the last pass's audit (an etcd watch),
+not at its next poll.
 
-Before it starts anything (:meth:`LocalLauncher.validate`, then
+Before it starts any role process (:meth:`LocalLauncher.validate`, then
 :meth:`LocalLauncher.claim_output`) it checks the model file, the data (from
 Parquet metadata: columns, rows, nulls), a ``--resume`` checkpoint (sizes and
 CRC-32s), the ports, and the output directory, which it then locks for the
-job's life (:mod:`elasticps.launcher.output`). Logs go to ``output/logs/``
+job's life (:mod:`elasticps.launcher.output`). Only etcd may run by then:
+``elasticps train`` starts it while torch is imported
+(:class:`~elasticps.launcher.scratch.JobScratch`). Logs go to ``output/logs/``
 (:mod:`elasticps.logs`). A role process that stops on a user error (exit
 status 2, e.g. a trainer whose model file raised on a mini-batch) ends the
 job with that process's one-line error.
@@ -61,7 +66,7 @@ from tqdm import tqdm
 from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
-from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
+from elasticps.coord.etcd_server import EtcdServer
 from elasticps.coord.store import JobStore, is_transient
 from elasticps.data.kafka import load_client_config
 from elasticps.data.parquet import (
@@ -105,6 +110,7 @@ from elasticps.launcher.output import (
     table_checkpoint_bytes,
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
+from elasticps.launcher.scratch import JobScratch
 from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env, run_beside
 from elasticps.launcher.stream_output import LatestPublisher, offsets_of, stream_extra
 from elasticps.launcher.supervisor import (
@@ -151,6 +157,8 @@ _HEALTH_POLL_S = 1.0
 _FOREVER_S = 10.0 * 365 * 24 * 3600
 # After the master says the job is finished, how long trainers get to exit on their own.
 _TRAINER_EXIT_S = 30.0
+# How often the launcher looks whether they have, in seconds.
+_TRAINER_EXIT_POLL_S = 0.02
 # A role process's last line when it stops on a user error (elasticps.cli.main).
 _USER_ERROR_PREFIX = "elasticps: error: "
 
@@ -229,6 +237,12 @@ class LocalLauncher:
             :meth:`run`); by default each is a new interpreter.
         files: text files to write in the output directory once the job holds
             it (name -> text), e.g. the job file ``config.toml``.
+        scratch: the job's temporary directory and etcd, whose etcd the
+            caller may have started already (:meth:`EtcdServer.spawn`) so
+            that it starts while torch is imported; by default the launcher
+            creates one when the job starts. The launcher closes it at the
+            end of :meth:`run`'s job; the caller closes it too, for a job
+            refused before it started.
     """
 
     def __init__(
@@ -238,8 +252,10 @@ class LocalLauncher:
         out: IO[str] | None = None,
         spawner: Spawner | None = None,
         files: Mapping[str, str] | None = None,
+        scratch: JobScratch | None = None,
     ) -> None:
         self.config = config
+        self._scratch = scratch
         self._files = dict(files or {})
         self.out = out if out is not None else sys.stderr
         self._spawner: Spawner = spawner or ExecSpawner()
@@ -383,7 +399,7 @@ class LocalLauncher:
         if cfg.resume is not None:
             check_resume_location(cfg.resume)
             verify_snapshot_files(Location.of(cfg.resume))
-        if cfg.etcd_port:
+        if cfg.etcd_port and self._scratch is None:  # else our etcd may hold it already
             check_port_free(cfg.etcd_port, what="--etcd-port")
         if cfg.master_port:
             check_port_free(cfg.master_port, what="--master-port")
@@ -547,21 +563,19 @@ class LocalLauncher:
     ) -> JobResult:
         cfg = self.config
         started = time.monotonic()
-        workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
+        scratch = self._scratch or JobScratch.create(cfg.job, cfg.etcd_port)
+        workdir = scratch.path
         self._workdir = workdir
-        cfg.output.mkdir(parents=True, exist_ok=True)
-        (cfg.output / STOP_FILE).unlink(missing_ok=True)  # a request for an earlier run
-        for name, text in self._files.items():
-            self._write_text(name, text)
-        etcd = EtcdServer(
-            EtcdServerConfig(data_dir=workdir / "etcd", client_port=cfg.etcd_port),
-            log_path=workdir / "etcd.log",
-        )
+        etcd = scratch.etcd
         self._etcd = etcd
         try:
+            cfg.output.mkdir(parents=True, exist_ok=True)
+            (cfg.output / STOP_FILE).unlink(missing_ok=True)  # a request for an earlier run
+            for name, text in self._files.items():
+                self._write_text(name, text)
             for name, pid in self._spawner.pids().items():
                 self._log_pid(name, pid)
-            etcd.start()
+            etcd.start()  # or waits for the etcd that scratch.etcd.spawn() started
             self._etcd_pid = etcd.pid
             self._log_pid("etcd", etcd.pid)
             # Written at once, so that `elasticps scale` finds the running job.
@@ -640,6 +654,9 @@ class LocalLauncher:
                 )
                 self._await_trainers()
                 self._store = None  # closed below; late reaper events must not use it
+            # Nothing needs the servers any more: they save their shards and
+            # exit while the model is written and evaluated; stop_all waits.
+            self._signal_children()
             wall_s = time.monotonic() - started
             manifest = self._model_manifest(versions, snapshot["version"], samples, wall_s)
             try:
@@ -669,8 +686,7 @@ class LocalLauncher:
             return result
         finally:
             self.stop_all()
-            etcd.stop()
-            shutil.rmtree(workdir, ignore_errors=True)
+            scratch.close()
 
     def _publish_model(self, store: JobStore, spec: ModelSpec, target: Path) -> None:
         """A stream job's model for ``OUTPUT/latest``: a consistent checkpoint and its model."""
@@ -1039,11 +1055,7 @@ class LocalLauncher:
             self._manager.stop()
         if self._backend is not None:
             self._backend.close(timeout_s)
-        order = sorted(self.children, key=lambda c: {"ps": 0}.get(c.kind, 1))
-        for child in order:
-            if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
+        order = self._signal_children()
         deadline = time.monotonic() + timeout_s
         for child in order:
             try:
@@ -1058,6 +1070,16 @@ class LocalLauncher:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def _signal_children(self) -> list[Child]:
+        """SIGTERM every running child but the trainers, parameter servers first; returns them
+        in that order."""
+        order = sorted(self.children, key=lambda c: {"ps": 0}.get(c.kind, 1))
+        for child in order:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        return order
 
     # --- monitoring -------------------------------------------------------------
 
@@ -1250,8 +1272,15 @@ class LocalLauncher:
         pending_chaos = list(cfg.chaos)
         training_started: float | None = None
         done_seen = -1
+        # A pass's end wakes the loop at once: the last one ends the job, and
+        # the final checkpoint need not wait for the next poll.
+        pass_ended = threading.Event()
+        passes_watch = None
+        with contextlib.suppress(CoordinationError):  # then the polls alone see it
+            passes_watch = store.watch_pass_summaries(lambda _: pass_ended.set())
         try:
             while True:
+                pass_ended.clear()
                 self._supervise()
                 self._check_checkpoint_health(store)
                 if cfg.stream:
@@ -1291,8 +1320,10 @@ class LocalLauncher:
                     record = {"job": cfg.job, "etcd": etcd, "state": "stopping"}
                     self._write_json("run.json", record)
                     break
-                time.sleep(self._random_chaos.sleep_s(_POLL_S))
+                pass_ended.wait(self._random_chaos.sleep_s(_POLL_S))
         finally:
+            if passes_watch is not None:
+                passes_watch.cancel()
             master.close()
         if last is not None:
             self._progress = {
@@ -1338,7 +1369,8 @@ class LocalLauncher:
         """
         deadline = time.monotonic() + _TRAINER_EXIT_S
         while self._supervise() and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+            # They exit within milliseconds of the job's end, as a rule.
+            time.sleep(_TRAINER_EXIT_POLL_S)
 
     def _random_kill(self, store: JobStore, training_started: float, done: int) -> None:
         """One step of ``--chaos random:...``: SIGKILL a random role when one is due.

@@ -406,6 +406,8 @@ class ForkServer:
             self._proc.wait()
         self._reader.join(timeout=timeout_s)
         self._sock.close()
+        if isinstance(self._proc, _ForkedServer):
+            self._proc.release()
 
     def _read(self) -> None:
         why = "it closed its socket"
@@ -479,9 +481,18 @@ class _ForkedServer:
                 except ChildProcessError:  # reaped already: cannot happen, but not a hang
                     pid, status = self.pid, 0
                 if pid:
+                    # The pidfd stays open (and readable) for a thread that
+                    # waits on it now: closing it would drop it from that
+                    # thread's epoll set unseen. release() closes it.
                     self.returncode = os.waitstatus_to_exitcode(status)
-                    os.close(self._pidfd)
             return self.returncode
+
+    def release(self) -> None:
+        """Close the pidfd, once nobody waits for the server any more. Idempotent."""
+        with self._lock:
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the server to end; its exit status.
