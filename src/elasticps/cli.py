@@ -826,11 +826,13 @@ def _add_sync_reduction(p: argparse.ArgumentParser) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from elasticps.launcher.scratch import JobScratch
+    from elasticps.launcher.spawn import gc_paused
     from elasticps.preflight import check_before_import
 
     config = job_config(args)
     # A mistyped path or a port in use is refused before torch is imported.
-    check_before_import(config)
+    with gc_paused():  # it imports pyarrow
+        check_before_import(config)
     files = {CONFIG_FILE: _job_file_text(args)}
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
@@ -1001,7 +1003,10 @@ def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
-    from elasticps.master.main import run_master
+    from elasticps.launcher.spawn import gc_paused
+
+    with gc_paused():  # a role process started on its own imports torch here
+        from elasticps.master.main import run_master
 
     config = MasterConfig(
         common=_common(args),
@@ -1029,7 +1034,10 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
-    from elasticps.pserver.main import run_ps
+    from elasticps.launcher.spawn import gc_paused
+
+    with gc_paused():  # a role process started on its own imports torch here
+        from elasticps.pserver.main import run_ps
 
     config = PSConfig(
         common=_common(args),
@@ -1052,7 +1060,10 @@ def _cmd_ps(args: argparse.Namespace) -> int:
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
-    from elasticps.trainer.worker import run_trainer
+    from elasticps.launcher.spawn import gc_paused
+
+    with gc_paused():  # a role process started on its own imports torch here
+        from elasticps.trainer.worker import run_trainer
 
     config = TrainerConfig(
         common=_common(args),
