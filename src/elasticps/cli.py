@@ -826,12 +826,12 @@ def _add_sync_reduction(p: argparse.ArgumentParser) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from elasticps.launcher.scratch import JobScratch
-    from elasticps.launcher.spawn import gc_paused
+    from elasticps.launcher.spawn import importing
     from elasticps.preflight import check_before_import
 
     config = job_config(args)
     # A mistyped path or a port in use is refused before torch is imported.
-    with gc_paused():  # it imports pyarrow
+    with importing():  # it imports pyarrow
         check_before_import(config)
     files = {CONFIG_FILE: _job_file_text(args)}
     # Trainer-only flags reach the trainer processes as ELASTICPS_* defaults.
@@ -1003,9 +1003,9 @@ def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
 
 
 def _cmd_master(args: argparse.Namespace) -> int:
-    from elasticps.launcher.spawn import gc_paused
+    from elasticps.launcher.spawn import importing
 
-    with gc_paused():  # a role process started on its own imports torch here
+    with importing():  # a role process started on its own imports torch here
         from elasticps.master.main import run_master
 
     config = MasterConfig(
@@ -1034,9 +1034,9 @@ def _cmd_master(args: argparse.Namespace) -> int:
 
 
 def _cmd_ps(args: argparse.Namespace) -> int:
-    from elasticps.launcher.spawn import gc_paused
+    from elasticps.launcher.spawn import importing
 
-    with gc_paused():  # a role process started on its own imports torch here
+    with importing():  # a role process started on its own imports torch here
         from elasticps.pserver.main import run_ps
 
     config = PSConfig(
@@ -1060,9 +1060,9 @@ def _cmd_ps(args: argparse.Namespace) -> int:
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
-    from elasticps.launcher.spawn import gc_paused
+    from elasticps.launcher.spawn import importing
 
-    with gc_paused():  # a role process started on its own imports torch here
+    with importing():  # a role process started on its own imports torch here
         from elasticps.trainer.worker import run_trainer
 
     config = TrainerConfig(

@@ -612,35 +612,35 @@ _INT_MAX = (1 << 31) - 1  # mallopt takes a C int
 
 
 def _import_all(names: Sequence[str]) -> None:
-    """Import ``names`` with the garbage collector paused, then freeze what they made.
-
-    One that cannot be imported is left to the child, which then says what
-    is missing. :func:`gc.freeze` moves every object made so far out of the
-    collector's sight, as CPython's documentation advises before a fork:
-    children neither scan the imported modules in their collections nor copy
-    their pages by touching the objects' headers.
-    """
-    with gc_paused():
+    """Import ``names`` (see :func:`importing`); one that cannot be imported is left to
+    the child, which then says what is missing."""
+    with importing():
         for name in names:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
-    gc.freeze()
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector in this block (for imports).
+def importing() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for a block of imports, then freeze what
+    they made.
 
     Importing torch and the role modules makes a few million objects and
     frees almost none, yet every few hundred allocations start a collection
     over what was made so far: about a fifth of the imports' time here
-    (benchmarks/README.md). Cycles made in the block are collected after it.
+    (benchmarks/README.md). At the end, :func:`gc.freeze` moves every object
+    made so far out of the collector's sight before it runs again (else its
+    first collection would scan them all), as CPython's documentation advises
+    before a fork: forked children neither scan the imported modules nor copy
+    their pages by touching the objects' headers. Cycles made in the block
+    are never collected; imports make next to none.
     """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if enabled:
             gc.enable()
 
