@@ -279,40 +279,25 @@ class EtcdServer:
             self._config.client_port == 0 or self._config.peer_port == 0
         )
         attempts = _PORT_RACE_ATTEMPTS if auto_ports else 1
-        first = 1
-        if self._spawned:
-            self._spawned = False
+        if not self._spawned:
+            self.spawn()
+        self._spawned = False
+        for attempt in range(1, attempts + 1):
             try:
-                self._wait_spawned()
-            except PortInUseError:
-                if not auto_ports:
-                    raise
-                self._forget_auto_ports()
-                first = 2
-            else:
-                self._started_once = True
-                return
-        if self.alive():
-            raise CoordinationError(f"etcd is already running (pid {self.pid})")
-        self._reap()
-        for attempt in range(first, attempts + 1):
-            self._choose_ports()
-            try:
-                self._spawn()
                 self._wait_spawned()
             except PortInUseError:
                 if attempt == attempts:
                     raise
-                self._forget_auto_ports()
+                # Another process took an auto-picked port between free_port()
+                # and etcd's bind(); pick new ones.
+                _log.info("etcd: a picked port was taken meanwhile; retrying with new ports")
+                self._client_port = self._config.client_port or None
+                self._peer_port = self._config.peer_port or None
+                self._choose_ports()
+                self._spawn()
                 continue
             self._started_once = True
             return
-
-    def _forget_auto_ports(self) -> None:
-        """Another process took an auto-picked port between free_port() and etcd's bind()."""
-        _log.info("etcd: a picked port was taken meanwhile; retrying with new ports")
-        self._client_port = self._config.client_port or None
-        self._peer_port = self._config.peer_port or None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop etcd: SIGTERM, wait up to ``timeout_s`` seconds, then SIGKILL.
