@@ -22,6 +22,7 @@ from elasticps.pserver.sparse import (
     SparseSGD,
     SparseTable,
     TableSpec,
+    apply_tables,
     combine_gradients,
     concat_chunks,
     initial_rows,
@@ -243,6 +244,88 @@ def test_lazy_adam_equals_dense_adam_when_every_row_is_pushed_every_step(step_co
         table.apply(np.arange(n), grads, 0.01)
         rule.step(grads.reshape(-1), 0.01)
     torch.testing.assert_close(table.lookup(np.arange(n)), flat.view(n, DIM), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("options", "torch_cls"),
+    [
+        ({"weight_decay": 0.1}, torch.optim.Adam),
+        ({"weight_decay": 0.1, "decoupled_weight_decay": True}, torch.optim.AdamW),
+        ({"maximize": True, "betas": (0.8, 0.95), "eps": 1e-4}, torch.optim.Adam),
+    ],
+)
+def test_lazy_adam_options_match_torch_adam_when_every_row_is_pushed(
+    options: dict[str, object], torch_cls: type[torch.optim.Optimizer]
+) -> None:
+    n = 6
+    spec = TableSpec("t", DIM, num_embeddings=n)
+    table = SparseTable(spec, SparseAdam(**options))  # type: ignore[arg-type]
+    dense = torch.nn.Parameter(_dense_start(spec, n).view(n, DIM).clone())
+    kwargs = {k: v for k, v in options.items() if k != "decoupled_weight_decay"}
+    opt = torch_cls([dense], lr=0.01, **kwargs)  # type: ignore[call-arg]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        grads = torch.randn(n, DIM, generator=gen)
+        table.apply(np.arange(n), grads, 0.01)
+        dense.grad = grads.clone()
+        opt.step()
+    torch.testing.assert_close(table.lookup(np.arange(n)), dense.detach(), rtol=0, atol=1e-6)
+
+
+_RULES_TOGETHER = [
+    SparseSGD(),
+    SparseSGD(momentum=0.5, weight_decay=0.01),
+    SparseAdagrad(eps=1e-3),
+    SparseAdam(),
+    SparseAdam(step_count="table", weight_decay=0.01),
+]
+
+
+@pytest.mark.parametrize("rule", _RULES_TOGETHER, ids=lambda r: repr(r)[:40])
+def test_apply_tables_equals_applying_each_table_alone(rule: object) -> None:
+    # Two tables share a row width (stepped together), one has another, one is hashed.
+    specs = [
+        TableSpec("a", DIM, num_embeddings=50, seed=1),
+        TableSpec("b", DIM, num_embeddings=30, seed=2),
+        TableSpec("c", 2, num_embeddings=40, seed=3),
+        TableSpec("d", DIM, seed=4),
+    ]
+
+    def tables() -> list[SparseTable]:
+        return [SparseTable(s, rule, chunk_rows=8) for s in specs]  # type: ignore[arg-type]
+
+    together, alone = tables(), tables()
+    rng = np.random.default_rng(5)
+    for step in range(12):
+        pushes = []
+        for spec in specs:
+            space = spec.num_embeddings or 1000
+            k = 0 if (step + len(spec.name)) % 5 == 0 else int(rng.integers(1, 12))
+            ids = rng.choice(space, size=k, replace=False).astype(np.int64)
+            pushes.append((ids, torch.from_numpy(rng.standard_normal((k, spec.dim), np.float32))))
+        apply_tables([(t, ids, g) for t, (ids, g) in zip(together, pushes, strict=True)], 0.05)
+        for t, (ids, g) in zip(alone, pushes, strict=True):
+            t.apply(ids, g, 0.05)
+    for t, u in zip(together, alone, strict=True):
+        assert t.version == u.version == 12
+        ids = np.arange(t.spec.num_embeddings or 1000)
+        torch.testing.assert_close(t.lookup(ids), u.lookup(ids), rtol=1e-6, atol=1e-7)
+
+
+def test_apply_tables_refuses_a_bad_push_before_any_table_changes() -> None:
+    good = SparseTable(TableSpec("good", DIM, num_embeddings=10), SparseAdam())
+    bad = SparseTable(TableSpec("bad", DIM, num_embeddings=10), SparseAdam())
+    before = good.lookup(np.arange(10))
+    with pytest.raises(SparseTableError, match="bad"):
+        apply_tables(
+            [
+                (good, np.array([1, 2]), torch.ones(2, DIM)),
+                (bad, np.array([1, 1]), torch.ones(2, DIM)),
+            ],
+            0.1,
+        )
+    assert good.version == bad.version == 0
+    assert torch.equal(good.lookup(np.arange(10)), before)
 
 
 def test_lazy_adam_row_step_gives_a_rare_row_a_first_step_bias_correction() -> None:

@@ -493,7 +493,6 @@ def _apply_rule(
     grads: Tensor,
     state: dict[str, Tensor],
     steps: Tensor,
-    table_step: int,
     lr: float,
 ) -> None:
     """One lazy update of gathered rows, in place.
@@ -503,7 +502,6 @@ def _apply_rule(
         grads: float32 ``[k, dim]``.
         state: per-row state, float32 ``[k, dim]`` each, updated in place.
         steps: int64 ``[k]``, each row's update count *including* this one.
-        table_step: the table's version after this update.
         lr: learning rate.
     """
     if isinstance(rule, SparseSGD):
@@ -549,27 +547,6 @@ def _apply_rule(
                 rows[mask] = p
                 state["sum"][mask] = s
         return
-    beta1, beta2 = rule.betas
-    g = -grads if rule.maximize else grads
-    if rule.weight_decay:
-        if rule.decoupled_weight_decay:
-            rows.mul_(1 - lr * rule.weight_decay)
-        else:
-            g = g.add(rows, alpha=rule.weight_decay)
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    # The per-row bias corrections are k scalars: numpy computes them (float64,
-    # then float32) at a fraction of the cost of as many small torch calls.
-    t = (
-        steps.numpy().astype(np.float64)
-        if rule.step_count == "row"
-        else np.full(len(steps), float(table_step))
-    )
-    step_size = torch.from_numpy((lr / (1.0 - np.power(beta1, t))).astype(np.float32)[:, None])
-    bias2_sqrt = torch.from_numpy(np.sqrt(1.0 - np.power(beta2, t)).astype(np.float32)[:, None])
-    denom = v.sqrt().div_(bias2_sqrt).add_(rule.eps)
-    rows.sub_(m.div(denom).mul_(step_size))
 
 
 def combine_gradients(
@@ -611,17 +588,160 @@ def combine_gradients(
     return unique, out
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """One table's pushed rows, gathered for an update step (see :func:`apply_tables`).
+
+    ``rows``, ``state`` and ``grads`` are float32 ``[k, dim]``; ``count``
+    int64 ``[k]``, each row's update count including this step.
+    """
+
+    table: SparseTable
+    where: _Locator
+    rows: FloatArray
+    state: dict[str, FloatArray]
+    count: IdArray
+    grads: FloatArray
+
+
+def apply_tables(
+    pushes: Sequence[tuple[SparseTable, Tensor | IdArray, Tensor | FloatArray]],
+    lr: float,
+    *,
+    checked: bool = False,
+) -> None:
+    """One optimizer step of several tables: :meth:`SparseTable.apply` of each push.
+
+    Tables with the same rule and row width are stepped together: their
+    gathered rows are concatenated and the rule runs once over them, which
+    costs about what one table's step does (the rule's cost for a few
+    hundred rows is mostly per call). The result is the same as applying
+    each table alone.
+
+    Args:
+        pushes: ``(table, ids int64 [k] unique, grads float32 [k, dim])``
+            (grads a tensor or a numpy array), at most one per table.
+        lr: learning rate of this step, > 0.
+        checked: as :meth:`SparseTable.apply`.
+
+    Raises:
+        SparseTableError: as :meth:`SparseTable.apply`; every push is
+            checked before any table changes.
+    """
+    arrays = [table._check_push(ids, grads, checked=checked) for table, ids, grads in pushes]
+    groups: dict[tuple[SparseRule, int], list[_Staged]] = {}
+    for (table, _, grads), arr in zip(pushes, arrays, strict=True):
+        staged = table._stage(arr, grads)
+        if staged is not None:
+            groups.setdefault((table.rule, table.spec.dim), []).append(staged)
+    for (rule, _), members in groups.items():
+        if len(members) == 1:
+            one = members[0]
+            _step_rows(rule, one.rows, one.grads, one.state, one.count, members, lr)
+            one.table._commit(one, one.rows, one.state)
+            continue
+        rows = np.concatenate([m.rows for m in members])
+        state = {k: np.concatenate([m.state[k] for m in members]) for k in rule.state_keys}
+        count = np.concatenate([m.count for m in members])
+        grads = np.concatenate([m.grads for m in members])
+        _step_rows(rule, rows, grads, state, count, members, lr)
+        start = 0
+        for m in members:
+            end = start + m.where.n
+            m.table._commit(m, rows[start:end], {k: v[start:end] for k, v in state.items()})
+            start = end
+
+
+def _table_steps(members: Sequence[_Staged]) -> npt.NDArray[np.float64]:
+    """Each gathered row's table version (Adam's ``step_count="table"``), float64 ``[k]``."""
+    return np.concatenate([np.full(m.where.n, float(m.table.version)) for m in members])
+
+
+def _step_rows(  # noqa: PLR0917 (the arrays of one step)
+    rule: SparseRule,
+    rows: FloatArray,
+    grads: FloatArray,
+    state: dict[str, FloatArray],
+    count: IdArray,
+    members: Sequence[_Staged],
+    lr: float,
+) -> None:
+    """One lazy update of gathered rows, in place: the concatenation of ``members``'
+    arrays (as :class:`_Staged`'s)."""
+    if isinstance(rule, SparseAdam):
+        t = count.astype(np.float64) if rule.step_count == "row" else _table_steps(members)
+        _adam_rows(rule, rows, grads, state, t, lr)
+        return
+    _apply_rule(
+        rule,
+        torch.from_numpy(rows),
+        grads=torch.from_numpy(grads),
+        state={k: torch.from_numpy(v) for k, v in state.items()},
+        steps=torch.from_numpy(count),
+        lr=lr,
+    )
+
+
+def _adam_rows(  # noqa: PLR0917 (the arrays of one step)
+    rule: SparseAdam,
+    rows: FloatArray,
+    grads: FloatArray,
+    state: dict[str, FloatArray],
+    t: npt.NDArray[np.float64],
+    lr: float,
+) -> None:
+    """:class:`SparseAdam` on gathered rows, in place, in numpy; ``t`` is each
+    row's step number for the bias corrections, float64 ``[k]``.
+
+    The operations of ``torch.optim.Adam``'s single-tensor step, in float32,
+    with the per-row bias corrections computed in float64. numpy rather
+    than torch because a step touches a few hundred rows, where each torch
+    call's fixed cost (several microseconds) outweighs its arithmetic.
+    Results match the torch operations to float32 rounding (``lerp`` uses a
+    fused multiply-add there).
+    """
+    beta1, beta2 = rule.betas
+    g = -grads if rule.maximize else grads
+    if rule.weight_decay:
+        if rule.decoupled_weight_decay:
+            rows *= np.float32(1 - lr * rule.weight_decay)
+        else:
+            g = g + rows * np.float32(rule.weight_decay)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    delta = g - m
+    delta *= np.float32(1 - beta1)
+    m += delta  # m.lerp_(g, 1 - beta1)
+    v *= np.float32(beta2)
+    sq = g * np.float32(1 - beta2)
+    sq *= g
+    v += sq  # v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = (lr / (1.0 - np.power(beta1, t))).astype(np.float32)[:, None]
+    bias2_sqrt = np.sqrt(1.0 - np.power(beta2, t)).astype(np.float32)[:, None]
+    denom = np.sqrt(v)
+    denom /= bias2_sqrt
+    denom += np.float32(rule.eps)
+    np.divide(m, denom, out=denom)
+    denom *= step_size
+    rows -= denom
+
+
 # --- chunked storage -------------------------------------------------------------------------
 
 
 class _Locator:
     """Where slots live: chunk and offset of each, grouped by chunk for gathers and scatters."""
 
-    def __init__(self, slots: IdArray, chunk_rows: int) -> None:
+    def __init__(self, slots: IdArray, chunk_rows: int, *, one_chunk: bool = False) -> None:
+        """``one_chunk``: the caller knows every slot is below ``chunk_rows``."""
         self.n = len(slots)
+        self.groups: list[tuple[int, IdArray | None]] = []
+        if one_chunk:
+            self.offset = slots
+            if self.n:
+                self.groups = [(0, None)]
+            return
         chunk = slots // chunk_rows
         self.offset = slots % chunk_rows
-        self.groups: list[tuple[int, IdArray | None]] = []
         if not self.n:
             return
         if chunk[0] == chunk[-1] and (chunk == chunk[0]).all():
@@ -792,6 +912,9 @@ class _DirectIndex:
     def find(self, ids: IdArray) -> IdArray:
         """Slots of ``ids`` (any order, duplicates allowed); -1 where absent."""
         slots = self._slots
+        if len(slots) == self._num_ids:  # grown to every id, and ids are in range
+            every: IdArray = slots[ids]
+            return every
         if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < len(slots):
             found: IdArray = slots[ids]
             return found
@@ -1297,6 +1420,8 @@ class SparseTable:
     ) -> None:
         """One optimizer step: update rows ``ids`` with ``grads``, and bump :attr:`version`.
 
+        :func:`apply_tables` does the same for several tables at once.
+
         Rows absent so far are allocated at their initial value first. An
         empty push still bumps the version (a step in which no trainer used
         the table), which ages rows for eviction and advances Adam's
@@ -1315,12 +1440,25 @@ class SparseTable:
             SparseTableError: ids not int64 1-d or not unique, out of a fixed
                 table's range, or grads of the wrong dtype or shape.
         """
+        apply_tables([(self, ids, grads)], lr, checked=checked)
+
+    def _check_push(
+        self, ids: Tensor | IdArray, grads: Tensor | FloatArray, *, checked: bool
+    ) -> IdArray:
+        """The ids of a push as an int64 array, once the push is checked.
+
+        Raises:
+            SparseTableError: as :meth:`apply`.
+        """
         if checked and isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
             arr = ids
         else:
             arr = self._check_ids(ids, "ids")
             checked = False
-        if not isinstance(grads, Tensor) or grads.dtype != torch.float32:
+        if not (
+            (isinstance(grads, Tensor) and grads.dtype == torch.float32)
+            or (isinstance(grads, np.ndarray) and grads.dtype == np.float32)
+        ):
             raise SparseTableError(f"sparse table {self.spec.name}: grads must be float32")
         if tuple(grads.shape) != (len(arr), self.spec.dim):
             raise SparseTableError(
@@ -1329,31 +1467,39 @@ class SparseTable:
             )
         if not checked and len(arr) > 1 and len(np.unique(arr)) != len(arr):
             raise SparseTableError(f"sparse table {self.spec.name}: pushed ids are not unique")
+        return arr
+
+    def _stage(self, arr: IdArray, grads: Tensor | FloatArray) -> _Staged | None:
+        """Bump :attr:`version`, allocate the absent rows of ``arr`` (checked by
+        :meth:`_check_push`) and gather their values, state and counts (None: no rows)."""
         self.version += 1
         if not len(arr):
-            return
+            return None
         slots = self._allocate(arr)
-        where = _Locator(slots, self.chunk_rows)
+        where = _Locator(slots, self.chunk_rows, one_chunk=self._size <= self.chunk_rows)
         cols = self._columns
-        rows = np.ascontiguousarray(cols["rows"].gather(where))
-        state_np = {
-            k: np.ascontiguousarray(cols[f"optim.{k}"].gather(where)) for k in self.rule.state_keys
-        }
-        count = cols["count"].gather(where) + 1
-        _apply_rule(
-            self.rule,
-            torch.from_numpy(rows),
-            grads=grads.detach().cpu().contiguous(),
-            state={k: torch.from_numpy(v) for k, v in state_np.items()},
-            steps=torch.from_numpy(count),
-            table_step=self.version,
-            lr=lr,
+        return _Staged(
+            self,
+            where,
+            np.ascontiguousarray(cols["rows"].gather(where)),
+            {
+                k: np.ascontiguousarray(cols[f"optim.{k}"].gather(where))
+                for k in self.rule.state_keys
+            },
+            cols["count"].gather(where) + 1,
+            np.ascontiguousarray(grads)
+            if isinstance(grads, np.ndarray)
+            else grads.detach().cpu().contiguous().numpy(),
         )
+
+    def _commit(self, staged: _Staged, rows: FloatArray, state: Mapping[str, FloatArray]) -> None:
+        """Write back the rows and state a step computed for :meth:`_stage`'s rows."""
+        where, cols = staged.where, self._columns
         cols["rows"].scatter(where, rows)
-        for k, v in state_np.items():
+        for k, v in state.items():
             cols[f"optim.{k}"].scatter(where, v)
-        cols["count"].scatter(where, count)
-        cols["last_version"].scatter(where, np.full(len(arr), self.version, np.int64))
+        cols["count"].scatter(where, staged.count)
+        cols["last_version"].scatter(where, np.full(where.n, self.version, np.int64))
 
     def _allocate(self, ids: IdArray) -> IdArray:
         """Slots of ``ids`` (unique), allocating and initialising the absent ones."""

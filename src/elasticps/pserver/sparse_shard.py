@@ -61,8 +61,11 @@ from elasticps.pserver.sparse import (
     SparseRule,
     SparseTable,
     TableSpec,
+    apply_tables,
     check_id_range,
 )
+
+_NO_IDS = np.zeros(0, np.int64)
 
 __all__ = [
     "MAX_TABLES",
@@ -460,13 +463,14 @@ class ShardTables:
 
     def apply(self, grads: RowGrads | None, lr: float) -> None:
         """One step of every table with one push's rows (async mode; None: no rows)."""
+        pushes = []
         for t, entry in enumerate(self.entries):
             table = self.tables[entry.spec.name]
             if grads is None or entry.spec.name in self.frozen or not len(grads.ids[t]):
-                table.apply(np.zeros(0, np.int64), torch.zeros(0, entry.spec.dim), lr)
+                pushes.append((table, _NO_IDS, np.zeros((0, entry.spec.dim), np.float32)))
             else:
-                rows = torch.from_numpy(np.ascontiguousarray(grads.grads[t]))
-                table.apply(grads.ids[t], rows, lr, checked=True)  # by split_ids
+                pushes.append((table, grads.ids[t], grads.grads[t]))
+        apply_tables(pushes, lr, checked=True)  # checked by split_ids
         self._after_step()
 
     def accumulate(self, grads: RowGrads, weight: float) -> None:
@@ -487,11 +491,12 @@ class ShardTables:
         trainers only is averaged over all of them, as if the others had
         pushed a zero row (which is what their dense gradient holds).
         """
+        pushes = []
         for t, entry in enumerate(self.entries):
             table = self.tables[entry.spec.name]
             parts = self._round[t]
             if not parts:
-                table.apply(np.zeros(0, np.int64), torch.zeros(0, entry.spec.dim), lr)
+                pushes.append((table, _NO_IDS, torch.zeros(0, entry.spec.dim)))
                 continue
             ids = torch.cat([i for i, _ in parts])
             rows = torch.cat([g for _, g in parts])
@@ -501,8 +506,9 @@ class ShardTables:
                 ids = unique
             if divisor != 1.0:
                 rows = rows / divisor
-            # Checked by split_ids as each push came; unique once summed.
-            table.apply(ids.numpy(), rows.contiguous(), lr, checked=True)
+            pushes.append((table, ids.numpy(), rows.contiguous()))
+        # Checked by split_ids as each push came; unique once summed.
+        apply_tables(pushes, lr, checked=True)
         self.clear_round()
         self._after_step()
 
