@@ -663,3 +663,15 @@ def test_a_fixed_tables_direct_index_behaves_as_the_hash_index(
     assert torch.equal(reloaded.contains(probe), fixed.contains(probe))
     with pytest.raises(SparseTableError, match="out of range"):
         fixed.lookup(np.array([3000]))
+
+
+@pytest.mark.parametrize("chunk_rows", [4, 1024])
+def test_lookup_into_writes_what_lookup_returns(chunk_rows: int) -> None:
+    table = SparseTable(
+        TableSpec("t", DIM, num_embeddings=100, seed=6), SparseAdam(), chunk_rows=chunk_rows
+    )
+    table.apply(np.array([3, 50, 7, 99]), torch.ones(4, DIM), 0.1)
+    for ids in (np.array([50, 3, 50, 99]), np.array([7, 8, 0]), np.zeros(0, np.int64)):
+        out = np.full((len(ids), DIM), np.nan, np.float32)
+        table.lookup_into(ids, out)
+        assert np.array_equal(out, table.lookup(ids).numpy())

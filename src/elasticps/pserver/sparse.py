@@ -777,10 +777,12 @@ class _Column:
         keep = -(-slots // self.chunk_rows)
         del self.chunks[keep:]
 
-    def gather(self, where: _Locator) -> npt.NDArray[Any]:
+    def gather(self, where: _Locator, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """The values of ``where``'s slots: a fresh array, or ``out`` filled."""
         if len(where.groups) == 1 and where.groups[0][1] is None:
-            return self.chunks[where.groups[0][0]][where.offset]
-        out = np.empty(self._shape(where.n), dtype=self.dtype)
+            return np.take(self.chunks[where.groups[0][0]], where.offset, axis=0, out=out)
+        if out is None:
+            out = np.empty(self._shape(where.n), dtype=self.dtype)
         for chunk, idx in where.groups:
             assert idx is not None
             out[idx] = self.chunks[chunk][where.offset[idx]]
@@ -1382,6 +1384,23 @@ class SparseTable:
         out[absent] = initial
         self._remember_initial(arr[absent], initial)
         return torch.from_numpy(out)
+
+    def lookup_into(self, ids: IdArray, out: FloatArray) -> None:
+        """:meth:`lookup` of checked ids, written into ``out``.
+
+        Args:
+            ids: int64 ``[k]``, 1-d, in a fixed table's range (as a parameter
+                server checks a pull's ids on receipt); duplicates allowed.
+            out: float32 ``[k, dim]``, C-contiguous.
+        """
+        if not len(ids):
+            return
+        slots = self._index.find(ids)
+        if bool((slots >= 0).all()):
+            where = _Locator(slots, self.chunk_rows, one_chunk=self._size <= self.chunk_rows)
+            self._columns["rows"].gather(where, out=out)
+            return
+        out[...] = self.lookup(ids).numpy()
 
     def _remember_initial(self, ids: IdArray, rows: FloatArray) -> None:
         """Keep the initial rows of ``ids`` (absent at a lookup) for their first update.

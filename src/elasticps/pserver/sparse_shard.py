@@ -454,12 +454,18 @@ class ShardTables:
     # --- pulls and updates ------------------------------------------------------------
 
     def lookup(self, ids: Sequence[IdArray]) -> FloatArray:
-        """The rows of every table's ids, concatenated: float32 ``[sum_t k_t * dim_t]``."""
-        parts = [
-            self.tables[e.spec.name].lookup(chunk).numpy().reshape(-1)
-            for e, chunk in zip(self.entries, ids, strict=True)
-        ]
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        """The rows of every table's ids, concatenated: float32 ``[sum_t k_t * dim_t]``.
+
+        ``ids`` as :meth:`split_ids` returns them (checked).
+        """
+        dims = self.dims
+        out = np.empty(sum(len(c) * d for c, d in zip(ids, dims, strict=True)), np.float32)
+        start = 0
+        for e, chunk, dim in zip(self.entries, ids, dims, strict=True):
+            end = start + len(chunk) * dim
+            self.tables[e.spec.name].lookup_into(chunk, out[start:end].reshape(len(chunk), dim))
+            start = end
+        return out
 
     def apply(self, grads: RowGrads | None, lr: float) -> None:
         """One step of every table with one push's rows (async mode; None: no rows)."""

@@ -136,6 +136,9 @@ log = logging.getLogger(__name__)
 # Error codes after which the request is repeated on the slot's current server.
 _RESOLVE_AGAIN = frozenset({"wrong_epoch", "fenced"})
 
+_RECENT_SPLITS = 4
+"""Splits of ids by server kept per sparse table (see ``ParameterClient._table_split``)."""
+
 
 @dataclass(frozen=True)
 class _Rows:
@@ -898,7 +901,7 @@ class ParameterClient:
         self._table_index = {t.spec.name: i for i, t in enumerate(self.tables)}
         self._partitioners = [t.partitioner for t in self.tables]
         # Table index -> (ids, positions by server) of its last split (see _table_split).
-        self._last_split: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._last_split: dict[int, tuple[tuple[np.ndarray, list[np.ndarray]], ...]] = {}
         self._background: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
@@ -1313,20 +1316,24 @@ class ParameterClient:
     def _table_split(self, t: int, name: str, ids: np.ndarray) -> list[np.ndarray]:
         """Positions of table ``t``'s ids going to each server (see ``Partitioner.split``).
 
-        The last split of each table is kept: a push's gradient rows are
-        those of the ids its batch pulled (prefetched with the previous
-        push), so the push finds them split already, and range-checked.
+        The last :data:`_RECENT_SPLITS` splits of each table are kept: a
+        push's gradient rows are those of the ids its batch pulled
+        (prefetched with an earlier push; with ``overlap_pull``, two pushes
+        earlier, and other batches' ids were split since), so the push finds
+        them split already, and range-checked.
 
         Raises:
             SparseTableError: an id out of a fixed table's range.
         """
-        last = self._last_split.get(t)
-        if last is not None and np.array_equal(last[0], ids):
-            return last[1]
+        recent = self._last_split.get(t, ())
+        for known, positions in recent:
+            if np.array_equal(known, ids):
+                return positions
         check_id_range(name, ids, self.tables[t].spec.num_embeddings)
         positions = self._partitioners[t].split(ids)
-        # A copy: the caller's tensor may change later. One tuple: a reader sees both or neither.
-        self._last_split[t] = (ids.copy(), positions)
+        # A copy: the caller's tensor may change later. One tuple: a reader
+        # sees the whole list of splits or the one before.
+        self._last_split[t] = ((ids.copy(), positions), *recent[: _RECENT_SPLITS - 1])
         return positions
 
     def pull_rows(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
