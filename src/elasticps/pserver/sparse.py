@@ -1367,22 +1367,8 @@ class SparseTable:
             SparseTableError: ids not int64 1-d, or out of a fixed table's range.
         """
         arr = self._check_ids(ids, "ids")
-        slots = self._index.find(arr)
-        present = slots >= 0
-        if present.all():
-            out = (
-                self._columns["rows"].gather(_Locator(slots, self.chunk_rows))
-                if len(arr)
-                else (np.zeros((0, self.spec.dim), np.float32))
-            )
-            return torch.from_numpy(out)  # a gather is a fresh array already
         out = np.empty((len(arr), self.spec.dim), dtype=np.float32)
-        if present.any():
-            out[present] = self._columns["rows"].gather(_Locator(slots[present], self.chunk_rows))
-        absent = ~present
-        initial = initial_rows(self.spec, arr[absent])
-        out[absent] = initial
-        self._remember_initial(arr[absent], initial)
+        self.lookup_into(arr, out)
         return torch.from_numpy(out)
 
     def lookup_into(self, ids: IdArray, out: FloatArray) -> None:
@@ -1396,11 +1382,20 @@ class SparseTable:
         if not len(ids):
             return
         slots = self._index.find(ids)
-        if bool((slots >= 0).all()):
-            where = _Locator(slots, self.chunk_rows, one_chunk=self._size <= self.chunk_rows)
-            self._columns["rows"].gather(where, out=out)
+        present = slots >= 0
+        if present.all():
+            self._columns["rows"].gather(self._locate(slots), out=out)
             return
-        out[...] = self.lookup(ids).numpy()
+        if present.any():
+            out[present] = self._columns["rows"].gather(self._locate(slots[present]))
+        absent = ~present
+        initial = initial_rows(self.spec, ids[absent])
+        out[absent] = initial
+        self._remember_initial(ids[absent], initial)
+
+    def _locate(self, slots: IdArray) -> _Locator:
+        """Where ``slots`` (allocated ones) live."""
+        return _Locator(slots, self.chunk_rows, one_chunk=self._size <= self.chunk_rows)
 
     def _remember_initial(self, ids: IdArray, rows: FloatArray) -> None:
         """Keep the initial rows of ``ids`` (absent at a lookup) for their first update.
@@ -1495,7 +1490,7 @@ class SparseTable:
         if not len(arr):
             return None
         slots = self._allocate(arr)
-        where = _Locator(slots, self.chunk_rows, one_chunk=self._size <= self.chunk_rows)
+        where = self._locate(slots)
         cols = self._columns
         return _Staged(
             self,

@@ -497,12 +497,12 @@ class ShardTables:
         trainers only is averaged over all of them, as if the others had
         pushed a zero row (which is what their dense gradient holds).
         """
-        pushes = []
+        pushes: list[tuple[SparseTable, IdArray, torch.Tensor | FloatArray]] = []
         for t, entry in enumerate(self.entries):
             table = self.tables[entry.spec.name]
             parts = self._round[t]
             if not parts:
-                pushes.append((table, _NO_IDS, torch.zeros(0, entry.spec.dim)))
+                pushes.append((table, _NO_IDS, np.zeros((0, entry.spec.dim), np.float32)))
                 continue
             ids = torch.cat([i for i, _ in parts])
             rows = torch.cat([g for _, g in parts])

@@ -900,7 +900,8 @@ class ParameterClient:
         self.tables = tuple(tables)
         self._table_index = {t.spec.name: i for i, t in enumerate(self.tables)}
         self._partitioners = [t.partitioner for t in self.tables]
-        # Table index -> (ids, positions by server) of its last split (see _table_split).
+        # Table index -> (ids, positions by server) of its last splits, newest first
+        # (see _table_split).
         self._last_split: dict[int, tuple[tuple[np.ndarray, list[np.ndarray]], ...]] = {}
         self._background: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
