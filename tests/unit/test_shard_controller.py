@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from elasticps.coord.slots import PSSlot
 from elasticps.errors import RemoteError
 from elasticps.master import shards
-from elasticps.master.shards import ShardController, ShardsChangedError
+from elasticps.master.shards import PassVerifier, ShardController, ShardsChangedError
 
 
 class _Store:
@@ -34,9 +35,11 @@ class _Client:
         self.epoch = epoch
 
     def request(self, body: object, *, timeout_s: float | None = None) -> dict[str, object]:
+        self.body: dict[str, object] = dict(body)  # type: ignore[call-overload]
         if _Client.on_request is not None:
             _Client.on_request(self)
-        return {"epoch": self.epoch, "version": 7, "durable": True}
+        # A coverage answer of a sealed shard holds the pass whole.
+        return {"epoch": self.epoch, "version": 7, "durable": True, "sealed": True}
 
     def interrupt(self) -> None:
         pass
@@ -86,3 +89,55 @@ def test_a_fenced_refusal_means_the_slot_is_changing(store: _Store) -> None:
         controller.request_one(0, {"op": "seal", "pass": 1})
     with pytest.raises(ShardsChangedError, match="may no longer hold"):
         controller.request_all({"op": "coverage", "pass": 1})
+
+
+def test_every_server_is_asked_at_once(store: _Store) -> None:
+    """A pass's end waits for the slowest server, not for the sum of them."""
+    both = threading.Barrier(2, timeout=5.0)  # broken if the requests went one by one
+    _Client.on_request = lambda client: both.wait()
+    controller = ShardController(store)  # type: ignore[arg-type]
+    try:
+        assert sorted(controller.request_all({"op": "coverage", "pass": 1})) == [0, 1]
+    finally:
+        controller.close()
+
+
+def verifier_of(store: _Store, completed: list[tuple[int, int]]) -> PassVerifier:
+    return PassVerifier(
+        store,  # type: ignore[arg-type]
+        task_records=lambda: {0: 10},
+        done_tasks=lambda: [0],
+        reopen=lambda rewinds: None,
+        complete=lambda pass_id, lost, passes: completed.append((pass_id, lost)),
+        failed_tasks_of=lambda pass_id: [],
+        stop=threading.Event(),
+    )
+
+
+def test_a_pass_completes_only_if_the_claims_held_from_the_check_through_the_seal(
+    store: _Store,
+) -> None:
+    """The claims are read once before the coverage round and confirmed after the
+    seals: a successor claiming a slot in between stops the completion."""
+    asked: list[str] = []
+
+    def successor_claims_during_the_seal(client: _Client) -> None:
+        asked.append(f"{client.body['op']}@{client.epoch}")
+        if client.body["op"] == "seal" and client.epoch == 9:
+            store.slots[1] = PSSlot(1, "127.0.0.1:4", 10)
+
+    completed: list[tuple[int, int]] = []
+    verifier = verifier_of(store, completed)
+    _Client.on_request = successor_claims_during_the_seal
+    try:
+        with pytest.raises(ShardsChangedError, match=r"claimed anew \(epoch 9 -> 10\)"):
+            verifier._verify(0)
+        assert completed == []
+        assert sorted(asked) == ["coverage@8", "coverage@9", "seal@8", "seal@9"]
+        # Checked again on the new claim: complete.
+        asked.clear()
+        verifier._verify(0)
+        assert completed == [(0, 0)]
+        assert sorted(asked) == ["coverage@10", "coverage@8", "seal@10", "seal@8"]
+    finally:
+        verifier.close()

@@ -43,6 +43,16 @@ log = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
+#: Longest a call asking for work is held while the pass that just ended is
+#: checked on the parameter servers (seconds). The check takes about 15 ms on
+#: one machine; a trainer told to wait would otherwise sleep through its first
+#: poll interval and more (measured in ``benchmarks/README.md``).
+HOLD_FOR_NEXT_PASS_S = 0.5
+
+#: Most calls held at once, so that the master's 16 gRPC threads always have
+#: some left for reports and progress (held calls beyond it are told to wait).
+MAX_HELD_CALLS = 8
+
 
 class MasterService(master_pb2_grpc.MasterServicer):
     """Serves ``GetTask`` / ``ReportTask`` / ``ReportProgress`` / ``GetJobStatus``.
@@ -85,6 +95,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._last_loss = math.nan
         self._stepped_down: str | None = None  # the reason, once stepped down
         self._asks: dict[str, int] = {}  # trainer id -> last ``ask`` taken (see _take_ask)
+        self._held = 0  # calls held for the next pass (see _hold_for_next_pass)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._expire_loop, name="task-timer", daemon=True)
         self._timer.start()
@@ -94,7 +105,12 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def GetTask(  # noqa: N802 (gRPC method name)
         self, request: master_pb2.GetTaskRequest, context: grpc.ServicerContext
     ) -> master_pb2.GetTaskResponse:
-        """Hand a task to ``request.trainer_id``, or say wait / finished."""
+        """Hand a task to ``request.trainer_id``, or say wait / finished.
+
+        While the pass that just ended is checked on the parameter servers,
+        the call is held until the next pass starts (at most
+        :data:`HOLD_FOR_NEXT_PASS_S`), and answered with its first task.
+        """
 
         def get_task(now: float) -> tuple[Dispatch | Wait | Finished, list[TaskEvent]]:
             self._take_ask(request.trainer_id, request.ask)
@@ -102,7 +118,54 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
         with _rpc_errors(context, request.trainer_id):
             result = self._mutate(get_task)
+            result = self._hold_for_next_pass(
+                result, request.trainer_id, request.ask, request.holding
+            )
         return self._task_reply(result)
+
+    def _hold_for_next_pass(
+        self,
+        result: Dispatch | Wait | Finished,
+        trainer_id: str,
+        ask: int,
+        holding: Sequence[int],
+    ) -> Dispatch | Wait | Finished:
+        """A Wait answered while the ended pass is checked: wait for the next pass, ask again.
+
+        A trainer told to wait sleeps for its own poll interval, which at a
+        pass's end is mostly longer than the check; holding the call instead
+        has the trainer start the next pass as soon as it begins. Holds at
+        most :data:`MAX_HELD_CALLS` calls at once, each for at most
+        :data:`HOLD_FOR_NEXT_PASS_S` (or the Wait's own ``retry_after_s``).
+        If a later call of the same trainer was taken meanwhile (a retry),
+        the held one dispatches nothing and answers its Wait.
+        """
+        if not isinstance(result, Wait):
+            return result
+        deadline = time.monotonic() + min(HOLD_FOR_NEXT_PASS_S, result.retry_after_s)
+        with self._lock:
+            if not self._queue.awaiting_verification or self._held >= MAX_HELD_CALLS:
+                return result
+            self._held += 1
+            try:
+                while (
+                    self._queue.awaiting_verification
+                    and self._stepped_down is None
+                    and not self._stop.is_set()
+                ):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return result
+                    self._lock.wait(timeout=left)
+            finally:
+                self._held -= 1
+
+        def again(now: float) -> tuple[Dispatch | Wait | Finished, list[TaskEvent]]:
+            if ask and self._asks.get(trainer_id, 0) != ask:
+                return result, []  # overtaken by the trainer's next call
+            return self._queue.get_task(trainer_id, now, holding=holding)
+
+        return self._mutate(again)
 
     def _take_ask(self, trainer_id: str, ask: int) -> None:
         """Refuse a call that may dispatch if a later one of its trainer was taken.
@@ -191,6 +254,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
         with _rpc_errors(context, request.trainer_id):
             result = self._mutate(report)
+            if result is not None:
+                result = self._hold_for_next_pass(
+                    result, request.trainer_id, request.ask, request.holding
+                )
         if result is None:
             return master_pb2.ReportTaskResponse()
         return master_pb2.ReportTaskResponse(next=self._task_reply(result))

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 _RETRY_S = 0.2
 
+# Most requests in flight at once from one controller (one per server).
+_MAX_PARALLEL = 16
+
 # Codes meaning "the server answering is not (or may not be) the slot's current one".
 _SHARD_CHANGED_CODES = frozenset({"wrong_epoch", "changed", "fenced"})
 
@@ -53,8 +56,17 @@ class ShardController:
 
     def __init__(self, store: JobStore, *, timeout_s: float = 5.0) -> None:
         self._store = store
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._clients: dict[int, tuple[PSSlot, ControlClient]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _requests(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that send requests to several servers at once (made on first use)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                _MAX_PARALLEL, thread_name_prefix="ps-control"
+            )
+        return self._pool
 
     def slots(self, timeout_s: float) -> list[PSSlot]:
         """Every slot's current claim (waits until all are claimed).
@@ -65,9 +77,23 @@ class ShardController:
         return self._store.wait_ps_slots(timeout_s)
 
     def request_all(
-        self, body: Mapping[str, object], *, timeout_s: float | None = None
+        self,
+        body: Mapping[str, object],
+        *,
+        timeout_s: float | None = None,
+        confirm: bool = True,
     ) -> dict[int, dict[str, object]]:
-        """Send one CONTROL request to every server; their answers by slot.
+        """Send one CONTROL request to every server at once; their answers by slot.
+
+        A server no trainer has said hello to yet answers as holding nothing
+        (``{"initialized": False, "sealed": False, "intervals": []}``).
+
+        Args:
+            body: the request.
+            timeout_s: reply deadline, seconds (default: the controller's).
+            confirm: check afterwards that etcd still names every claim that
+                answered; without it the caller must call :meth:`confirm`
+                before acting on the answers.
 
         Raises:
             ShardsChangedError: a server could not be reached, or holds
@@ -75,27 +101,81 @@ class ShardController:
             RemoteError: a server refused the request.
             CoordinationError: etcd failed.
         """
-        slots = self.slots(self._timeout_s)
-        out: dict[int, dict[str, object]] = {}
-        for slot in slots:
-            client = self._client(slot)
+        slots = self.slots(self.timeout_s)
+        return self.request_slots(
+            slots,
+            {slot.index: body for slot in slots},
+            timeout_s=timeout_s,
+            confirm=confirm,
+            uninitialized_ok=True,
+        )
+
+    def request_slots(
+        self,
+        slots: Sequence[PSSlot],
+        bodies: Mapping[int, Mapping[str, object]],
+        *,
+        timeout_s: float | None = None,
+        confirm: bool = True,
+        uninitialized_ok: bool = False,
+    ) -> dict[int, dict[str, object]]:
+        """Send ``bodies[i]`` to the server of claim ``slots[i]``, all at once; answers by slot.
+
+        The requests go out in parallel (a pass's end waits for the slowest
+        server, not for the sum). Every request is answered or failed before
+        this returns or raises.
+
+        Args:
+            slots: the claims to address (as :meth:`slots` returned them).
+            bodies: slot index -> request, one per slot.
+            timeout_s: reply deadline, seconds (default: the controller's).
+            confirm: as for :meth:`request_all`.
+            uninitialized_ok: answer for a server with ERROR
+                ``not_initialized`` as holding nothing, instead of raising.
+
+        Raises:
+            ShardsChangedError / RemoteError / CoordinationError: as
+                :meth:`request_all`; the first failure in slot order.
+        """
+        clients = [(slot, self._client(slot)) for slot in slots]
+
+        def ask(client: ControlClient, index: int) -> dict[str, object]:
+            return client.request(bodies[index], timeout_s=timeout_s)
+
+        if len(clients) == 1:
+            done: concurrent.futures.Future[dict[str, object]] = concurrent.futures.Future()
             try:
-                out[slot.index] = client.request(body, timeout_s=timeout_s)
+                done.set_result(ask(clients[0][1], clients[0][0].index))
+            except Exception as exc:  # re-raised below, as from a pooled request
+                done.set_exception(exc)
+            futures = [done]
+        else:
+            pool = self._requests()
+            futures = [pool.submit(ask, client, slot.index) for slot, client in clients]
+        out: dict[int, dict[str, object]] = {}
+        failure: Exception | None = None
+        for (slot, _), future in zip(clients, futures, strict=True):
+            try:
+                out[slot.index] = future.result()
             except RemoteError as exc:
-                if exc.code == "not_initialized":
+                if exc.code == "not_initialized" and uninitialized_ok:
                     # No trainer has said hello to it yet: it holds nothing.
                     out[slot.index] = {"initialized": False, "sealed": False, "intervals": []}
                     continue
                 if exc.code in _SHARD_CHANGED_CODES:
                     self._drop(slot.index)
-                    raise ShardsChangedError(str(exc)) from exc
-                raise
+                    failure = failure or ShardsChangedError(str(exc))
+                else:
+                    failure = failure or exc
             except ElasticPSError as exc:
                 self._drop(slot.index)
-                raise ShardsChangedError(
+                failure = failure or ShardsChangedError(
                     f"parameter server {slot.index} at {slot.address}: {exc}"
-                ) from exc
-        self._confirm(slots)
+                )
+        if failure is not None:
+            raise failure
+        if confirm:
+            self.confirm(slots)
         return out
 
     def request_one(
@@ -123,10 +203,10 @@ class ShardController:
         except ElasticPSError as exc:
             self._drop(index)
             raise ShardsChangedError(f"parameter server {index} at {slot.address}: {exc}") from exc
-        self._confirm([slot])
+        self.confirm([slot])
         return answer
 
-    def _confirm(self, asked: Sequence[PSSlot]) -> None:
+    def confirm(self, asked: Sequence[PSSlot]) -> None:
         """Check that etcd still names the claims that just answered.
 
         Raises:
@@ -163,7 +243,7 @@ class ShardController:
             return held[1]
         self._drop(slot.index)
         try:
-            client = ControlClient(slot.address, timeout_s=self._timeout_s, epoch=slot.epoch)
+            client = ControlClient(slot.address, timeout_s=self.timeout_s, epoch=slot.epoch)
         except ElasticPSError as exc:
             raise ShardsChangedError(str(exc)) from exc
         self._clients[slot.index] = (slot, client)
@@ -175,7 +255,10 @@ class ShardController:
             held[1].close()
 
     def close(self) -> None:
-        """Close every connection."""
+        """Close every connection, and the request threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for index in list(self._clients):
             self._drop(index)
 
@@ -250,11 +333,20 @@ class PassVerifier:
                     self._running = None
 
     def _verify(self, pass_id: int) -> None:
-        answers = self._controller.request_all({"op": "coverage", "pass": pass_id})
+        # One read of the claims for the whole check: the answers of both
+        # rounds count only if etcd names the same claims after the last one.
+        slots = self._controller.slots(self._controller.timeout_s)
+        answers = self._controller.request_slots(
+            slots,
+            {slot.index: {"op": "coverage", "pass": pass_id} for slot in slots},
+            confirm=False,
+            uninitialized_ok=True,
+        )
         reports = [coverage_report(index, a) for index, a in sorted(answers.items())]
         done = list(self._done_tasks())
         verdict = judge_pass(self._task_records(), done, reports)
         if not verdict.complete:
+            self._controller.confirm(slots)
             log.warning(
                 "pass %d: parameter server(s) %s lack records of %d task(s) (%s records); "
                 "re-opening them (the servers that hold them drop them as duplicates)",
@@ -271,13 +363,10 @@ class PassVerifier:
                 body["if_version"] = answer["version"]
             bodies[index] = body
         # Sealing writes a checkpoint, as long as the disk takes: every server
-        # at once, since the next pass waits for the last.
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(bodies)), "seal") as pool:
-            futures = {
-                index: pool.submit(self._controller.request_one, index, body, timeout_s=300.0)
-                for index, body in bodies.items()
-            }
-        sealed = {index: future.result() for index, future in futures.items()}
+        # at once, since the next pass waits for the last. A server that
+        # changed since its coverage answer refuses (``if_version``, its
+        # epoch), and the confirmation after the seals checks the claims.
+        sealed = self._controller.request_slots(slots, bodies, timeout_s=300.0)
         not_durable = sorted(i for i, a in sealed.items() if not a.get("durable"))
         log.info(
             "pass %d: every parameter server holds every record of it; sealed%s",
