@@ -10,9 +10,9 @@ configuration (``--configs``, each the same on every side):
 ``sgd64`` (the configuration the targets judge)
     plain SGD (no momentum, no weight decay), lr 0.1, 64 rows per mini-batch
     per trainer. Default cases: ``elasticps-sync-2ps``,
-    ``elasticps-async1-2ps``, ``elasticps-async10-2ps``, ``ddp``,
-    ``compute-2x1``. Time-to-accuracy: elasticps up to 6 passes, DDP up to 10
-    epochs.
+    ``elasticps-sync-2ps-pipelined``, ``elasticps-async1-2ps``,
+    ``elasticps-async10-2ps``, ``ddp``, ``compute-2x1``. Time-to-accuracy:
+    elasticps up to 6 passes, DDP up to 10 epochs.
 ``adam32`` (the configuration of the earlier results)
     Adam, lr 1e-3, 32 rows per mini-batch per trainer. Default cases:
     ``elasticps-sync-2ps``, ``elasticps-async4-2ps``, ``ddp``,
@@ -23,6 +23,10 @@ the cases are:
 
 ``elasticps-sync-1ps`` / ``elasticps-sync-2ps``
     ``elasticps train --trainers 2 --mode sync`` with 1 or 2 PS.
+``elasticps-sync-2ps-pipelined``
+    The same with ``--overlap-pull on``: pipelined sync steps, each averaging
+    gradients computed on the parameters of the step before (information:
+    the targets judge exact sync-SGD, ``elasticps-sync-2ps``).
 ``elasticps-async1-2ps``, ``elasticps-async4-1ps`` / ``elasticps-async4-2ps``,
 ``elasticps-async10-2ps``
     ``--mode async --push-every N --pull-every N``, N = 1, 4, 10 (1 or 2 PS).
@@ -204,6 +208,7 @@ CASES = (
     "elasticps-sync-2ps",
     "elasticps-async1-2ps",
     "elasticps-async10-2ps",
+    "elasticps-sync-2ps-pipelined",
     "elasticps-sync-2ps-ledger",
     "elasticps-async4-2ps-ledger",
     "elasticps-sync-2ps-nobuffers",
@@ -223,6 +228,7 @@ CONFIGS = {
         64,
         (
             "elasticps-sync-2ps",
+            "elasticps-sync-2ps-pipelined",
             "elasticps-async1-2ps",
             "elasticps-async10-2ps",
             "ddp",
@@ -633,6 +639,8 @@ def run_case(
             num_ps=int(ps.removesuffix("ps")),
             epochs=epochs,
             every=every,
+            # "-pipelined": each step's gradients computed one version before it.
+            extra=("--overlap-pull", "on") if variant == ["pipelined"] else (),
             env=env,
             train_only=variant == ["nobuffers"],
         )

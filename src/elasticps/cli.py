@@ -275,9 +275,10 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         "--overlap-pull",
         choices=OVERLAP_PULL,
         default=_env("overlap-pull", "auto"),
-        help="async mode: compute the next mini-batch while a push and its pull travel, on "
-        "the parameters of the push before (one step staler); auto: on for models with "
-        "sparse tables",
+        help="compute the next mini-batch while a push and its pull travel, on the "
+        "parameters of the push before: one step staler in async mode, a pipelined step in "
+        "sync mode (each gradient computed one version before the step it joins); auto: on "
+        "for async models with sparse tables, off in sync mode",
     )
     p.add_argument(
         "--bad-records",

@@ -514,12 +514,15 @@ class TrainerConfig:
             benchmarks/push_options.py). Only pushes handed an
             ``on_acknowledged`` callback go to the background, so progress
             is never reported for a push in flight.
-        overlap_pull: async mode: send pushes that pull in the background
-            too, so that mini-batch ``k + 1`` is computed while push ``k``
-            travels, on the parameters (and rows) pulled by push ``k - 1``:
-            one step staler. None (the default) turns it on for models with
-            sparse tables, whose steps otherwise wait on their row pulls;
-            dense models keep shared memory, which background pushes do not use.
+        overlap_pull: send pushes that pull in the background too, so that
+            mini-batch ``k + 1`` is computed while push ``k`` travels, on the
+            parameters (and rows) pulled by push ``k - 1``. Async mode: one
+            step staler. Sync mode: a pipelined step (each step averages
+            gradients computed on the parameters of the step before; the
+            delay is always one step, so a run stays reproducible). None (the
+            default) turns it on for async models with sparse tables, whose
+            steps otherwise wait on their row pulls, and leaves sync mode
+            exact.
         bad_records: ``fail``: a mini-batch the model file's
             ``batch_to_tensors``, ``forward`` or ``loss`` raises on stops the
             trainer with a :class:`~elasticps.errors.BadRecordError`;

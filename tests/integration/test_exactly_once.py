@@ -112,6 +112,27 @@ def test_a_trainer_killed_between_acknowledgement_and_progress_report(
     assert "trainer 0 left; 2 task(s) requeued" in master_log
 
 
+@pytest.mark.parametrize(
+    ("chaos", "env"),
+    [("kill:ps@40%", None), ("", {"ELASTICPS_TEST_KILL_AFTER_ACK": "0:7"})],
+    ids=["ps-killed", "trainer-killed-after-ack"],
+)
+def test_pipelined_sync_loses_and_repeats_nothing(
+    audit_dir: Path, tmp_path: Path, chaos: str, env: dict[str, str] | None
+) -> None:
+    """Sync mode with ``--overlap-pull on`` (a push answered in the background,
+    the next mini-batch computed meanwhile): a killed parameter server, or a
+    trainer killed right after a push was acknowledged, still leaves every
+    counter exact."""
+    record, audit = run_audit(
+        audit_dir, tmp_path / "run", "sync", chaos=chaos, env=env,
+        extra=("--overlap-pull", "on"),
+    )  # fmt: skip
+    assert_exact(record, audit, 4)
+    if chaos:
+        assert record["restarts"], "the parameter server was not restarted"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_only_master_then_etcd_killed_mid_pass(
     audit_dir: Path, tmp_path: Path, mode: str

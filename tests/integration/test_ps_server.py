@@ -398,6 +398,46 @@ def test_sync_push_waits_for_every_live_trainer_before_applying(cluster: Cluster
     assert torch.equal(b.params, a.params)
 
 
+def test_pipelined_sync_steps_average_gradients_of_the_version_before(cluster: Cluster) -> None:
+    """Sync mode with overlap_pull: a push returns at once and the caller computes
+    on the parameters it has; its next push first adopts the step the last one
+    joined, then joins the step after. So step k + 1 averages gradients computed
+    on the parameters of step k, and every server moves in lock-step."""
+    values = initialized(cluster, 2, UpdateMode.SYNC)
+    for server in cluster.servers:
+        server.set_live_trainers({SECOND, THIRD})
+    a = cluster.peer(SECOND, overlap_pull=True, sync=True)
+    b = cluster.peer(THIRD, overlap_pull=True, sync=True)
+    a.client.hello(initialize=False)
+    b.client.hello(initialize=False)
+    g1 = dyadic_values(a.placement.total_numel, 0.5)
+    g2 = dyadic_values(a.placement.total_numel, 0.25)
+    acked: list[str] = []
+
+    def note(name: str) -> Callable[[], None]:
+        return lambda: acked.append(name)
+
+    for peer, name in ((a, "a1"), (b, "b1")):
+        peer.grads.copy_(g1)
+        peer.client.push(1, want_params=True, on_acknowledged=note(name))
+        peer.grads.zero_()
+        # Returned at once; the parameters are those computed on until adopted.
+        assert torch.equal(peer.params, values)
+    for peer, name in ((a, "a2"), (b, "b2")):
+        peer.grads.copy_(g2)  # "computed" on the step-0 parameters
+        peer.client.push(1, want_params=True, on_acknowledged=note(name))
+        # The push waited for step 1 (both first pushes) and adopted it.
+        assert torch.equal(peer.params, values - g1)
+        assert peer.client.versions == [1, 1] and peer.client.consistent
+    for peer in (a, b):
+        peer.client.flush()
+        assert torch.equal(peer.params, values - g1 - g2)
+        assert peer.client.versions == [2, 2]
+    assert sorted(acked) == ["a1", "a2", "b1", "b2"]
+    stats = shard_stats(observer(cluster))
+    assert [s["steps"] for s in stats] == [2, 2] and [s["stale_pushes"] for s in stats] == [0, 0]
+
+
 def test_a_trainer_waited_for_by_one_shard_only_joins_its_step_and_the_shards_agree(
     cluster: Cluster,
 ) -> None:

@@ -92,7 +92,10 @@ EQUIVALENCE_MODEL = textwrap.dedent(
 )
 
 
-def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap_pull", ["off", "on"])
+def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(
+    tmp_path: Path, overlap_pull: str
+) -> None:
     """A model with twin branches, one with a torch.nn.Embedding and one with an
     elasticps sparse table starting from the same rows: after a sync job (SGD, 2
     trainers) both branches hold the same parameters, within 1e-5. Lazy SGD
@@ -107,7 +110,11 @@ def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(tmp_path
     sparse one by a hash of the id), so such a step moves them differently.
     (AdaGrad and Adam normalise each element by its history, so gradients that
     differ in their last bit, as the two backward passes' sums do, can drift
-    further apart than 1e-5; SGD cannot.)"""
+    further apart than 1e-5; SGD cannot.)
+
+    The same with ``--overlap-pull on`` (pipelined steps): the rows a push
+    pulls for the mini-batch after next are those of the same step as the
+    dense parameters it computes on."""
     model_file = tmp_path / "model.py"
     model_file.write_text(EQUIVALENCE_MODEL)
     rng = np.random.default_rng(0)
@@ -121,7 +128,7 @@ def test_sparse_and_dense_tables_train_the_same_parameters_in_sync_mode(tmp_path
     run_job(tmp_path / "run", "--model", str(model_file), "--data", str(data),
             "--trainers", "2", "--ps", "1", "--mode", "sync", "--epochs", "2",
             "--batch-size", "20", "--records-per-task", "100", "--optimizer", "sgd",
-            "--lr", "0.05")  # fmt: skip
+            "--lr", "0.05", "--overlap-pull", overlap_pull)  # fmt: skip
     params, _ = load_checkpoint(tmp_path / "run")
     assert set(params) == {"dense_head.weight", "dense_head.bias", "sparse_head.weight",
                            "sparse_head.bias", "dense_emb.weight"}  # fmt: skip

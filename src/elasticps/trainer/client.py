@@ -24,12 +24,15 @@ Three options change that path, all chosen at construction:
   never ahead of what the servers acknowledged. :meth:`ParameterClient.push`
   returns a :class:`PushHandle`; :attr:`ParameterClient.acknowledged_pushes`
   and :meth:`ParameterClient.when_acknowledged` tell what was acknowledged.
-- ``overlap_pull`` (async mode): pushes that want the parameters back are
+- ``overlap_pull``: pushes that want the parameters back are
   sent in the background too. Everything a server sends back (parameters,
   and the rows a push prefetches) lands in a staging copy of the parameter
   buffer, which the calling thread adopts at its next call on the client;
   so the trainer computes mini-batch ``k + 1`` on the parameters pulled by
   push ``k - 1`` (one step staler than without it) while push ``k`` travels.
+  In sync mode that is a pipelined step: push ``k + 1`` joins the step after
+  push ``k``'s (it is sent once push ``k`` is answered), with a gradient
+  computed one version earlier.
 - ``grad_compression``: ``"fp16"`` or ``"bf16"`` converts the float32
   gradient into a reused 16-bit buffer and sends that (half the bytes); the
   server widens it back to float32. Parameters always travel as float32.
@@ -808,14 +811,15 @@ class ParameterClient:
             the trainer may be computing: async SGD tolerates it). Measured
             1.10-1.25x faster with spare CPU, 0.8-0.9x on a saturated machine
             (benchmarks/push_options.py).
-        overlap_pull: async mode: pushes that want parameters back (with an
+        overlap_pull: pushes that want parameters back (with an
             ``on_acknowledged`` callback) are sent in the background as well;
             what they pull is received into a staging copy of ``params`` and
             copied into ``params`` on the caller's thread at its next call on
             the client (see the module docstring). A push's header then
             carries the version of the parameters the caller computed on
             (adopted before the previous push), so bounded staleness counts
-            the extra step.
+            the extra step; in sync mode it carries the current version (the
+            step it joins), see the module docstring.
         grad_compression: ``"none"`` (float32), ``"fp16"`` or ``"bf16"``: the
             dtype gradients travel in (converted into a reused staging buffer).
         initial_values: returns the job's initial parameters (float32
@@ -975,7 +979,13 @@ class ParameterClient:
 
     @property
     def consistent(self) -> bool:
-        """Whether the parameters pulled form one model (one version and generation)."""
+        """Whether the parameters in ``params`` form one model (one version and generation).
+
+        With ``overlap_pull``, the versions adopted into ``params``, not those
+        a push in flight is receiving.
+        """
+        if self._received is not None:
+            return len(set(self._adopted)) <= 1
         return len({(c.version, c.generation) for c in self._conns}) <= 1
 
     @property

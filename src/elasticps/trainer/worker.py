@@ -315,12 +315,16 @@ class Trainer:
             name for name in self._tables if any(fnmatch.fnmatchcase(name, p) for p in frozen)
         )
         self._sparse_grads: list[dict[str, enn.SparseGrad]] = []
-        # async mode, sparse tables: pushes that pull go in the background, and
-        # the next mini-batch trains on the parameters of the push before
-        # (see ParameterClient's overlap_pull); on by default for models with
-        # sparse tables, whose step waits on row pulls.
-        self._overlap_pull = config.mode is UpdateMode.ASYNC and (
-            bool(self._tables) if config.overlap_pull is None else config.overlap_pull
+        # Pushes that pull go in the background, and the next mini-batch trains
+        # on the parameters of the push before (see ParameterClient's
+        # overlap_pull): in async mode one step staler; in sync mode a
+        # pipelined step, each gradient computed one version before the step
+        # it joins. On by default only for async models with sparse tables,
+        # whose step waits on row pulls.
+        self._overlap_pull = (
+            config.overlap_pull
+            if config.overlap_pull is not None
+            else config.mode is UpdateMode.ASYNC and bool(self._tables)
         )
         # The inputs of the mini-batch whose rows the next push pulls in the same
         # round trip (see _push), if known (same task): the one after the one in
