@@ -153,3 +153,19 @@ def test_no_more_than_max_held_calls_are_held(monkeypatch: pytest.MonkeyPatch) -
         assert out[0].next.task.pass_id == 1  # type: ignore[attr-defined]
     finally:
         service.stop()
+
+
+def test_a_held_report_is_answered_with_its_wait_when_the_master_steps_down() -> None:
+    """The report was persisted before the hold: a step-down while it is held must
+    not turn the call into an error (the trainer would report the task again)."""
+    service, journal, ready = verifying_service(num_tasks=1)
+    try:
+        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
+        wait_until(lambda: ready == [0] and service._held == 1)
+        service.step_down("lost the lock")
+        held.join(timeout=10)
+        assert out[0].next.WhichOneof("result") == "wait_s"  # type: ignore[attr-defined]
+        assert journal.writes[-1] == [EventKind.DONE, EventKind.PASS_READY]
+    finally:
+        service.stop()

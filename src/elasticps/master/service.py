@@ -165,7 +165,12 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 return result, []  # overtaken by the trainer's next call
             return self._queue.get_task(trainer_id, now, holding=holding)
 
-        return self._mutate(again)
+        try:
+            return self._mutate(again)
+        except SteppedDownError:
+            # The call's own mutation (a report) is durable: answer its Wait,
+            # and the trainer's next call finds the new master.
+            return result
 
     def _take_ask(self, trainer_id: str, ask: int) -> None:
         """Refuse a call that may dispatch if a later one of its trainer was taken.
