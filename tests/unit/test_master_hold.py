@@ -12,6 +12,7 @@ from elasticps.master import service as service_module
 from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import DataRange, EventKind, QueueConfig, TaskEvent, TaskQueue
 from elasticps.proto import master_pb2
+from elasticps.testing import wait_for
 from elasticps.testing.servicer import ABORTING_CONTEXT as CTX
 
 pytestmark = pytest.mark.timeout(30)
@@ -60,13 +61,6 @@ def in_thread(call: object) -> tuple[threading.Thread, list[object]]:
     return thread, out
 
 
-def wait_until(condition: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.001)
-
-
 def test_calls_asking_during_the_check_get_the_next_pass_first_tasks() -> None:
     service, journal, ready = verifying_service()
     try:
@@ -77,12 +71,12 @@ def test_calls_asking_during_the_check_get_the_next_pass_first_tasks() -> None:
         assert first.next.WhichOneof("result") == "wait_s"
         # t1's report ends the pass: its call is held while the pass is checked ...
         held_report, report_out = in_thread(lambda: report_and_ask(service, b, "t1"))
-        wait_until(lambda: ready == [0] and service._held == 1)
+        wait_for(lambda: ready == [0] and service._held == 1)
         # ... as is t0's next ask.
         held_ask, ask_out = in_thread(
             lambda: service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX)
         )
-        wait_until(lambda: service._held == 2)
+        wait_for(lambda: service._held == 2)
         assert not report_out and not ask_out
         service.complete_pass(0, 0, [])
         held_report.join(timeout=10)
@@ -120,13 +114,13 @@ def test_a_held_call_overtaken_by_its_retry_dispatches_nothing() -> None:
         b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
         report_and_ask(service, b, "t1")
         held, out = in_thread(lambda: report_and_ask(service, a, "t0", ask=2))
-        wait_until(lambda: ready == [0] and service._held >= 1)
+        wait_for(lambda: ready == [0] and service._held >= 1)
         # The trainer gave up on the held call and asked again (ask 3); that one
         # is held too. Once the pass starts, only the later call dispatches.
         retry, retry_out = in_thread(
             lambda: service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0", ask=3), CTX)
         )
-        wait_until(lambda: service._held >= 2)
+        wait_for(lambda: service._held >= 2)
         service.complete_pass(0, 0, [])
         held.join(timeout=10)
         retry.join(timeout=10)
@@ -144,7 +138,7 @@ def test_no_more_than_max_held_calls_are_held(monkeypatch: pytest.MonkeyPatch) -
     try:
         task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
         held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_until(lambda: ready == [0] and service._held == 1)
+        wait_for(lambda: ready == [0] and service._held == 1)
         # A second trainer asking now is told to wait at once.
         reply = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX)
         assert reply.WhichOneof("result") == "wait_s"
@@ -162,7 +156,7 @@ def test_a_held_report_is_answered_with_its_wait_when_the_master_steps_down() ->
     try:
         task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
         held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_until(lambda: ready == [0] and service._held == 1)
+        wait_for(lambda: ready == [0] and service._held == 1)
         service.step_down("lost the lock")
         held.join(timeout=10)
         assert out[0].next.WhichOneof("result") == "wait_s"  # type: ignore[attr-defined]
