@@ -56,7 +56,7 @@ class ShardController:
 
     def __init__(self, store: JobStore, *, timeout_s: float = 5.0) -> None:
         self._store = store
-        self.timeout_s = timeout_s
+        self._timeout_s = timeout_s
         self._clients: dict[int, tuple[PSSlot, ControlClient]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -68,13 +68,14 @@ class ShardController:
             )
         return self._pool
 
-    def slots(self, timeout_s: float) -> list[PSSlot]:
-        """Every slot's current claim (waits until all are claimed).
+    def slots(self, timeout_s: float | None = None) -> list[PSSlot]:
+        """Every slot's current claim (waits until all are claimed, at most
+        ``timeout_s`` seconds; default: the controller's timeout).
 
         Raises:
             CoordinationError: not all claimed in time, or etcd failed.
         """
-        return self._store.wait_ps_slots(timeout_s)
+        return self._store.wait_ps_slots(self._timeout_s if timeout_s is None else timeout_s)
 
     def request_all(
         self,
@@ -101,7 +102,7 @@ class ShardController:
             RemoteError: a server refused the request.
             CoordinationError: etcd failed.
         """
-        slots = self.slots(self.timeout_s)
+        slots = self.slots()
         return self.request_slots(
             slots,
             {slot.index: body for slot in slots},
@@ -137,41 +138,20 @@ class ShardController:
             ShardsChangedError / RemoteError / CoordinationError: as
                 :meth:`request_all`; the first failure in slot order.
         """
-        clients = [(slot, self._client(slot)) for slot in slots]
-
-        def ask(client: ControlClient, index: int) -> dict[str, object]:
-            return client.request(bodies[index], timeout_s=timeout_s)
-
-        if len(clients) == 1:
-            done: concurrent.futures.Future[dict[str, object]] = concurrent.futures.Future()
-            try:
-                done.set_result(ask(clients[0][1], clients[0][0].index))
-            except Exception as exc:  # re-raised below, as from a pooled request
-                done.set_exception(exc)
-            futures = [done]
-        else:
-            pool = self._requests()
-            futures = [pool.submit(ask, client, slot.index) for slot, client in clients]
+        clients = [(slot, self._client(slot)) for slot in slots]  # before any request goes
+        pool = self._requests()
+        futures = [
+            (slot, pool.submit(client.request, bodies[slot.index], timeout_s=timeout_s))
+            for slot, client in clients
+        ]
+        concurrent.futures.wait([future for _, future in futures])
         out: dict[int, dict[str, object]] = {}
-        failure: Exception | None = None
-        for (slot, _), future in zip(clients, futures, strict=True):
+        failure: ElasticPSError | None = None
+        for slot, future in futures:
             try:
-                out[slot.index] = future.result()
-            except RemoteError as exc:
-                if exc.code == "not_initialized" and uninitialized_ok:
-                    # No trainer has said hello to it yet: it holds nothing.
-                    out[slot.index] = {"initialized": False, "sealed": False, "intervals": []}
-                    continue
-                if exc.code in _SHARD_CHANGED_CODES:
-                    self._drop(slot.index)
-                    failure = failure or ShardsChangedError(str(exc))
-                else:
-                    failure = failure or exc
+                out[slot.index] = self._answer(slot, future.result, uninitialized_ok)
             except ElasticPSError as exc:
-                self._drop(slot.index)
-                failure = failure or ShardsChangedError(
-                    f"parameter server {slot.index} at {slot.address}: {exc}"
-                )
+                failure = failure or exc
         if failure is not None:
             raise failure
         if confirm:
@@ -193,18 +173,39 @@ class ShardController:
         if slot is None:
             raise ShardsChangedError(f"parameter server slot {index} is not claimed")
         client = self._client(slot)
+        answer = self._answer(slot, lambda: client.request(body, timeout_s=timeout_s))
+        self.confirm([slot])
+        return answer
+
+    def _answer(
+        self,
+        slot: PSSlot,
+        request: Callable[[], dict[str, object]],
+        uninitialized_ok: bool = False,
+    ) -> dict[str, object]:
+        """``request()``'s answer, with its errors translated (see :meth:`request_all`).
+
+        Raises:
+            ShardsChangedError: the server could not be reached or refused as
+                not (or maybe not) the slot's current one; its connection is
+                dropped.
+            RemoteError: the server refused the request otherwise.
+        """
         try:
-            answer = client.request(body, timeout_s=timeout_s)
+            return request()
         except RemoteError as exc:
+            if exc.code == "not_initialized" and uninitialized_ok:
+                # No trainer has said hello to it yet: it holds nothing.
+                return {"initialized": False, "sealed": False, "intervals": []}
             if exc.code in _SHARD_CHANGED_CODES:
-                self._drop(index)
+                self._drop(slot.index)
                 raise ShardsChangedError(str(exc)) from exc
             raise
         except ElasticPSError as exc:
-            self._drop(index)
-            raise ShardsChangedError(f"parameter server {index} at {slot.address}: {exc}") from exc
-        self.confirm([slot])
-        return answer
+            self._drop(slot.index)
+            raise ShardsChangedError(
+                f"parameter server {slot.index} at {slot.address}: {exc}"
+            ) from exc
 
     def confirm(self, asked: Sequence[PSSlot]) -> None:
         """Check that etcd still names the claims that just answered.
@@ -243,7 +244,7 @@ class ShardController:
             return held[1]
         self._drop(slot.index)
         try:
-            client = ControlClient(slot.address, timeout_s=self.timeout_s, epoch=slot.epoch)
+            client = ControlClient(slot.address, timeout_s=self._timeout_s, epoch=slot.epoch)
         except ElasticPSError as exc:
             raise ShardsChangedError(str(exc)) from exc
         self._clients[slot.index] = (slot, client)
@@ -335,7 +336,7 @@ class PassVerifier:
     def _verify(self, pass_id: int) -> None:
         # One read of the claims for the whole check: the answers of both
         # rounds count only if etcd names the same claims after the last one.
-        slots = self._controller.slots(self._controller.timeout_s)
+        slots = self._controller.slots()
         answers = self._controller.request_slots(
             slots,
             {slot.index: {"op": "coverage", "pass": pass_id} for slot in slots},
