@@ -1165,8 +1165,14 @@ class Trainer:
                 raise ServiceUnavailableError(
                     f"a push was answered STALE {MAX_STALE_RETRIES + 1} times in a row"
                 )
-        self.flat.grads.copy_(saved)
-        self._sparse_grads = saved_rows
+        if self.config.mode is UpdateMode.SYNC and self._acc.batches:
+            # Pipelined sync: the accumulation in progress was computed before
+            # the retry, on parameters and rows of versions the retry moved past;
+            # computed again, it joins the next step as any pipelined gradient.
+            self._recompute(client, self._acc)
+        else:
+            self.flat.grads.copy_(saved)
+            self._sparse_grads = saved_rows
         self._submit_deferred()
 
     def _flush(
