@@ -720,6 +720,71 @@ def test_pushes_over_shared_memory_give_what_bodies_give(
         assert torch.equal(shared.params, values - 4 * grad)
 
 
+def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thread(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Both servers must hold the push at the same time (a barrier in each), and
+    # the client's thread pool is not used: the calling thread sends to every
+    # server, then reads the answers.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    both = threading.Barrier(2, timeout=DEADLINE_S)
+    for server in cluster.servers:
+        server._gate = both.wait
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(INITIALIZER, values=values)
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [True, True]
+    pool = peer.client._pool
+    assert pool is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a shared-memory push used the thread pool")
+
+    pool.submit = refuse  # type: ignore[method-assign]
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    for step in range(1, 3):
+        peer.grads.copy_(grad)
+        handle = peer.client.push(num_samples=1, want_params=True)
+        assert handle.acknowledged
+        assert torch.equal(peer.params, values - step * grad)
+    assert not both.broken
+
+
+def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_others(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Server 1 drops the connection on the first push, before applying it:
+    # server 0's answer is read, then the client reconnects to server 1 and
+    # sends the push again. Each server applies it once.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    dropped: list[bool] = []
+
+    def drop_first() -> None:
+        if not dropped:
+            dropped.append(True)
+            raise ConnectionResetError("dropped by the test")
+
+    cluster.servers[1]._gate = drop_first
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(
+        INITIALIZER,
+        values=values,
+        resolve=lambda index: cluster.addresses[index],
+        reconnect_timeout_s=DEADLINE_S,
+    )
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [True, True]
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    handle = peer.client.push(num_samples=1, want_params=True, key=PushKey(0, 0, 0, 1))
+
+    assert handle.acknowledged and dropped == [True]
+    assert peer.client.reconnects == 1
+    assert torch.equal(peer.params, values - grad)
+    assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
+
+
 @pytest.mark.parametrize("options", [{"overlap_push": True}, {"overlap_pull": True}])
 def test_background_pushes_go_through_shared_memory_and_a_reconnected_server_gets_bodies(
     cluster: Cluster, tmp_path: Path, options: dict[str, bool]

@@ -84,7 +84,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -123,6 +123,7 @@ from elasticps.wire.frame import (
 )
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 TRANSPORTS = ("auto", "tcp", "unix", "shm")
 """Values of ``ParameterClient(transport=...)``."""
@@ -167,6 +168,10 @@ class _ReconnectError(Exception):
     """A connection must be replaced (lost, or its server refused our epoch)."""
 
 
+# After these, a request is repeated on the slot's current server (ParameterClient._robust).
+_CONNECTION_ERRORS = (ConnectionClosedError, OSError, _ReconnectError)
+
+
 LAGGING_LOOKS = 4
 """Inconsistent pulls in a row (about 75 ms) after which a sync trainer joins the open
 step of the shards one version behind (see ``ParameterClient._join_lagging``)."""
@@ -186,6 +191,13 @@ def parse_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"bad address {address!r}, expected host:port")
     return host, int(port)
+
+
+class _SentPush(NamedTuple):
+    """A push sent on a connection, whose answer is still to be read."""
+
+    want_params: bool
+    row_pull: _Rows | None
 
 
 class _ShardConnection:
@@ -480,6 +492,30 @@ class _ShardConnection:
         rows: _Rows | None = None,
         row_pull: _Rows | None = None,
     ) -> np.ndarray | None:
+        """Send one push and read its answer (:meth:`send_push`, then :meth:`finish_push`)."""
+        return self.finish_push(
+            self.send_push(
+                trainer_id, num_samples, step, empty=empty, want_params=want_params,
+                staged=staged, shared=shared, key=key, computed_on=computed_on, rows=rows,
+                row_pull=row_pull,
+            )
+        )  # fmt: skip
+
+    def send_push(
+        self,
+        trainer_id: int,
+        num_samples: int,
+        step: int,
+        *,
+        empty: bool,
+        want_params: bool,
+        staged: bool = False,
+        shared: _SharedMemory | None = None,
+        key: PushKey | None = None,
+        computed_on: tuple[int, int] | None = None,
+        rows: _Rows | None = None,
+        row_pull: _Rows | None = None,
+    ) -> _SentPush:
         """Send one push; with ``row_pull``, a ROW_PULL right behind it (pipelined).
 
         ``staged`` sends the staging buffer; ``shared`` is this connection's
@@ -489,8 +525,8 @@ class _ShardConnection:
         staged copy.
 
         The server answers the frames of a connection in order, so the rows
-        read are those after this push (applied, or refused). Returns the
-        pulled rows (float32, concatenated as :meth:`pull_rows`), or None.
+        read are those after this push (applied, or refused). Returns what
+        :meth:`finish_push` needs to read the answer.
         """
         with_rows = rows is not None and not empty and not rows.empty
         flags = (
@@ -547,6 +583,15 @@ class _ShardConnection:
             )
         if row_pull is not None:
             self._send_row_pull(row_pull)
+        return _SentPush(want_params, row_pull)
+
+    def finish_push(self, sent: _SentPush) -> np.ndarray | None:
+        """Read the answer to the push :meth:`send_push` sent.
+
+        Returns the pulled rows (float32, concatenated as :meth:`pull_rows`),
+        or None.
+        """
+        want_params, row_pull = sent
         try:
             header = self._reply()
         except RemoteError:
@@ -1059,12 +1104,62 @@ class ParameterClient:
             results = [f.result() for f in futures]  # waits for all, even on error
         return [*results, mine]
 
+    def _exchange(
+        self,
+        start: Callable[[_ShardConnection], S],
+        finish: Callable[[_ShardConnection, S], T],
+    ) -> list[T]:
+        """One request to every server (``start`` sends it, ``finish`` reads the answer).
+
+        When every connection moves its tensors through shared memory, the
+        frames are small: the calling thread sends every request first, then
+        reads the answers, so the servers work in parallel without a thread
+        hand-off on this side. Otherwise each connection's bodies go on
+        their own thread (:meth:`_fan_out`). A connection that fails is then
+        served as :meth:`_robust` does, after the others: it reconnects and
+        sends the whole request again.
+
+        Raises:
+            The first error of any server, once every answer has been read.
+        """
+        targets = self._conns
+        if len(targets) < 2 or not all(c.shared for c in targets):
+            return self._fan_out(lambda c: finish(c, start(c)))
+        sent: list[tuple[S] | None] = []
+        for c in targets:
+            try:
+                sent.append((start(c),))
+            except _CONNECTION_ERRORS:
+                sent.append(None)
+        results: list[T | None] = []
+        retry: list[int] = []
+        error: BaseException | None = None
+        for i, (c, request) in enumerate(zip(targets, sent, strict=True)):
+            results.append(None)
+            if request is None:
+                retry.append(i)
+                continue
+            try:
+                results[i] = finish(c, request[0])
+            except _CONNECTION_ERRORS:
+                retry.append(i)
+            except BaseException as exc:  # raised below, once every answer is read
+                error = error or exc
+        for i in retry:
+            try:
+                results[i] = self._robust(lambda c: finish(c, start(c)), targets[i])
+            except BaseException as exc:  # raised below
+                error = error or exc
+        if error is not None:
+            raise error
+        return results  # type: ignore[return-value]  # every entry set when no error
+
     def _robust(self, fn: Callable[[_ShardConnection], T], conn: _ShardConnection) -> T:
         deadline: float | None = None
         while True:
             try:
                 return fn(conn)
-            except (ConnectionClosedError, OSError, _ReconnectError) as exc:
+            except _CONNECTION_ERRORS as exc:
                 if self._resolve is None:
                     raise ServiceUnavailableError(
                         f"lost parameter server {conn.layout.index} at {conn.address}: {exc}"
@@ -1209,8 +1304,8 @@ class ParameterClient:
         wanted = self._split_rows(prefetch, with_grads=False) if prefetch and pulls else {}
         pulled: dict[int, np.ndarray] = {}
 
-        def send(c: _ShardConnection) -> PushStatus:
-            flat = c.push(
+        def start(c: _ShardConnection) -> _SentPush:
+            return c.send_push(
                 self.trainer_id,
                 num_samples,
                 step,
@@ -1223,6 +1318,9 @@ class ParameterClient:
                 rows=by_shard.get(c.layout.index),
                 row_pull=wanted.get(c.layout.index),
             )
+
+        def finish(c: _ShardConnection, sent: _SentPush) -> PushStatus:
+            flat = c.finish_push(sent)
             if flat is not None:
                 pulled[c.layout.index] = flat
             return c.status
@@ -1233,23 +1331,26 @@ class ParameterClient:
 
         if background:
             assert self._background is not None
-            future = self._background.submit(self._push_and_acknowledge, send, handle, rows_pulled)
+            future = self._background.submit(
+                self._push_and_acknowledge, start, finish, handle, rows_pulled
+            )
             self._inflight = (future, handle)
         else:
-            self._push_and_acknowledge(send, handle, rows_pulled)
+            self._push_and_acknowledge(start, finish, handle, rows_pulled)
             if want_params:
                 self._adopt()
         return handle
 
     def _push_and_acknowledge(
         self,
-        send: Callable[[_ShardConnection], PushStatus],
+        start: Callable[[_ShardConnection], _SentPush],
+        finish: Callable[[_ShardConnection, _SentPush], PushStatus],
         handle: PushHandle,
         then: Callable[[], None] | None = None,
     ) -> None:
         """Send a push to every server; ``then`` runs before the handle is done."""
         try:
-            statuses = self._fan_out(send)
+            statuses = self._exchange(start, finish)
             if then is not None:
                 then()
         except BaseException as exc:
@@ -1268,11 +1369,16 @@ class ParameterClient:
         """
         self.flush()
 
-        def send(c: _ShardConnection) -> PushStatus:
-            c.push(self.trainer_id, 0, self._step, empty=True, want_params=True, key=key)
+        def start(c: _ShardConnection) -> _SentPush:
+            return c.send_push(
+                self.trainer_id, 0, self._step, empty=True, want_params=True, key=key
+            )
+
+        def finish(c: _ShardConnection, sent: _SentPush) -> PushStatus:
+            c.finish_push(sent)
             return c.status
 
-        statuses = self._fan_out(send)
+        statuses = self._exchange(start, finish)
         self._adopt()
         return statuses
 
