@@ -365,6 +365,15 @@ ID_TYPES: Final[frozenset[MsgType]] = frozenset({MsgType.ROW_PULL})
 
 _STATUS_TYPES: Final[frozenset[MsgType]] = frozenset({MsgType.PUSH_OK, MsgType.PARAMS})
 
+# Wire value -> member, looked up instead of calling the enum (a header is
+# decoded on every request; a lookup is several times cheaper than the call).
+_MSG_TYPE_OF: Final[dict[int, MsgType]] = {int(m): m for m in MsgType}
+_DTYPE_OF: Final[dict[int, DType]] = {int(d): d for d in DType}
+_STATUS_OF: Final[dict[int, PushStatus]] = {int(s): s for s in PushStatus}
+_FLAGS_OF: Final[dict[int, Flags]] = {
+    v: Flags(v) for v in range(_KNOWN_FLAGS + 1) if not v & ~_KNOWN_FLAGS
+}
+
 REPLY_TYPES: Final[Mapping[MsgType, frozenset[MsgType]]] = {
     MsgType.HELLO: frozenset({MsgType.HELLO_OK, MsgType.ERROR}),
     MsgType.INIT_VALUES: frozenset({MsgType.HELLO_OK, MsgType.ERROR}),
@@ -521,19 +530,17 @@ def _check_consistency(h: FrameHeader) -> None:
 
 def _validated_fields(h: FrameHeader) -> tuple[object, ...]:
     """Check ``h`` for encoding and return the values to pack into :data:`HEADER`."""
-    try:
-        mt = MsgType(h.msg_type)
-    except ValueError:
-        raise FrameError(f"unknown msg_type {h.msg_type!r}") from None
-    try:
-        dt = DType(h.dtype)
-    except ValueError:
-        raise FrameError(f"unknown dtype {h.dtype!r}") from None
-    try:
-        st = PushStatus(h.status)
-    except ValueError:
-        raise FrameError(f"unknown status {h.status!r}") from None
-    if int(h.flags) & ~_KNOWN_FLAGS:
+    mt = _MSG_TYPE_OF.get(h.msg_type)
+    if mt is None:
+        raise FrameError(f"unknown msg_type {h.msg_type!r}")
+    dt = _DTYPE_OF.get(h.dtype)
+    if dt is None:
+        raise FrameError(f"unknown dtype {h.dtype!r}")
+    st = _STATUS_OF.get(h.status)
+    if st is None:
+        raise FrameError(f"unknown status {h.status!r}")
+    fl = _FLAGS_OF.get(h.flags)
+    if fl is None:
         raise FrameError(f"unknown flags bits in {int(h.flags):#x}")
     _check_range("sender", h.sender, 0, _U32_MAX)
     _check_range("num_samples", h.num_samples, 0, _U32_MAX)
@@ -546,9 +553,11 @@ def _validated_fields(h: FrameHeader) -> tuple[object, ...]:
     _check_range("key_lo", h.key_lo, 0, _U32_MAX)
     _check_range("key_hi", h.key_hi, 0, _U32_MAX)
     _check_range("generation", h.generation, 0, _U32_MAX)
-    fl = Flags(int(h.flags))
-    # Callers may pass plain ints; the consistency rules compare enum members.
-    _check_consistency(dataclasses.replace(h, msg_type=mt, dtype=dt, flags=fl, status=st))
+    if mt is h.msg_type and dt is h.dtype and fl is h.flags and st is h.status:
+        _check_consistency(h)
+    else:
+        # Callers may pass plain ints; the consistency rules compare enum members.
+        _check_consistency(dataclasses.replace(h, msg_type=mt, dtype=dt, flags=fl, status=st))
     return (
         MAGIC,
         PROTO_VERSION,
@@ -655,19 +664,17 @@ def decode_header(
         raise FrameError(
             f"unsupported protocol version {version} (this side speaks {PROTO_VERSION})"
         )
-    try:
-        msg_type = MsgType(mt_raw)
-    except ValueError:
-        raise FrameError(f"unknown msg_type {mt_raw}") from None
-    try:
-        dtype = DType(dt_raw)
-    except ValueError:
-        raise FrameError(f"unknown dtype {dt_raw}") from None
-    try:
-        status = PushStatus(st_raw)
-    except ValueError:
-        raise FrameError(f"unknown status {st_raw}") from None
-    if fl_raw & ~_KNOWN_FLAGS:
+    msg_type = _MSG_TYPE_OF.get(mt_raw)
+    if msg_type is None:
+        raise FrameError(f"unknown msg_type {mt_raw}")
+    dtype = _DTYPE_OF.get(dt_raw)
+    if dtype is None:
+        raise FrameError(f"unknown dtype {dt_raw}")
+    status = _STATUS_OF.get(st_raw)
+    if status is None:
+        raise FrameError(f"unknown status {st_raw}")
+    flags = _FLAGS_OF.get(fl_raw)
+    if flags is None:
         raise FrameError(f"unknown flags bits in {fl_raw:#04x}")
     if mversion < 0:
         raise FrameError(f"model_version {mversion} is negative")
@@ -678,7 +685,7 @@ def decode_header(
     header = FrameHeader(
         msg_type=msg_type,
         dtype=dtype,
-        flags=Flags(fl_raw),
+        flags=flags,
         sender=sender,
         num_samples=samples,
         model_version=mversion,
