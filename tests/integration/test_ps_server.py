@@ -729,7 +729,7 @@ def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thre
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
     both = threading.Barrier(2, timeout=DEADLINE_S)
     for server in cluster.servers:
-        server._gate = both.wait
+        server._gate = both.wait  # type: ignore[assignment]
     values = dyadic_values(reference_placement(2).total_numel, -1.0)
     peer = cluster.peer(INITIALIZER, values=values)
     peer.client.hello(initialize=True)
@@ -740,7 +740,7 @@ def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thre
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a shared-memory push used the thread pool")
 
-    pool.submit = refuse  # type: ignore[method-assign]
+    pool.submit = refuse  # type: ignore[method-assign,assignment]
     grad = dyadic_values(peer.placement.total_numel, 0.5)
     for step in range(1, 3):
         peer.grads.copy_(grad)
@@ -748,6 +748,33 @@ def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thre
         assert handle.acknowledged
         assert torch.equal(peer.params, values - step * grad)
     assert not both.broken
+
+
+def test_a_big_model_s_shared_memory_push_uses_a_thread_per_server(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Above the bound the copies into and out of shared memory run in parallel.
+    monkeypatch.setattr(client_module, "SERIAL_EXCHANGE_MAX_BYTES", 0)
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(INITIALIZER, values=values)
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [True, True]
+    pool = peer.client._pool
+    assert pool is not None
+    submitted: list[object] = []
+    real_submit = pool.submit
+
+    def recording(fn: Callable[..., object], *args: object) -> object:
+        submitted.append(fn)
+        return real_submit(fn, *args)
+
+    pool.submit = recording  # type: ignore[method-assign,assignment]
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    peer.client.push(num_samples=1, want_params=True)
+    assert len(submitted) == 1  # one server on the pool, the other on this thread
+    assert torch.equal(peer.params, values - grad)
 
 
 def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_others(

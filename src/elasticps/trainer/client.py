@@ -40,7 +40,12 @@ Three options change that path, all chosen at construction:
   server a memfd holding the shard's gradients and parameters; a float32
   push then gathers the gradient into it and sends a bare header, and the
   server writes the parameters back into it (see
-  :mod:`elasticps.wire.frame`, "Shared memory"). A push sent in the
+  :mod:`elasticps.wire.frame`, "Shared memory"). With every server reached
+  so, a push is exchanged by one thread: it sends the push to every server,
+  then reads the answers, so the servers still work at once but no thread
+  is woken per server (what that saves is measured in
+  ``benchmarks/README.md``). Otherwise a thread per server moves its
+  bodies. A push sent in the
   background has its gradient copied into the shared memory by the caller
   (and into the staging buffer, for a server reconnected meanwhile, whose
   new memory holds nothing yet); compressed pushes travel in bodies.
@@ -139,6 +144,10 @@ log = logging.getLogger(__name__)
 
 # Error codes after which the request is repeated on the slot's current server.
 _RESOLVE_AGAIN = frozenset({"wrong_epoch", "fenced"})
+
+SERIAL_EXCHANGE_MAX_BYTES = 16 << 20
+"""Largest model (float32 bytes) whose shared-memory pushes one thread exchanges with
+every server (see ``ParameterClient._exchange``); a bigger one uses a thread per server."""
 
 _RECENT_SPLITS = 4
 """Splits of ids by server kept per sparse table (see ``ParameterClient._table_split``)."""
@@ -1114,8 +1123,10 @@ class ParameterClient:
         When every connection moves its tensors through shared memory, the
         frames are small: the calling thread sends every request first, then
         reads the answers, so the servers work in parallel without a thread
-        hand-off on this side. Otherwise each connection's bodies go on
-        their own thread (:meth:`_fan_out`). A connection that fails is then
+        hand-off on this side. Otherwise, or when the model is bigger than
+        :data:`SERIAL_EXCHANGE_MAX_BYTES` (its copies into and out of shared
+        memory then take longer than a hand-off, and run in parallel), each
+        connection goes on its own thread (:meth:`_fan_out`). A connection that fails is then
         served as :meth:`_robust` does, after the others: it reconnects and
         sends the whole request again.
 
@@ -1123,7 +1134,11 @@ class ParameterClient:
             The first error of any server, once every answer has been read.
         """
         targets = self._conns
-        if len(targets) < 2 or not all(c.shared for c in targets):
+        if (
+            len(targets) < 2
+            or not all(c.shared for c in targets)
+            or self._grads.numel() * 4 > SERIAL_EXCHANGE_MAX_BYTES
+        ):
             return self._fan_out(lambda c: finish(c, start(c)))
         sent: list[tuple[S] | None] = []
         for c in targets:
