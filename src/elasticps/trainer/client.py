@@ -713,22 +713,33 @@ class _SharedMemory:
             os.close(self.fd)
             raise
         # (flat buffer range, shared region piece) pairs, in the shard's order.
-        self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self._pieces: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         offset = 0
         for lo, hi in layout.ranges:
             n = hi - lo
-            self._pieces.append((lo, hi, grads[offset : offset + n], params[offset : offset + n]))
+            self._pieces.append(
+                (lo, hi, grads[offset : offset + n].numpy(), params[offset : offset + n].numpy())
+            )
             offset += n
 
     def write_grads(self, grads: torch.Tensor) -> None:
-        """Gather the shard's ranges of the flat gradient buffer into the shared region."""
+        """Gather the shard's ranges of the flat gradient buffer into the shared region.
+
+        Copied by numpy, on this thread alone: a torch copy of this size is
+        split over the process's intra-op threads, which then spin while
+        this thread waits for the server's answer, taking the CPU the
+        servers need (on a loaded machine, several times the round trip).
+        """
+        source = grads.numpy()
         for lo, hi, g, _ in self._pieces:
-            g.copy_(grads[lo:hi])
+            np.copyto(g, source[lo:hi])
 
     def read_params(self, params: torch.Tensor) -> None:
-        """Scatter the parameters the server wrote into the flat parameter buffer."""
+        """Scatter the parameters the server wrote into the flat parameter buffer
+        (copied by numpy, as :meth:`write_grads`)."""
+        target = params.numpy()
         for lo, hi, _, p in self._pieces:
-            params[lo:hi].copy_(p)
+            np.copyto(target[lo:hi], p)
 
     def close(self) -> None:
         self._pieces = []
