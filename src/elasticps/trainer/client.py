@@ -1134,12 +1134,12 @@ class ParameterClient:
         When every connection moves its tensors through shared memory, the
         frames are small: the calling thread sends every request first, then
         reads the answers, so the servers work in parallel without a thread
-        hand-off on this side. Otherwise, or when the model is bigger than
+        hand-off on this side. A connection that fails is then served as
+        :meth:`_robust` does, after the others: it reconnects and sends the
+        whole request again. Otherwise, or when the model is bigger than
         :data:`SERIAL_EXCHANGE_MAX_BYTES` (its copies into and out of shared
         memory then take longer than a hand-off, and run in parallel), each
-        connection goes on its own thread (:meth:`_fan_out`). A connection that fails is then
-        served as :meth:`_robust` does, after the others: it reconnects and
-        sends the whole request again.
+        connection goes on its own thread (:meth:`_fan_out`).
 
         Raises:
             The first error of any server, once every answer has been read.
