@@ -720,12 +720,15 @@ def test_pushes_over_shared_memory_give_what_bodies_give(
         assert torch.equal(shared.params, values - 4 * grad)
 
 
+@pytest.mark.parametrize("torch_threads", [1, 2])
 def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thread(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch_threads: int
 ) -> None:
     # Both servers must hold the push at the same time (a barrier in each), and
     # the client's thread pool is not used: the calling thread sends to every
-    # server, then reads the answers.
+    # server, then reads the answers. With more than one torch thread the
+    # copies into and out of shared memory go through numpy.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
     both = threading.Barrier(2, timeout=DEADLINE_S)
     for server in cluster.servers:

@@ -713,33 +713,41 @@ class _SharedMemory:
             os.close(self.fd)
             raise
         # (flat buffer range, shared region piece) pairs, in the shard's order.
-        self._pieces: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         offset = 0
         for lo, hi in layout.ranges:
             n = hi - lo
-            self._pieces.append(
-                (lo, hi, grads[offset : offset + n].numpy(), params[offset : offset + n].numpy())
-            )
+            self._pieces.append((lo, hi, grads[offset : offset + n], params[offset : offset + n]))
             offset += n
 
     def write_grads(self, grads: torch.Tensor) -> None:
         """Gather the shard's ranges of the flat gradient buffer into the shared region.
 
-        Copied by numpy, on this thread alone: a torch copy of this size is
-        split over the process's intra-op threads, which then spin while
-        this thread waits for the server's answer, taking the CPU the
-        servers need (on a loaded machine, several times the round trip).
+        With one torch thread (trainers' default) torch copies; with more,
+        numpy does, on this thread alone: a torch copy of this size is split
+        over the intra-op threads, which then spin while this thread waits
+        for the server's answer, taking the CPU the servers need. numpy
+        releases the GIL while it copies, which lets the process's other
+        threads in: measured slower with one thread (``benchmarks/README.md``).
         """
-        source = grads.numpy()
-        for lo, hi, g, _ in self._pieces:
-            np.copyto(g, source[lo:hi])
+        if torch.get_num_threads() > 1:
+            source = grads.numpy()
+            for lo, hi, g, _ in self._pieces:
+                np.copyto(g.numpy(), source[lo:hi])
+        else:
+            for lo, hi, g, _ in self._pieces:
+                g.copy_(grads[lo:hi])
 
     def read_params(self, params: torch.Tensor) -> None:
         """Scatter the parameters the server wrote into the flat parameter buffer
-        (copied by numpy, as :meth:`write_grads`)."""
-        target = params.numpy()
-        for lo, hi, _, p in self._pieces:
-            np.copyto(target[lo:hi], p)
+        (copied as :meth:`write_grads` copies)."""
+        if torch.get_num_threads() > 1:
+            target = params.numpy()
+            for lo, hi, _, p in self._pieces:
+                np.copyto(target[lo:hi], p.numpy())
+        else:
+            for lo, hi, _, p in self._pieces:
+                params[lo:hi].copy_(p)
 
     def close(self) -> None:
         self._pieces = []
