@@ -720,6 +720,18 @@ def test_pushes_over_shared_memory_give_what_bodies_give(
         assert torch.equal(shared.params, values - 4 * grad)
 
 
+def shared_memory_peer(cluster: Cluster) -> tuple[Peer, torch.Tensor, ThreadPoolExecutor]:
+    """A peer of 2 started servers, said hello, with shared memory on both connections;
+    its initial values; its fan-out pool."""
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(INITIALIZER, values=values)
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [True, True]
+    pool = peer.client._pool
+    assert pool is not None
+    return peer, values, pool
+
+
 @pytest.mark.parametrize("torch_threads", [1, 2])
 def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thread(
     cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch_threads: int
@@ -733,12 +745,7 @@ def test_a_shared_memory_push_reaches_every_server_at_once_from_the_calling_thre
     both = threading.Barrier(2, timeout=DEADLINE_S)
     for server in cluster.servers:
         server._gate = both.wait  # type: ignore[assignment]
-    values = dyadic_values(reference_placement(2).total_numel, -1.0)
-    peer = cluster.peer(INITIALIZER, values=values)
-    peer.client.hello(initialize=True)
-    assert [c.shared for c in peer.client._conns] == [True, True]
-    pool = peer.client._pool
-    assert pool is not None
+    peer, values, pool = shared_memory_peer(cluster)
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a shared-memory push used the thread pool")
@@ -759,12 +766,7 @@ def test_a_big_model_s_shared_memory_push_uses_a_thread_per_server(
     # Above the bound the copies into and out of shared memory run in parallel.
     monkeypatch.setattr(client_module, "SERIAL_EXCHANGE_MAX_BYTES", 0)
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
-    values = dyadic_values(reference_placement(2).total_numel, -1.0)
-    peer = cluster.peer(INITIALIZER, values=values)
-    peer.client.hello(initialize=True)
-    assert [c.shared for c in peer.client._conns] == [True, True]
-    pool = peer.client._pool
-    assert pool is not None
+    peer, values, pool = shared_memory_peer(cluster)
     submitted: list[object] = []
     real_submit = pool.submit
 

@@ -486,30 +486,6 @@ class _ShardConnection:
             self._shared.close()
             self._shared = None
 
-    def push(
-        self,
-        trainer_id: int,
-        num_samples: int,
-        step: int,
-        *,
-        empty: bool,
-        want_params: bool,
-        staged: bool = False,
-        shared: _SharedMemory | None = None,
-        key: PushKey | None = None,
-        computed_on: tuple[int, int] | None = None,
-        rows: _Rows | None = None,
-        row_pull: _Rows | None = None,
-    ) -> np.ndarray | None:
-        """Send one push and read its answer (:meth:`send_push`, then :meth:`finish_push`)."""
-        return self.finish_push(
-            self.send_push(
-                trainer_id, num_samples, step, empty=empty, want_params=want_params,
-                staged=staged, shared=shared, key=key, computed_on=computed_on, rows=rows,
-                row_pull=row_pull,
-            )
-        )  # fmt: skip
-
     def send_push(
         self,
         trainer_id: int,
@@ -1602,7 +1578,7 @@ class ParameterClient:
         lagging = [c for c, v in zip(self._conns, versions, strict=True) if v != ahead]
 
         def send(c: _ShardConnection) -> None:
-            c.push(self.trainer_id, 0, self._step, empty=True, want_params=True)
+            c.finish_push(c.send_push(self.trainer_id, 0, self._step, empty=True, want_params=True))
 
         log.info(
             "shards at versions %s: joining the open step of those behind without a gradient",

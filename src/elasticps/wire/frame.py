@@ -175,7 +175,7 @@ import socket
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 
@@ -528,17 +528,26 @@ def _check_consistency(h: FrameHeader) -> None:
             )
 
 
+_E = TypeVar("_E", MsgType, DType, PushStatus)
+
+
+def _member(table: Mapping[int, _E], value: int, field: str) -> _E:
+    """The enum member of a header field's value (see ``_MSG_TYPE_OF``).
+
+    Raises:
+        FrameError: the value is not one of the field's members.
+    """
+    member = table.get(value)
+    if member is None:
+        raise FrameError(f"unknown {field} {value!r}")
+    return member
+
+
 def _validated_fields(h: FrameHeader) -> tuple[object, ...]:
     """Check ``h`` for encoding and return the values to pack into :data:`HEADER`."""
-    mt = _MSG_TYPE_OF.get(h.msg_type)
-    if mt is None:
-        raise FrameError(f"unknown msg_type {h.msg_type!r}")
-    dt = _DTYPE_OF.get(h.dtype)
-    if dt is None:
-        raise FrameError(f"unknown dtype {h.dtype!r}")
-    st = _STATUS_OF.get(h.status)
-    if st is None:
-        raise FrameError(f"unknown status {h.status!r}")
+    mt = _member(_MSG_TYPE_OF, h.msg_type, "msg_type")
+    dt = _member(_DTYPE_OF, h.dtype, "dtype")
+    st = _member(_STATUS_OF, h.status, "status")
     fl = _FLAGS_OF.get(h.flags)
     if fl is None:
         raise FrameError(f"unknown flags bits in {int(h.flags):#x}")
@@ -664,15 +673,9 @@ def decode_header(
         raise FrameError(
             f"unsupported protocol version {version} (this side speaks {PROTO_VERSION})"
         )
-    msg_type = _MSG_TYPE_OF.get(mt_raw)
-    if msg_type is None:
-        raise FrameError(f"unknown msg_type {mt_raw}")
-    dtype = _DTYPE_OF.get(dt_raw)
-    if dtype is None:
-        raise FrameError(f"unknown dtype {dt_raw}")
-    status = _STATUS_OF.get(st_raw)
-    if status is None:
-        raise FrameError(f"unknown status {st_raw}")
+    msg_type = _member(_MSG_TYPE_OF, mt_raw, "msg_type")
+    dtype = _member(_DTYPE_OF, dt_raw, "dtype")
+    status = _member(_STATUS_OF, st_raw, "status")
     flags = _FLAGS_OF.get(fl_raw)
     if flags is None:
         raise FrameError(f"unknown flags bits in {fl_raw:#04x}")
