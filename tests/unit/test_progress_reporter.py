@@ -95,3 +95,30 @@ def test_discard_drops_an_update_held_back_by_the_interval() -> None:
     reporter.discard()
     reporter.close()
     assert master.offsets == [10]
+
+
+def test_updates_held_back_by_the_interval_wake_the_thread_once_and_the_newest_goes() -> None:
+    # A push is acknowledged every step: the reporter thread must not be woken
+    # for each one while it waits out its interval, and the newest update
+    # still goes when the interval is over.
+    master = CountingMaster()
+    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=0.3)
+    task = master_pb2.Task(task_id=1, pass_id=0, attempt=1)
+    reporter.update(task, 10)
+    with master.cond:
+        assert master.cond.wait_for(lambda: master.offsets == [10], DEADLINE_S)
+    wakeups: list[int] = []
+    notify = reporter._cond.notify
+
+    def counting(n: int = 1) -> None:
+        wakeups.append(n)
+        notify(n)
+
+    reporter._cond.notify = counting  # type: ignore[method-assign]
+    for offset in range(20, 100, 10):
+        reporter.update(task, offset)
+    assert len(wakeups) == 1  # the first of them; the thread then knows there is one
+    with master.cond:
+        assert master.cond.wait_for(lambda: master.offsets == [10, 90], DEADLINE_S)
+    reporter.close()
+    assert master.offsets == [10, 90]

@@ -211,8 +211,12 @@ class ProgressReporter:
             skipped=skipped,
         )
         with self._cond:
+            idle = self._latest is None
             self._latest = request
-            self._cond.notify()
+            if idle:
+                # Otherwise the thread knows there is an update, and sends the
+                # newest when its interval is over: no wake-up per push.
+                self._cond.notify()
 
     def discard(self, task_id: int | None = None) -> None:
         """Drop any unsent update (of task ``task_id`` only, if given), and wait for
