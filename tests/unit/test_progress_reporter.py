@@ -71,13 +71,21 @@ class CountingMaster:
             self.cond.notify_all()
 
 
-def test_updates_within_the_interval_are_coalesced_into_one_report() -> None:
+def first_report_sent(
+    min_interval_s: float,
+) -> tuple[CountingMaster, ProgressReporter, master_pb2.Task]:
+    """A reporter whose first update (offset 10, sent at once) the master has received."""
     master = CountingMaster()
-    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=600.0)
+    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=min_interval_s)
     task = master_pb2.Task(task_id=1, pass_id=0, attempt=1)
-    reporter.update(task, 10)  # the first goes at once
+    reporter.update(task, 10)
     with master.cond:
         assert master.cond.wait_for(lambda: master.offsets == [10], DEADLINE_S)
+    return master, reporter, task
+
+
+def test_updates_within_the_interval_are_coalesced_into_one_report() -> None:
+    master, reporter, task = first_report_sent(min_interval_s=600.0)
     for offset in range(20, 100, 10):
         reporter.update(task, offset)  # held back by the interval, each replacing the last
     reporter.close()  # closing sends the latest without waiting out the interval
@@ -85,12 +93,7 @@ def test_updates_within_the_interval_are_coalesced_into_one_report() -> None:
 
 
 def test_discard_drops_an_update_held_back_by_the_interval() -> None:
-    master = CountingMaster()
-    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=600.0)
-    task = master_pb2.Task(task_id=1, pass_id=0, attempt=1)
-    reporter.update(task, 10)
-    with master.cond:
-        assert master.cond.wait_for(lambda: master.offsets == [10], DEADLINE_S)
+    master, reporter, task = first_report_sent(min_interval_s=600.0)
     reporter.update(task, 20)
     reporter.discard()
     reporter.close()
@@ -101,12 +104,7 @@ def test_updates_held_back_by_the_interval_wake_the_thread_once_and_the_newest_g
     # A push is acknowledged every step: the reporter thread must not be woken
     # for each one while it waits out its interval, and the newest update
     # still goes when the interval is over.
-    master = CountingMaster()
-    reporter = ProgressReporter(cast(MasterClient, master), "0", min_interval_s=0.3)
-    task = master_pb2.Task(task_id=1, pass_id=0, attempt=1)
-    reporter.update(task, 10)
-    with master.cond:
-        assert master.cond.wait_for(lambda: master.offsets == [10], DEADLINE_S)
+    master, reporter, task = first_report_sent(min_interval_s=0.3)
     wakeups: list[int] = []
     notify = reporter._cond.notify
 
