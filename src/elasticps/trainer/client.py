@@ -665,6 +665,22 @@ class _ShardConnection:
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy float32 ``src`` into ``dst`` (same size), to or from shared memory.
+
+    With one torch thread (trainers' default) torch copies; with more, numpy
+    does, on this thread alone: a torch copy of a shard's size is split over
+    the intra-op threads, which then spin while this thread waits for the
+    server's answer, taking the CPU the servers need. numpy releases the GIL
+    while it copies, which lets the process's other threads in: measured
+    slower with one thread (``benchmarks/README.md``).
+    """
+    if torch.get_num_threads() > 1:
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
 class _SharedMemory:
     """The shared memory of one connection (see elasticps.wire.frame, "Shared memory").
 
@@ -697,33 +713,14 @@ class _SharedMemory:
             offset += n
 
     def write_grads(self, grads: torch.Tensor) -> None:
-        """Gather the shard's ranges of the flat gradient buffer into the shared region.
-
-        With one torch thread (trainers' default) torch copies; with more,
-        numpy does, on this thread alone: a torch copy of this size is split
-        over the intra-op threads, which then spin while this thread waits
-        for the server's answer, taking the CPU the servers need. numpy
-        releases the GIL while it copies, which lets the process's other
-        threads in: measured slower with one thread (``benchmarks/README.md``).
-        """
-        if torch.get_num_threads() > 1:
-            source = grads.numpy()
-            for lo, hi, g, _ in self._pieces:
-                np.copyto(g.numpy(), source[lo:hi])
-        else:
-            for lo, hi, g, _ in self._pieces:
-                g.copy_(grads[lo:hi])
+        """Gather the shard's ranges of the flat gradient buffer into the shared region."""
+        for lo, hi, g, _ in self._pieces:
+            _copy(g, grads[lo:hi])
 
     def read_params(self, params: torch.Tensor) -> None:
-        """Scatter the parameters the server wrote into the flat parameter buffer
-        (copied as :meth:`write_grads` copies)."""
-        if torch.get_num_threads() > 1:
-            target = params.numpy()
-            for lo, hi, _, p in self._pieces:
-                np.copyto(target[lo:hi], p.numpy())
-        else:
-            for lo, hi, _, p in self._pieces:
-                params[lo:hi].copy_(p)
+        """Scatter the parameters the server wrote into the flat parameter buffer."""
+        for lo, hi, _, p in self._pieces:
+            _copy(params[lo:hi], p)
 
     def close(self) -> None:
         self._pieces = []
