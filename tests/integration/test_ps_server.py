@@ -1325,3 +1325,24 @@ def test_a_seal_whose_checkpoint_may_not_be_written_is_refused(
     send_json(sock, MsgType.CONTROL, {"op": "seal", "pass": 0})
     assert "not saved" in expect_error(sock, "fenced")
     assert server.files.durable_versions() == []
+
+
+def test_sealing_keeps_only_the_newest_checkpoints(cluster: Cluster, tmp_path: Path) -> None:
+    """Old files are pruned after a seal's answer, before the connection's next request."""
+    cluster.start(1, UpdateMode.ASYNC)
+    server = cluster.servers[0]
+    server.files = ShardFiles(tmp_path, 0, server.epoch, keep=2)
+    peer = cluster.peer(SECOND)
+    peer.client.hello(initialize=True)
+    sock = cluster.raw(0)
+    for pass_id in range(4):
+        peer.grads.fill_(1.0)
+        peer.client.push(num_samples=2, want_params=True)
+        send_json(sock, MsgType.CONTROL, {"op": "seal", "pass": pass_id})
+        header, body = read_reply(sock)
+        assert header.msg_type is MsgType.CONTROL_OK
+        assert body is not None and body["durable"] is True
+    send_json(sock, MsgType.CONTROL, {"op": "stats"})
+    header, _ = read_reply(sock)
+    assert header.msg_type is MsgType.CONTROL_OK
+    assert server.files.durable_versions() == [4, 3]

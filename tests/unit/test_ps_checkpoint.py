@@ -339,6 +339,17 @@ def test_files_are_named_by_epoch_and_version_and_pruned(tmp_path: Path) -> None
     ]
 
 
+def test_a_save_can_leave_the_pruning_for_later(tmp_path: Path) -> None:
+    (shard,) = shards_for(1, named_values())
+    files = ShardFiles(tmp_path, 0, epoch=7, keep=2)
+    for _ in range(4):
+        files.save(*shard.state(), prune=False)
+        train([shard], 1)
+    assert files.durable_versions() == [3, 2, 1, 0]
+    files.prune()
+    assert files.durable_versions() == [3, 2]
+
+
 def test_a_restarted_server_adopts_the_newest_file_of_earlier_epochs(tmp_path: Path) -> None:
     (shard,) = shards_for(1, named_values())
     old = ShardFiles(tmp_path, 0, epoch=7)

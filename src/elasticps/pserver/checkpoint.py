@@ -393,9 +393,20 @@ class ShardFiles:
         return [v for e, v, _ in self._listing() if e == self.epoch]
 
     def save(
-        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, object],
+        *,
+        prune: bool = True,
     ) -> SavedShard | None:
         """Write a new checkpoint file (never overwriting one), then prune old ones.
+
+        Args:
+            tensors: as from ``ParameterShard.state()``.
+            meta: as from ``ParameterShard.state()``; must hold ``version``.
+            prune: remove the files beyond the newest ``keep`` now. False
+                leaves it to a later :meth:`prune` (a caller that answers
+                first: removing a file takes about a millisecond).
 
         Returns:
             What was written, or None if writing is not allowed now.
@@ -418,8 +429,19 @@ class ShardFiles:
             path = self.path_of(version)
             _save_tables(path, meta)
             path.write_atomic(data)
-            self._prune()
+            if prune:
+                self._prune()
         return SavedShard(_plain(path), zlib.crc32(data), len(data), version)
+
+    def prune(self) -> None:
+        """Remove this epoch's files beyond the newest ``keep``, and older epochs'
+        files once ``keep`` of this epoch exist (see :meth:`save`).
+
+        Raises:
+            OSError: the directory cannot be listed (remote storage unreachable).
+        """
+        with self._lock:
+            self._prune()
 
     def _prune(self) -> None:
         # Caller holds self._lock. Keep the newest `keep` of our epoch; older

@@ -853,6 +853,9 @@ class ParameterServer:
                 {"shard": self.shard_index, **reply},
                 epoch=self.epoch,
             )
+            if op == "seal":
+                # The next pass waits for the seal's answer, not for this.
+                self._prune_checkpoints()
         else:
             raise _RequestError("bad_control", f"unknown control op {json.dumps(op)}")
 
@@ -966,7 +969,7 @@ class ParameterServer:
         durable = False
         if self.files is not None:
             try:
-                saved = self.files.save(*shard.state())
+                saved = self.files.save(*shard.state(), prune=False)
             except OSError as exc:
                 raise _RequestError(
                     "checkpoint_failed", f"cannot save the sealed shard: {exc}"
@@ -985,6 +988,15 @@ class ParameterServer:
             self.shard_index, pass_id, shard.version, "" if durable else " (not saved)",
         )  # fmt: skip
         return {"epoch": self.epoch, "version": shard.version, "durable": durable}
+
+    def _prune_checkpoints(self) -> None:
+        """Remove the checkpoint files beyond the newest few (after a seal's answer)."""
+        if self.files is None:
+            return
+        try:
+            self.files.prune()
+        except OSError as exc:
+            log.warning("ps %d: cannot prune old checkpoints: %s", self.shard_index, exc)
 
     def _op_save(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:
         shard = self._initialized()
