@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from elasticps.errors import SteppedDownError
 from elasticps.master import service as service_module
 from elasticps.master.service import MasterService
 from elasticps.master.taskqueue import DataRange, EventKind, QueueConfig, TaskEvent, TaskQueue
@@ -71,21 +72,24 @@ def test_calls_asking_during_the_check_get_the_next_pass_first_tasks() -> None:
         assert first.next.WhichOneof("result") == "wait_s"
         # t1's report ends the pass: its call is held while the pass is checked ...
         held_report, report_out = in_thread(lambda: report_and_ask(service, b, "t1"))
-        wait_for(lambda: ready == [0] and service._held == 1)
+        wait_for(lambda: ready == [0] and len(service._held) == 1)
         # ... as is t0's next ask.
         held_ask, ask_out = in_thread(
             lambda: service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX)
         )
-        wait_for(lambda: service._held == 2)
+        wait_for(lambda: len(service._held) == 2)
         assert not report_out and not ask_out
         service.complete_pass(0, 0, [])
         held_report.join(timeout=10)
         held_ask.join(timeout=10)
         tasks = [report_out[0].next.task, ask_out[0].task]  # type: ignore[attr-defined]
         assert sorted((t.pass_id, t.task_id) for t in tasks) == [(1, 0), (1, 1)]
-        assert service._held == 0
-        # Each dispatch is its own write, after the pass's completion.
-        assert journal.writes[-2:] == [[EventKind.DISPATCHED], [EventKind.DISPATCHED]]
+        assert len(service._held) == 0
+        # The pass's completion and both dispatches are one write.
+        assert journal.writes[-1] == [
+            EventKind.PASS_COMPLETED, EventKind.PASS_STARTED,
+            EventKind.DISPATCHED, EventKind.DISPATCHED,
+        ]  # fmt: skip
     finally:
         service.stop()
 
@@ -114,13 +118,13 @@ def test_a_held_call_overtaken_by_its_retry_dispatches_nothing() -> None:
         b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
         report_and_ask(service, b, "t1")
         held, out = in_thread(lambda: report_and_ask(service, a, "t0", ask=2))
-        wait_for(lambda: ready == [0] and service._held >= 1)
+        wait_for(lambda: ready == [0] and len(service._held) >= 1)
         # The trainer gave up on the held call and asked again (ask 3); that one
         # is held too. Once the pass starts, only the later call dispatches.
         retry, retry_out = in_thread(
             lambda: service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0", ask=3), CTX)
         )
-        wait_for(lambda: service._held >= 2)
+        wait_for(lambda: len(service._held) >= 2)
         service.complete_pass(0, 0, [])
         held.join(timeout=10)
         retry.join(timeout=10)
@@ -138,7 +142,7 @@ def test_no_more_than_max_held_calls_are_held(monkeypatch: pytest.MonkeyPatch) -
     try:
         task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
         held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_for(lambda: ready == [0] and service._held == 1)
+        wait_for(lambda: ready == [0] and len(service._held) == 1)
         # A second trainer asking now is told to wait at once.
         reply = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX)
         assert reply.WhichOneof("result") == "wait_s"
@@ -156,10 +160,45 @@ def test_a_held_report_is_answered_with_its_wait_when_the_master_steps_down() ->
     try:
         task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
         held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_for(lambda: ready == [0] and service._held == 1)
+        wait_for(lambda: ready == [0] and len(service._held) == 1)
         service.step_down("lost the lock")
         held.join(timeout=10)
         assert out[0].next.WhichOneof("result") == "wait_s"  # type: ignore[attr-defined]
         assert journal.writes[-1] == [EventKind.DONE, EventKind.PASS_READY]
+    finally:
+        service.stop()
+
+
+def test_held_calls_get_nothing_from_a_pass_start_that_was_not_written() -> None:
+    """The dispatches made for held calls count only once their write succeeded."""
+    service, journal, ready = verifying_service(num_tasks=1)
+    try:
+        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
+        wait_for(lambda: ready == [0] and len(service._held) == 1)
+
+        def fail(queue: TaskQueue, events: Sequence[TaskEvent]) -> None:
+            raise OSError("etcd is gone")
+
+        journal.persist = fail  # type: ignore[method-assign]
+        with pytest.raises(SteppedDownError):
+            service.complete_pass(0, 0, [])
+        held.join(timeout=10)
+        assert out[0].next.WhichOneof("result") == "wait_s"  # type: ignore[attr-defined]
+    finally:
+        service.stop()
+
+
+def test_a_held_call_asks_again_after_a_check_that_reopened_tasks() -> None:
+    service, journal, ready = verifying_service(num_tasks=1)
+    try:
+        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
+        wait_for(lambda: ready == [0] and len(service._held) == 1)
+        service.reopen({task.task_id: 4})
+        held.join(timeout=10)
+        again = out[0].next.task  # type: ignore[attr-defined]
+        assert (again.pass_id, again.task_id, again.offset) == (0, task.task_id, 4)
+        assert journal.writes[-2:] == [[EventKind.REOPENED], [EventKind.DISPATCHED]]
     finally:
         service.stop()

@@ -16,6 +16,7 @@ master *steps down*: it answers UNAVAILABLE from then on and calls
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -33,6 +34,7 @@ from elasticps.master.taskqueue import (
     Dispatch,
     EventKind,
     Finished,
+    GetTaskResult,
     TaskEvent,
     TaskQueue,
     Wait,
@@ -95,7 +97,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._last_loss = math.nan
         self._stepped_down: str | None = None  # the reason, once stepped down
         self._asks: dict[str, int] = {}  # trainer id -> last ``ask`` taken (see _take_ask)
-        self._held = 0  # calls held for the next pass (see _hold_for_next_pass)
+        self._held: list[_HeldCall] = []  # calls held for the next pass (_hold_for_next_pass)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._expire_loop, name="task-timer", daemon=True)
         self._timer.start()
@@ -134,8 +136,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
         A trainer told to wait sleeps for its own poll interval, which at a
         pass's end is mostly longer than the check; holding the call instead
-        has the trainer start the next pass as soon as it begins. Holds at
-        most :data:`MAX_HELD_CALLS` calls at once, each for at most
+        has the trainer start the next pass as soon as it begins. The held
+        calls are served by the mutation that starts the pass, in its ledger
+        write (:meth:`complete_pass`); one that pass did not serve (it ended
+        in re-opened tasks instead) asks again once woken. Holds at most
+        :data:`MAX_HELD_CALLS` calls at once, each for at most
         :data:`HOLD_FOR_NEXT_PASS_S` (or the Wait's own ``retry_after_s``).
         If a later call of the same trainer was taken meanwhile (a retry),
         the held one dispatches nothing and answers its Wait.
@@ -143,13 +148,15 @@ class MasterService(master_pb2_grpc.MasterServicer):
         if not isinstance(result, Wait):
             return result
         deadline = time.monotonic() + min(HOLD_FOR_NEXT_PASS_S, result.retry_after_s)
+        call = _HeldCall(trainer_id, ask, tuple(holding))
         with self._lock:
-            if not self._queue.awaiting_verification or self._held >= MAX_HELD_CALLS:
+            if not self._queue.awaiting_verification or len(self._held) >= MAX_HELD_CALLS:
                 return result
-            self._held += 1
+            self._held.append(call)
             try:
                 while (
-                    self._queue.awaiting_verification
+                    call.served is None
+                    and self._queue.awaiting_verification
                     and self._stepped_down is None
                     and not self._stop.is_set()
                 ):
@@ -158,11 +165,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
                         return result
                     self._lock.wait(timeout=left)
             finally:
-                self._held -= 1
+                self._held.remove(call)
+            if call.served is not None:
+                return call.served
 
         def again(now: float) -> tuple[Dispatch | Wait | Finished, list[TaskEvent]]:
-            if ask and self._asks.get(trainer_id, 0) != ask:
-                return result, []  # overtaken by the trainer's next call
+            if self._overtaken(call):
+                return result, []
             return self._queue.get_task(trainer_id, now, holding=holding)
 
         try:
@@ -171,6 +180,24 @@ class MasterService(master_pb2_grpc.MasterServicer):
             # The call's own mutation (a report) is durable: answer its Wait,
             # and the trainer's next call finds the new master.
             return result
+
+    def _overtaken(self, call: _HeldCall) -> bool:
+        """Whether a later call of the held call's trainer was taken (lock held)."""
+        return bool(call.ask) and self._asks.get(call.trainer_id, 0) != call.ask
+
+    def _serve_held(
+        self, now: float
+    ) -> tuple[list[tuple[_HeldCall, GetTaskResult]], list[TaskEvent]]:
+        """Answer every held call that no later call overtook, in the mutation that
+        started a pass (lock held); the answers are handed over once it is durable."""
+        served: list[tuple[_HeldCall, GetTaskResult]] = []
+        events: list[TaskEvent] = []
+        for call in self._held:
+            if call.served is None and not self._overtaken(call):
+                result, more = self._queue.get_task(call.trainer_id, now, holding=call.holding)
+                served.append((call, result))
+                events.extend(more)
+        return served, events
 
     def _take_ask(self, trainer_id: str, ask: int) -> None:
         """Refuse a call that may dispatch if a later one of its trainer was taken.
@@ -368,14 +395,23 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def complete_pass(self, pass_id: int, records_lost: int, passes_lost: Sequence[int]) -> None:
         """Complete a pass the parameter servers were shown to hold (see ``TaskQueue``).
 
+        The calls held for the next pass get its first tasks in the same
+        mutation and ledger write.
+
         Raises:
             SteppedDownError: the ledger write failed.
         """
-        self._mutate_events(
-            lambda now: self._queue.complete_pass(
+
+        def complete(now: float) -> tuple[list[tuple[_HeldCall, GetTaskResult]], list[TaskEvent]]:
+            events = self._queue.complete_pass(
                 pass_id, records_lost=records_lost, passes_lost=passes_lost
             )
-        )
+            if not events:
+                return [], events
+            served, more = self._serve_held(now)
+            return served, events + more
+
+        self._mutate(complete, commit=_hand_over)
 
     def awaiting_verification(self) -> int | None:
         """The pass waiting to be checked on the parameter servers, or None."""
@@ -441,8 +477,14 @@ class MasterService(master_pb2_grpc.MasterServicer):
         with self._lock:
             return self._queue.skip_budget(task_id)
 
-    def _mutate(self, mutate: Callable[[float], tuple[_R, list[TaskEvent]]]) -> _R:
+    def _mutate(
+        self,
+        mutate: Callable[[float], tuple[_R, list[TaskEvent]]],
+        commit: Callable[[_R], None] | None = None,
+    ) -> _R:
         """Apply one queue mutation and persist its events, in one critical section.
+
+        ``commit(result)`` runs in that section too, once the write succeeded.
 
         Raises:
             SteppedDownError: the service has stepped down, or does now because
@@ -463,8 +505,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 failure: Exception | None = exc
             else:
                 failure = None
+                if commit is not None:
+                    commit(result)
                 if events:
-                    self._lock.notify_all()  # the timer may need an earlier wake-up
+                    self._lock.notify_all()  # the timer, held calls
         if failure is not None:
             if first:
                 self._announce_step_down(reason)
@@ -565,6 +609,28 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 log.info("all passes finished")
                 if self._on_finished is not None:
                     self._on_finished()
+
+
+@dataclasses.dataclass
+class _HeldCall:
+    """A call asking for work, held while the ended pass is checked.
+
+    Attributes:
+        trainer_id / ask / holding: the call's (see :meth:`MasterService.GetTask`).
+        served: its answer, once the mutation that started the next pass
+            gave it one and that mutation is durable.
+    """
+
+    trainer_id: str
+    ask: int
+    holding: tuple[int, ...]
+    served: GetTaskResult | None = None
+
+
+def _hand_over(served: list[tuple[_HeldCall, GetTaskResult]]) -> None:
+    """Give the held calls their answers (lock held, the write done)."""
+    for call, result in served:
+        call.served = result
 
 
 @contextlib.contextmanager
