@@ -202,3 +202,51 @@ def test_a_held_call_asks_again_after_a_check_that_reopened_tasks() -> None:
         assert journal.writes[-2:] == [[EventKind.REOPENED], [EventKind.DISPATCHED]]
     finally:
         service.stop()
+
+
+def test_a_call_waiting_for_work_is_held_while_the_other_tasks_are_pending() -> None:
+    service, journal, ready = verifying_service(num_tasks=2)
+    try:
+        a = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
+        # t0 ends its task while t1's is pending: without wait_for_work it is
+        # told to wait at once ...
+        first = report_and_ask(service, a, "t0")
+        assert first.next.WhichOneof("result") == "wait_s"
+        # ... with it, its call is held through t1's report and the pass's check,
+        held, out = in_thread(
+            lambda: service.GetTask(
+                master_pb2.GetTaskRequest(trainer_id="t0", wait_for_work=True), CTX
+            )
+        )
+        wait_for(lambda: len(service._held) == 1)
+        in_thread(lambda: report_and_ask(service, b, "t1"))
+        wait_for(lambda: ready == [0] and len(service._held) == 2)
+        assert not out
+        # and answered with the next pass's first task.
+        service.complete_pass(0, 0, [])
+        held.join(timeout=10)
+        assert out[0].task.pass_id == 1  # type: ignore[attr-defined]
+        assert journal.writes[-1][:2] == [EventKind.PASS_COMPLETED, EventKind.PASS_STARTED]
+    finally:
+        service.stop()
+
+
+def test_a_call_waiting_for_work_gets_a_requeued_task_at_once() -> None:
+    service, _, _ = verifying_service(num_tasks=2)
+    try:
+        a = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
+        report_and_ask(service, a, "t0")
+        held, out = in_thread(
+            lambda: service.GetTask(
+                master_pb2.GetTaskRequest(trainer_id="t0", wait_for_work=True), CTX
+            )
+        )
+        wait_for(lambda: len(service._held) == 1)
+        service.trainers_changed({"t0"}, {"t0", "t1"})  # t1 left: its task is todo again
+        held.join(timeout=10)
+        task = out[0].task  # type: ignore[attr-defined]
+        assert (task.pass_id, task.task_id) == (0, b.task_id)
+    finally:
+        service.stop()

@@ -81,14 +81,23 @@ class MasterClient:
             self._retired.clear()
             self._channel = self._stub = None
 
-    def get_task(self, trainer_id: str, holding: Sequence[int] = ()) -> master_pb2.GetTaskResponse:
+    def get_task(
+        self, trainer_id: str, holding: Sequence[int] = (), *, wait_for_work: bool = False
+    ) -> master_pb2.GetTaskResponse:
         """Ask for a task; while holding tasks (their ids), for the one to train after them.
+
+        With ``wait_for_work`` (an async trainer with nothing to do) the
+        master may hold the call while other trainers finish the pass's last
+        tasks (see ``GetTaskRequest.wait_for_work``), up to half a second.
 
         Raises:
             ServiceUnavailableError: no master answered within the retry budget.
         """
         reply = self._call(
-            "GetTask", master_pb2.GetTaskRequest(trainer_id=trainer_id, holding=holding)
+            "GetTask",
+            master_pb2.GetTaskRequest(
+                trainer_id=trainer_id, holding=holding, wait_for_work=wait_for_work
+            ),
         )
         assert isinstance(reply, master_pb2.GetTaskResponse)
         return reply

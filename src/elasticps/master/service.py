@@ -111,7 +111,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
         While the pass that just ended is checked on the parameter servers,
         the call is held until the next pass starts (at most
-        :data:`HOLD_FOR_NEXT_PASS_S`), and answered with its first task.
+        :data:`HOLD_FOR_NEXT_PASS_S`), and answered with its first task; with
+        ``wait_for_work``, also while every task left is pending elsewhere.
         """
 
         def get_task(now: float) -> tuple[Dispatch | Wait | Finished, list[TaskEvent]]:
@@ -121,7 +122,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         with _rpc_errors(context, request.trainer_id):
             result = self._mutate(get_task)
             result = self._hold_for_next_pass(
-                result, request.trainer_id, request.ask, request.holding
+                result, request.trainer_id, request.ask, request.holding, request.wait_for_work
             )
         return self._task_reply(result)
 
@@ -131,6 +132,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         trainer_id: str,
         ask: int,
         holding: Sequence[int],
+        wait_for_work: bool = False,
     ) -> Dispatch | Wait | Finished:
         """A Wait answered while the ended pass is checked: wait for the next pass, ask again.
 
@@ -139,7 +141,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
         has the trainer start the next pass as soon as it begins. The held
         calls are served by the mutation that starts the pass, in its ledger
         write (:meth:`complete_pass`); one that pass did not serve (it ended
-        in re-opened tasks instead) asks again once woken. Holds at most
+        in re-opened tasks instead) asks again once woken. With
+        ``wait_for_work`` (an async trainer with nothing to do), a call is
+        also held while every task left is pending elsewhere, and asks again
+        as soon as one is todo (requeued) or the pass ends. Holds at most
         :data:`MAX_HELD_CALLS` calls at once, each for at most
         :data:`HOLD_FOR_NEXT_PASS_S` (or the Wait's own ``retry_after_s``).
         If a later call of the same trainer was taken meanwhile (a retry),
@@ -149,14 +154,19 @@ class MasterService(master_pb2_grpc.MasterServicer):
             return result
         deadline = time.monotonic() + min(HOLD_FOR_NEXT_PASS_S, result.retry_after_s)
         call = _HeldCall(trainer_id, ask, tuple(holding))
+        queue = self._queue
+
+        def held() -> bool:
+            return queue.awaiting_verification or (wait_for_work and queue.only_pending)
+
         with self._lock:
-            if not self._queue.awaiting_verification or len(self._held) >= MAX_HELD_CALLS:
+            if not held() or len(self._held) >= MAX_HELD_CALLS:
                 return result
             self._held.append(call)
             try:
                 while (
                     call.served is None
-                    and self._queue.awaiting_verification
+                    and held()
                     and self._stepped_down is None
                     and not self._stop.is_set()
                 ):
@@ -288,7 +298,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             result = self._mutate(report)
             if result is not None:
                 result = self._hold_for_next_pass(
-                    result, request.trainer_id, request.ask, request.holding
+                    result, request.trainer_id, request.ask, request.holding, request.wait_for_work
                 )
         if result is None:
             return master_pb2.ReportTaskResponse()

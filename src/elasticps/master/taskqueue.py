@@ -636,6 +636,12 @@ class TaskQueue:
         :meth:`complete_pass` (with ``verify_passes`` only)."""
         return self._ready
 
+    @property
+    def only_pending(self) -> bool:
+        """Whether nothing is todo but some task is pending: a trainer asking now
+        waits for another's task to end (or time out)."""
+        return not self._finished and not self._num_todo() and self._num_pending > 0
+
     def done_tasks(self) -> list[int]:
         """The tasks done in the current pass, by id."""
         return [

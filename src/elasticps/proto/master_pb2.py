@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65lasticps/v1/master.proto\x12\x0c\x65lasticps.v1\"B\n\x0eGetTaskRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61sk\x18\x02 \x01(\x04\x12\x0f\n\x07holding\x18\x03 \x03(\x03\"\x9b\x01\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x0f\n\x07pass_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x04 \x01(\t\x12\r\n\x05start\x18\x05 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0e\n\x06offset\x18\x08 \x01(\x03\x12\x13\n\x0bskip_budget\x18\t \x01(\x03\"e\n\x0fGetTaskResponse\x12\"\n\x04task\x18\x01 \x01(\x0b\x32\x12.elasticps.v1.TaskH\x00\x12\x10\n\x06wait_s\x18\x02 \x01(\x01H\x00\x12\x12\n\x08\x66inished\x18\x03 \x01(\x08H\x00\x42\x08\n\x06result\"\x8b\x02\n\x11ReportTaskRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\x12\x0f\n\x07pass_id\x18\x03 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x03\x12\x0f\n\x07success\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07samples\x18\x07 \x01(\x03\x12\x11\n\tmean_loss\x18\x08 \x01(\x01\x12\x11\n\telapsed_s\x18\t \x01(\x01\x12\x0f\n\x07skipped\x18\n \x01(\x03\x12\x17\n\x0fskipped_batches\x18\x0b \x01(\x03\x12\x10\n\x08get_next\x18\x0c \x01(\x08\x12\x0b\n\x03\x61sk\x18\r \x01(\x04\x12\x0f\n\x07holding\x18\x0e \x03(\x03\"A\n\x12ReportTaskResponse\x12+\n\x04next\x18\x01 \x01(\x0b\x32\x1d.elasticps.v1.GetTaskResponse\"\x7f\n\x15ReportProgressRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\x12\x0f\n\x07pass_id\x18\x03 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0f\n\x07skipped\x18\x06 \x01(\x03\"\x18\n\x16ReportProgressResponse\"\x15\n\x13GetJobStatusRequest\"\x8d\x02\n\tJobStatus\x12\x0f\n\x07pass_id\x18\x01 \x01(\x03\x12\x12\n\nnum_passes\x18\x02 \x01(\x03\x12\x13\n\x0btasks_total\x18\x03 \x01(\x03\x12\x12\n\ntasks_todo\x18\x04 \x01(\x03\x12\x15\n\rtasks_pending\x18\x05 \x01(\x03\x12\x12\n\ntasks_done\x18\x06 \x01(\x03\x12\x14\n\x0ctasks_failed\x18\x07 \x01(\x03\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x14\n\x0csamples_done\x18\t \x01(\x03\x12\x11\n\tlast_loss\x18\n \x01(\x01\x12\x1d\n\x15tasks_done_all_passes\x18\x0b \x01(\x03\x12\x17\n\x0frecords_skipped\x18\x0c \x01(\x03\x32\xca\x02\n\x06Master\x12\x46\n\x07GetTask\x12\x1c.elasticps.v1.GetTaskRequest\x1a\x1d.elasticps.v1.GetTaskResponse\x12O\n\nReportTask\x12\x1f.elasticps.v1.ReportTaskRequest\x1a .elasticps.v1.ReportTaskResponse\x12[\n\x0eReportProgress\x12#.elasticps.v1.ReportProgressRequest\x1a$.elasticps.v1.ReportProgressResponse\x12J\n\x0cGetJobStatus\x12!.elasticps.v1.GetJobStatusRequest\x1a\x17.elasticps.v1.JobStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65lasticps/v1/master.proto\x12\x0c\x65lasticps.v1\"Y\n\x0eGetTaskRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61sk\x18\x02 \x01(\x04\x12\x0f\n\x07holding\x18\x03 \x03(\x03\x12\x15\n\rwait_for_work\x18\x04 \x01(\x08\"\x9b\x01\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x0f\n\x07pass_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x04 \x01(\t\x12\r\n\x05start\x18\x05 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x0e\n\x06offset\x18\x08 \x01(\x03\x12\x13\n\x0bskip_budget\x18\t \x01(\x03\"e\n\x0fGetTaskResponse\x12\"\n\x04task\x18\x01 \x01(\x0b\x32\x12.elasticps.v1.TaskH\x00\x12\x10\n\x06wait_s\x18\x02 \x01(\x01H\x00\x12\x12\n\x08\x66inished\x18\x03 \x01(\x08H\x00\x42\x08\n\x06result\"\xa2\x02\n\x11ReportTaskRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\x12\x0f\n\x07pass_id\x18\x03 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x03\x12\x0f\n\x07success\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07samples\x18\x07 \x01(\x03\x12\x11\n\tmean_loss\x18\x08 \x01(\x01\x12\x11\n\telapsed_s\x18\t \x01(\x01\x12\x0f\n\x07skipped\x18\n \x01(\x03\x12\x17\n\x0fskipped_batches\x18\x0b \x01(\x03\x12\x10\n\x08get_next\x18\x0c \x01(\x08\x12\x0b\n\x03\x61sk\x18\r \x01(\x04\x12\x0f\n\x07holding\x18\x0e \x03(\x03\x12\x15\n\rwait_for_work\x18\x0f \x01(\x08\"A\n\x12ReportTaskResponse\x12+\n\x04next\x18\x01 \x01(\x0b\x32\x1d.elasticps.v1.GetTaskResponse\"\x7f\n\x15ReportProgressRequest\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\x12\x0f\n\x07pass_id\x18\x03 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0f\n\x07skipped\x18\x06 \x01(\x03\"\x18\n\x16ReportProgressResponse\"\x15\n\x13GetJobStatusRequest\"\x8d\x02\n\tJobStatus\x12\x0f\n\x07pass_id\x18\x01 \x01(\x03\x12\x12\n\nnum_passes\x18\x02 \x01(\x03\x12\x13\n\x0btasks_total\x18\x03 \x01(\x03\x12\x12\n\ntasks_todo\x18\x04 \x01(\x03\x12\x15\n\rtasks_pending\x18\x05 \x01(\x03\x12\x12\n\ntasks_done\x18\x06 \x01(\x03\x12\x14\n\x0ctasks_failed\x18\x07 \x01(\x03\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x14\n\x0csamples_done\x18\t \x01(\x03\x12\x11\n\tlast_loss\x18\n \x01(\x01\x12\x1d\n\x15tasks_done_all_passes\x18\x0b \x01(\x03\x12\x17\n\x0frecords_skipped\x18\x0c \x01(\x03\x32\xca\x02\n\x06Master\x12\x46\n\x07GetTask\x12\x1c.elasticps.v1.GetTaskRequest\x1a\x1d.elasticps.v1.GetTaskResponse\x12O\n\nReportTask\x12\x1f.elasticps.v1.ReportTaskRequest\x1a .elasticps.v1.ReportTaskResponse\x12[\n\x0eReportProgress\x12#.elasticps.v1.ReportProgressRequest\x1a$.elasticps.v1.ReportProgressResponse\x12J\n\x0cGetJobStatus\x12!.elasticps.v1.GetJobStatusRequest\x1a\x17.elasticps.v1.JobStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'elasticps.v1.master_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETTASKREQUEST']._serialized_start=43
-  _globals['_GETTASKREQUEST']._serialized_end=109
-  _globals['_TASK']._serialized_start=112
-  _globals['_TASK']._serialized_end=267
-  _globals['_GETTASKRESPONSE']._serialized_start=269
-  _globals['_GETTASKRESPONSE']._serialized_end=370
-  _globals['_REPORTTASKREQUEST']._serialized_start=373
-  _globals['_REPORTTASKREQUEST']._serialized_end=640
-  _globals['_REPORTTASKRESPONSE']._serialized_start=642
-  _globals['_REPORTTASKRESPONSE']._serialized_end=707
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=709
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=836
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=838
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=862
-  _globals['_GETJOBSTATUSREQUEST']._serialized_start=864
-  _globals['_GETJOBSTATUSREQUEST']._serialized_end=885
-  _globals['_JOBSTATUS']._serialized_start=888
-  _globals['_JOBSTATUS']._serialized_end=1157
-  _globals['_MASTER']._serialized_start=1160
-  _globals['_MASTER']._serialized_end=1490
+  _globals['_GETTASKREQUEST']._serialized_end=132
+  _globals['_TASK']._serialized_start=135
+  _globals['_TASK']._serialized_end=290
+  _globals['_GETTASKRESPONSE']._serialized_start=292
+  _globals['_GETTASKRESPONSE']._serialized_end=393
+  _globals['_REPORTTASKREQUEST']._serialized_start=396
+  _globals['_REPORTTASKREQUEST']._serialized_end=686
+  _globals['_REPORTTASKRESPONSE']._serialized_start=688
+  _globals['_REPORTTASKRESPONSE']._serialized_end=753
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=755
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=882
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=884
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=908
+  _globals['_GETJOBSTATUSREQUEST']._serialized_start=910
+  _globals['_GETJOBSTATUSREQUEST']._serialized_end=931
+  _globals['_JOBSTATUS']._serialized_start=934
+  _globals['_JOBSTATUS']._serialized_end=1203
+  _globals['_MASTER']._serialized_start=1206
+  _globals['_MASTER']._serialized_end=1536
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,7 @@ class GetTaskRequest(_message.Message):
     TRAINER_ID_FIELD_NUMBER: _builtins.int
     ASK_FIELD_NUMBER: _builtins.int
     HOLDING_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_WORK_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     ask: _builtins.int
     """Increases with every call a trainer sends that may dispatch a task (each
@@ -37,6 +38,14 @@ class GetTaskRequest(_message.Message):
     one it took from that trainer with FAILED_PRECONDITION and changes
     nothing: a retried call overtaken by a later one never undoes what the
     later one dispatched. 0: not checked.
+    """
+    wait_for_work: _builtins.bool
+    """A trainer with nothing to do that only waits for work (async SGD): while
+    every task left in the pass is trained by other trainers, the master
+    holds the call and answers it as soon as a task can be handed out (one
+    requeued, or the next pass's first), or with a wait after at most half a
+    second. A sync trainer leaves it unset: it joins the running steps while
+    it waits.
     """
     @_builtins.property
     def holding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -50,10 +59,11 @@ class GetTaskRequest(_message.Message):
         trainer_id: _builtins.str = ...,
         ask: _builtins.int = ...,
         holding: _abc.Iterable[_builtins.int] | None = ...,
+        wait_for_work: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "holding", b"holding", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "holding", b"holding", "trainer_id", b"trainer_id", "wait_for_work", b"wait_for_work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -168,6 +178,7 @@ class ReportTaskRequest(_message.Message):
     GET_NEXT_FIELD_NUMBER: _builtins.int
     ASK_FIELD_NUMBER: _builtins.int
     HOLDING_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_WORK_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     task_id: _builtins.int
     pass_id: _builtins.int
@@ -193,6 +204,8 @@ class ReportTaskRequest(_message.Message):
     """
     ask: _builtins.int
     """With `get_next`: as in GetTaskRequest."""
+    wait_for_work: _builtins.bool
+    """With `get_next`: as in GetTaskRequest."""
     @_builtins.property
     def holding(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """With `get_next`: as in GetTaskRequest (tasks held besides the reported one)."""
@@ -214,10 +227,11 @@ class ReportTaskRequest(_message.Message):
         get_next: _builtins.bool = ...,
         ask: _builtins.int = ...,
         holding: _abc.Iterable[_builtins.int] | None = ...,
+        wait_for_work: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "holding", b"holding", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "attempt", b"attempt", "elapsed_s", b"elapsed_s", "error", b"error", "get_next", b"get_next", "holding", b"holding", "mean_loss", b"mean_loss", "pass_id", b"pass_id", "samples", b"samples", "skipped", b"skipped", "skipped_batches", b"skipped_batches", "success", b"success", "task_id", b"task_id", "trainer_id", b"trainer_id", "wait_for_work", b"wait_for_work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -490,10 +490,12 @@ class Trainer:
                 self._register()
             if reply is None:
                 held = self._take_ahead(client)
+                # Async: with nothing to do, the master answers once there is
+                # work (sync: we join the running steps while we wait).
                 reply = (
                     master_pb2.GetTaskResponse(task=held)
                     if held is not None
-                    else master.get_task(self.name)
+                    else master.get_task(self.name, wait_for_work=not sync)
                 )
             kind = reply.WhichOneof("result")
             if kind == "finished":
@@ -639,12 +641,15 @@ class Trainer:
             # ledger writes both at once); not while stopping or
             # registering again.
             get_next=not self.stop.is_set() and not self._lease_lost.is_set(),
+            # Async, with nothing held: as get_task in _loop.
+            wait_for_work=self.config.mode is UpdateMode.ASYNC,
         )
         held = self._take_ahead(client)
         if held is not None:
             # Train the held task now; the report goes once this task's last
             # push is acknowledged, and asks for the task after the held one.
             report.holding.append(held.task_id)
+            report.wait_for_work = False
             self._deferred = report
             self._submit_deferred()
             return master_pb2.GetTaskResponse(task=held)
