@@ -250,3 +250,28 @@ def test_a_call_waiting_for_work_gets_a_requeued_task_at_once() -> None:
         assert (task.pass_id, task.task_id) == (0, b.task_id)
     finally:
         service.stop()
+
+
+def test_the_check_of_a_ready_pass_starts_before_its_write() -> None:
+    """Its first requests only read, so they overlap the ledger write."""
+    service, journal, ready = verifying_service(num_tasks=1)
+    seen: list[tuple[list[EventKind], list[int]]] = []
+    record = journal.persist
+
+    def persist(queue: TaskQueue, events: Sequence[TaskEvent]) -> None:
+        seen.append(([e.kind for e in events], list(ready)))
+        record(queue, events)
+
+    journal.persist = persist  # type: ignore[method-assign]
+    try:
+        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+        service.ReportTask(
+            master_pb2.ReportTaskRequest(
+                trainer_id="t0", task_id=task.task_id, pass_id=task.pass_id,
+                attempt=task.attempt, success=True, samples=10,
+            ),
+            CTX,
+        )  # fmt: skip
+        assert seen[-1] == ([EventKind.DONE, EventKind.PASS_READY], [0])
+    finally:
+        service.stop()

@@ -505,6 +505,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             if self._stepped_down is not None:
                 raise SteppedDownError(self._stepped_down)
             result, events = mutate(self._clock())
+            self._check_ready_passes(events)
             try:
                 self._journal.persist(self._queue, events)
             except Exception as exc:
@@ -525,6 +526,21 @@ class MasterService(master_pb2_grpc.MasterServicer):
             raise SteppedDownError(reason) from failure
         self._after(events)
         return result
+
+    def _check_ready_passes(self, events: list[TaskEvent]) -> None:
+        """Start the check of a pass that became ready (lock held, its write not done yet).
+
+        The check's first requests only read (etcd's slot claims, each
+        shard's coverage), so they overlap the ledger write; what it reads
+        from the queue waits for this lock, so for the write. A check that
+        goes on after a failed write (the master steps down) can only seal
+        a pass every shard was shown to hold, which stays true.
+        """
+        if self._on_pass_ready is None:
+            return
+        for e in events:
+            if e.kind is EventKind.PASS_READY:
+                self._on_pass_ready(e.pass_id)
 
     def _mark_stepped_down(self, reason: str) -> bool:
         """Record the step-down (lock held); return whether it is the first."""
@@ -611,8 +627,6 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 log.info("pass %d started", e.pass_id)
             elif e.kind is EventKind.PASS_READY:
                 log.info("pass %d: every task reported; checking the parameter servers", e.pass_id)
-                if self._on_pass_ready is not None:
-                    self._on_pass_ready(e.pass_id)
             elif e.kind is EventKind.REOPENED:
                 log.info("task %s re-opened at record %d: %s", e.task_id, e.offset, e.reason)
             elif e.kind is EventKind.JOB_FINISHED:
