@@ -62,6 +62,18 @@ def in_thread(call: object) -> tuple[threading.Thread, list[object]]:
     return thread, out
 
 
+def hold_the_last_report(
+    service: MasterService, ready: list[int]
+) -> tuple[master_pb2.Task, threading.Thread, list[object]]:
+    """t0 takes the only task of pass 0 and reports it asking for more: its call
+    is held while the pass is checked. Returns the task, the call's thread and
+    where its answer goes."""
+    task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+    held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
+    wait_for(lambda: ready == [0] and len(service._held) == 1)
+    return task, held, out
+
+
 def test_calls_asking_during_the_check_get_the_next_pass_first_tasks() -> None:
     service, journal, ready = verifying_service()
     try:
@@ -140,9 +152,7 @@ def test_no_more_than_max_held_calls_are_held(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(service_module, "MAX_HELD_CALLS", 1)
     service, _, ready = verifying_service(num_tasks=1)
     try:
-        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
-        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_for(lambda: ready == [0] and len(service._held) == 1)
+        _, held, out = hold_the_last_report(service, ready)
         # A second trainer asking now is told to wait at once.
         reply = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX)
         assert reply.WhichOneof("result") == "wait_s"
@@ -158,9 +168,7 @@ def test_a_held_report_is_answered_with_its_wait_when_the_master_steps_down() ->
     not turn the call into an error (the trainer would report the task again)."""
     service, journal, ready = verifying_service(num_tasks=1)
     try:
-        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
-        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_for(lambda: ready == [0] and len(service._held) == 1)
+        _, held, out = hold_the_last_report(service, ready)
         service.step_down("lost the lock")
         held.join(timeout=10)
         assert out[0].next.WhichOneof("result") == "wait_s"  # type: ignore[attr-defined]
@@ -173,9 +181,7 @@ def test_held_calls_get_nothing_from_a_pass_start_that_was_not_written() -> None
     """The dispatches made for held calls count only once their write succeeded."""
     service, journal, ready = verifying_service(num_tasks=1)
     try:
-        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
-        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_for(lambda: ready == [0] and len(service._held) == 1)
+        _, held, out = hold_the_last_report(service, ready)
 
         def fail(queue: TaskQueue, events: Sequence[TaskEvent]) -> None:
             raise OSError("etcd is gone")
@@ -192,9 +198,7 @@ def test_held_calls_get_nothing_from_a_pass_start_that_was_not_written() -> None
 def test_a_held_call_asks_again_after_a_check_that_reopened_tasks() -> None:
     service, journal, ready = verifying_service(num_tasks=1)
     try:
-        task = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
-        held, out = in_thread(lambda: report_and_ask(service, task, "t0"))
-        wait_for(lambda: ready == [0] and len(service._held) == 1)
+        task, held, out = hold_the_last_report(service, ready)
         service.reopen({task.task_id: 4})
         held.join(timeout=10)
         again = out[0].next.task  # type: ignore[attr-defined]
@@ -204,22 +208,28 @@ def test_a_held_call_asks_again_after_a_check_that_reopened_tasks() -> None:
         service.stop()
 
 
+def wait_for_work_while_t1_trains(
+    service: MasterService,
+) -> tuple[master_pb2.Task, threading.Thread, list[object]]:
+    """t0 and t1 take the 2 tasks of pass 0; t0 reports its task (told to wait at
+    once without wait_for_work), then asks with wait_for_work: that call is held.
+    Returns t1's task, the held call's thread and where its answer goes."""
+    a = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
+    b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
+    first = report_and_ask(service, a, "t0")
+    assert first.next.WhichOneof("result") == "wait_s"
+    held, out = in_thread(
+        lambda: service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0", wait_for_work=True), CTX)
+    )
+    wait_for(lambda: len(service._held) == 1)
+    return b, held, out
+
+
 def test_a_call_waiting_for_work_is_held_while_the_other_tasks_are_pending() -> None:
     service, journal, ready = verifying_service(num_tasks=2)
     try:
-        a = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
-        b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
-        # t0 ends its task while t1's is pending: without wait_for_work it is
-        # told to wait at once ...
-        first = report_and_ask(service, a, "t0")
-        assert first.next.WhichOneof("result") == "wait_s"
-        # ... with it, its call is held through t1's report and the pass's check,
-        held, out = in_thread(
-            lambda: service.GetTask(
-                master_pb2.GetTaskRequest(trainer_id="t0", wait_for_work=True), CTX
-            )
-        )
-        wait_for(lambda: len(service._held) == 1)
+        # t0's call is held through t1's report and the pass's check,
+        b, held, out = wait_for_work_while_t1_trains(service)
         in_thread(lambda: report_and_ask(service, b, "t1"))
         wait_for(lambda: ready == [0] and len(service._held) == 2)
         assert not out
@@ -235,15 +245,7 @@ def test_a_call_waiting_for_work_is_held_while_the_other_tasks_are_pending() -> 
 def test_a_call_waiting_for_work_gets_a_requeued_task_at_once() -> None:
     service, _, _ = verifying_service(num_tasks=2)
     try:
-        a = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t0"), CTX).task
-        b = service.GetTask(master_pb2.GetTaskRequest(trainer_id="t1"), CTX).task
-        report_and_ask(service, a, "t0")
-        held, out = in_thread(
-            lambda: service.GetTask(
-                master_pb2.GetTaskRequest(trainer_id="t0", wait_for_work=True), CTX
-            )
-        )
-        wait_for(lambda: len(service._held) == 1)
+        b, held, out = wait_for_work_while_t1_trains(service)
         service.trainers_changed({"t0"}, {"t0", "t1"})  # t1 left: its task is todo again
         held.join(timeout=10)
         task = out[0].task  # type: ignore[attr-defined]
