@@ -404,8 +404,11 @@ def test_two_jobs_started_at_once_on_one_output_train_once(
     mnist_dir: Path, tmp_path: Path, background: list[Background]
 ) -> None:
     output = tmp_path / "shared"
+    # The paced MLP: a job of 2 passes trains for about 5 s, so the second one
+    # finds it running (an unpaced job may end before the other has started).
     command = [
-        sys.executable, "-m", "elasticps", "train", "--model", str(MLP), "--data", str(mnist_dir),
+        sys.executable, "-m", "elasticps", "train", "--model", str(PACED_MLP),
+        "--data", str(mnist_dir),
         "--output", str(output), "--no-progress", "--trainers", "1", "--ps", "1", "--epochs", "2",
     ]  # fmt: skip
     jobs = []
