@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
 #: Longest a call asking for work is held while the pass that just ended is
-#: checked on the parameter servers (seconds). The check takes about 15 ms on
-#: one machine; a trainer told to wait would otherwise sleep through its first
+#: checked on the parameter servers, or (``wait_for_work``) while the pass's
+#: last tasks are trained by others (seconds). The check takes 10-15 ms on one
+#: machine; a trainer told to wait would otherwise sleep through its first
 #: poll interval and more (measured in ``benchmarks/README.md``).
 HOLD_FOR_NEXT_PASS_S = 0.5
 

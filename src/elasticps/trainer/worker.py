@@ -146,7 +146,9 @@ MAX_STALE_RETRIES = 50
 #: the master's ``wait_s``. The work a trainer waits for is usually a pass about to
 #: start (the last task of a pass finishing on another trainer, then the check of
 #: what the servers applied, ~10 ms), so the first asks come soon, and a long wait
-#: settles at the master's pace (a few asks a second per trainer).
+#: settles at the master's pace (a few asks a second per trainer). An async
+#: trainer's ask is mostly held by the master until there is work
+#: (``wait_for_work``); it waits here only after a wait the master answered.
 FIRST_IDLE_WAIT_S = 0.01
 
 
