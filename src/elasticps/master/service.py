@@ -98,7 +98,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._last_loss = math.nan
         self._stepped_down: str | None = None  # the reason, once stepped down
         self._asks: dict[str, int] = {}  # trainer id -> last ``ask`` taken (see _take_ask)
-        self._held: list[_HeldCall] = []  # calls held for the next pass (_hold_for_next_pass)
+        self._held: list[_HeldCall] = []  # calls held for work (_hold_for_next_pass)
         self._stop = threading.Event()
         self._timer = threading.Thread(target=self._expire_loop, name="task-timer", daemon=True)
         self._timer.start()
@@ -638,12 +638,14 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
 @dataclasses.dataclass
 class _HeldCall:
-    """A call asking for work, held while the ended pass is checked.
+    """A call asking for work, held while the ended pass is checked (or, with
+    ``wait_for_work``, while the pass's last tasks are trained by others).
 
     Attributes:
         trainer_id / ask / holding: the call's (see :meth:`MasterService.GetTask`).
         served: its answer, once the mutation that started the next pass
-            gave it one and that mutation is durable.
+            gave it one and that mutation is durable; None until then (a call
+            woken without one asks again).
     """
 
     trainer_id: str
