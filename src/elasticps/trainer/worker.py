@@ -643,18 +643,17 @@ class Trainer:
             # ledger writes both at once); not while stopping or
             # registering again.
             get_next=not self.stop.is_set() and not self._lease_lost.is_set(),
-            # Async, with nothing held: as get_task in _loop.
-            wait_for_work=self.config.mode is UpdateMode.ASYNC,
         )
         held = self._take_ahead(client)
         if held is not None:
             # Train the held task now; the report goes once this task's last
             # push is acknowledged, and asks for the task after the held one.
             report.holding.append(held.task_id)
-            report.wait_for_work = False
             self._deferred = report
             self._submit_deferred()
             return master_pb2.GetTaskResponse(task=held)
+        # Nothing held: in async mode, as get_task in _loop.
+        report.wait_for_work = self.config.mode is UpdateMode.ASYNC
         self._flush(client, functools.partial(progress.update, task, task.offset + records))
         return self._report(report)
 
