@@ -88,6 +88,16 @@ benchmark), and against its own training time (``elasticps_job_overhead_s``
 master's log line "first task dispatched by this master" to its "all passes
 finished" (``training_s`` in the run lines too).
 
+Every run line also says where the CPU went over the same steady window,
+sampled from ``/proc`` every 0.1 s: ``cpu_ms_per_1k_samples`` (CPU
+milliseconds, user + system, per 1,000 samples trained, per group of
+processes: an elasticps job's ``trainer``, ``ps``, ``master``, ``etcd``,
+``launcher`` and ``fork-server``; a baseline's ``command`` and its
+``worker`` children; and the ``total``), ``cores_busy`` (the run's CPU
+seconds per second) and ``machine_cores_busy`` (the whole machine's). On a
+machine of 2 cores, a case's rate is about ``2000 * machine busy fraction /
+total``: it shows whether a case is short of CPU or waits.
+
 Repetitions (``--reps``) are interleaved: each repetition runs every
 (configuration, case) of a model, in an order rotated by one each time; the
 reported figure is the median.
@@ -126,8 +136,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +153,7 @@ TRAINERS = 2
 WINDOW = (0.15, 0.85)  # steady middle: from 15 % to 85 % of the run's samples
 TTA_TARGET = 0.93
 JOB_TIMEOUT_S = 900.0
+CPU_EVERY_S = 0.1  # how often a run's processes' CPU time is sampled
 
 
 @dataclass(frozen=True)
@@ -295,15 +307,147 @@ def steady_rate(points: Sequence[Sequence[float]]) -> tuple[float | None, float]
     Returns:
         ``(rate, window seconds)``; rate is None if the window is empty.
     """
-    if not points:
+    span = steady_span(points)
+    if span is None:
         return None, 0.0
+    (t0, s0), (t1, s1) = span
+    return (s1 - s0) / (t1 - t0), t1 - t0
+
+
+def steady_span(
+    points: Sequence[Sequence[float]],
+) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """The steady window's first and last ``(time s, samples done)`` points (see
+    :func:`steady_rate`); None if the window is empty."""
+    if not points:
+        return None
     total = points[-1][1]
     lo = next(p for p in points if p[1] >= WINDOW[0] * total)
     hi = next(p for p in points if p[1] >= WINDOW[1] * total)
-    window = hi[0] - lo[0]
-    if window <= 0:
-        return None, 0.0
-    return (hi[1] - lo[1]) / window, window
+    if hi[0] <= lo[0]:
+        return None
+    return (lo[0], lo[1]), (hi[0], hi[1])
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (every thread), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy so far (all cores; idle and iowait excluded)."""
+    with open("/proc/stat", "rb") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_of(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s descendants (Linux ``/proc/PID/task/*/children``)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as kids:
+                    new = [int(x) for x in kids.read().split()]
+            except OSError:
+                continue
+            found.extend(new)
+            todo.extend(new)
+    return found
+
+
+def cpu_group(name: str) -> str:
+    """The group of a sampled process: its name without a numeric ``-N`` suffix
+    (``trainer-0`` -> ``trainer``, ``fork-server`` stays)."""
+    head, _, tail = name.rpartition("-")
+    return head if head and tail.isdigit() else name
+
+
+def cpu_breakdown(
+    samples: Sequence[Sequence[Any]], t0: float, t1: float, rate: float
+) -> dict[str, Any]:
+    """CPU use in the window ``[t0, t1]`` (unix seconds) of a run training ``rate`` samples/s.
+
+    Args:
+        samples: :attr:`CpuSampler.samples`.
+
+    Returns:
+        ``cpu_ms_per_1k_samples``: CPU milliseconds per 1,000 samples
+        trained, per process group and in ``total``; ``cores_busy``: the
+        run's processes' CPU seconds per second; ``machine_cores_busy``: the
+        whole machine's. Empty if fewer than 2 samples fall in the window.
+    """
+    inside = [x for x in samples if t0 <= x[0] <= t1]
+    if len(inside) < 2 or rate <= 0:
+        return {}
+    (a_t, a_busy, _), (b_t, b_busy, _) = inside[0], inside[-1]
+    groups: dict[str, float] = {}
+    last: dict[str, float] = {}  # name -> CPU s at its previous sample
+    for _, _, cpu in inside:
+        for name, seconds in cpu.items():
+            before = last.get(name, seconds)
+            # A lower figure: the name's process was restarted (a new PID).
+            used = seconds - before if seconds >= before else seconds
+            groups[cpu_group(name)] = groups.get(cpu_group(name), 0.0) + used
+            last[name] = seconds
+    trained = rate * (b_t - a_t)
+    per_1k = {g: round(c / trained * 1e6, 1) for g, c in sorted(groups.items())}
+    per_1k["total"] = round(sum(groups.values()) / trained * 1e6, 1)
+    return {
+        "cpu_ms_per_1k_samples": per_1k,
+        "cores_busy": round(sum(groups.values()) / (b_t - a_t), 2),
+        "machine_cores_busy": round((b_busy - a_busy) / (b_t - a_t), 2),
+    }
+
+
+class CpuSampler:
+    """Samples the CPU time of a run's processes every :data:`CPU_EVERY_S`, on a thread.
+
+    Args:
+        pids: called at every sample; process name -> PID (a job's roles
+            appear once its launcher has written ``pids.json``), grouped by
+            :func:`cpu_group`.
+
+    A process's CPU time counts from its first sample in a window.
+    """
+
+    def __init__(self, pids: Callable[[], Mapping[str, int]]) -> None:
+        self._pids = pids
+        self._stop = threading.Event()
+        # (unix time s, machine busy CPU s, {name: CPU s})
+        self.samples: list[tuple[float, float, dict[str, float]]] = []
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            now = time.time()
+            cpu = {}
+            for name, pid in self._pids().items():
+                seconds = process_cpu_s(pid)
+                if seconds is not None:
+                    cpu[name] = seconds
+            self.samples.append((now, machine_busy_s(), cpu))
+            if self._stop.wait(CPU_EVERY_S):
+                return
 
 
 FIRST_TASK_LOG = "first task dispatched by this master"
@@ -366,6 +510,8 @@ class Runner:
         self.counter = 0
         # Unix time (seconds) at which the last command was started.
         self.last_started = 0.0
+        # The CPU samples of the last command(s) run.
+        self.last_cpu = CpuSampler(dict)
         self._subsets: dict[int | None, Path] = {}
         # share_target: results of the runs so far, with their start times.
         self._shared: dict[tuple[Any, ...], tuple[Any, float]] = {}
@@ -410,22 +556,50 @@ class Runner:
         return self._subsets[rows]
 
     def _run(
-        self, cmd: list[str], log: Path, env: dict[str, str] | None = None
+        self,
+        cmd: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        pids_file: Path | None = None,
     ) -> tuple[str, float]:
         """Run ``cmd`` to the end; returns its stdout and wall time. Raises on failure."""
-        outs, wall = self._run_together([cmd], [log], env=env)
+        outs, wall = self._run_together([cmd], [log], env=env, pids_file=pids_file)
         return outs[0], wall
 
     def _run_together(
-        self, cmds: list[list[str]], logs: list[Path], env: dict[str, str] | None = None
+        self,
+        cmds: list[list[str]],
+        logs: list[Path],
+        env: dict[str, str] | None = None,
+        pids_file: Path | None = None,
     ) -> tuple[list[str], float]:
-        """Run ``cmds`` side by side to the end; returns their stdouts and the wall time."""
+        """Run ``cmds`` side by side to the end; returns their stdouts and the wall time.
+
+        The processes' CPU time is sampled meanwhile (:attr:`last_cpu`): an
+        elasticps job's roles from its ``pids_file`` and its launcher
+        (``launcher``), else each command (``command``) and its descendants
+        (``worker``).
+        """
         env = {**os.environ, **(env or {})}
         env["PYTHONUNBUFFERED"] = "1"
         self.last_started = time.time()
         t0 = time.monotonic()
         procs: list[subprocess.Popen[bytes]] = []
         outs: list[str] = []
+
+        def pids() -> dict[str, int]:
+            if pids_file is not None:
+                try:
+                    roles = json.loads(pids_file.read_text())
+                except (OSError, ValueError):
+                    roles = {}
+                return {**roles, "launcher": procs[0].pid}
+            found = {f"command-{i}": p.pid for i, p in enumerate(procs)}
+            for p in procs:
+                found.update({f"worker-{pid}": pid for pid in children_of(p.pid)})
+            return found
+
+        self.last_cpu = CpuSampler(pids)
         try:
             for cmd, log in zip(cmds, logs, strict=True):
                 with open(log, "wb") as err:
@@ -439,8 +613,9 @@ class Runner:
                             start_new_session=True,
                         )
                     )
-            for proc in procs:
-                outs.append(proc.communicate(timeout=JOB_TIMEOUT_S)[0].decode())
+            with self.last_cpu:
+                for proc in procs:
+                    outs.append(proc.communicate(timeout=JOB_TIMEOUT_S)[0].decode())
         except BaseException:
             for proc in procs:
                 self._stop(proc)
@@ -517,10 +692,13 @@ class Runner:
             *extra,
         ]  # fmt: skip
         try:
-            stdout, wall = self._run(cmd, out / "job.log", env=env)
+            stdout, wall = self._run(
+                cmd, out / "job.log", env=env, pids_file=out / "job" / "pids.json"
+            )
         finally:
             self._reap(out / "job" / "pids.json", job)
         line = json.loads(stdout.strip().splitlines()[-1])
+        line["cpu_samples"] = self.last_cpu.samples
         record = json.loads((out / "job" / "run.json").read_text())
         line["training_s"] = training_seconds(out / "job" / "logs" / "master-0.log")
         self._remember(key, [line, record, wall])
@@ -590,6 +768,7 @@ class Runner:
             ]  # fmt: skip
         _, wall = self._run(cmd, out / "worker.log")
         result = json.loads((out / "result.json").read_text())
+        result["cpu_samples"] = self.last_cpu.samples
         self._remember(key, [result, wall])
         return result, wall
 
@@ -614,6 +793,7 @@ class Runner:
         ]
         _, wall = self._run_together(cmds, [out / f"worker{r}.log" for r in range(TRAINERS)])
         results = [json.loads((out / f"result{r}.json").read_text()) for r in range(TRAINERS)]
+        results[0]["cpu_samples"] = self.last_cpu.samples  # of both processes
         return results, wall
 
 
@@ -652,7 +832,7 @@ def run_case(
             tc.name, model.name, case, rep, int(line["samples_trained"]), wall, rate, window,
             line.get("accuracy"),
             {"job_wall_s": line["wall_s"], "training_s": line["training_s"],
-             "loadavg_before": load},
+             "loadavg_before": load, **_cpu_in(line["cpu_samples"], [points])},
         )  # fmt: skip
     if case == "compute-2x1":
         results, wall = runner.independent(model, tc, epochs=epochs)
@@ -660,14 +840,31 @@ def run_case(
         total = None if any(r is None for r, _ in rates) else sum(r or 0.0 for r, _ in rates)
         return Run(
             tc.name, model.name, case, rep, sum(int(r["samples"]) for r in results), wall, total,
-            min(w for _, w in rates), None, {"loadavg_before": load},
+            min(w for _, w in rates), None,
+            {"loadavg_before": load,
+             **_cpu_in(results[0]["cpu_samples"], [r["steps"] for r in results])},
         )  # fmt: skip
     result, wall = runner.baseline(model, tc, ddp=case == "ddp", epochs=epochs)
     rate, window = steady_rate(result["steps"])
     return Run(
         tc.name, model.name, case, rep, int(result["samples"]), wall, rate, window, None,
-        {"startup_s": round(result["ready"] - result["started"], 2), "loadavg_before": load},
+        {"startup_s": round(result["ready"] - result["started"], 2), "loadavg_before": load,
+         **_cpu_in(result["cpu_samples"], [result["steps"]])},
     )  # fmt: skip
+
+
+def _cpu_in(
+    samples: Sequence[Sequence[Any]], timelines: Sequence[Sequence[Sequence[float]]]
+) -> dict[str, Any]:
+    """:func:`cpu_breakdown` over the steady windows' overlap of ``timelines``
+    (each ``(time s, samples done)``; their rates add up)."""
+    spans = [steady_span(points) for points in timelines]
+    if any(span is None for span in spans):
+        return {}
+    t0 = max(span[0][0] for span in spans if span is not None)
+    t1 = min(span[1][0] for span in spans if span is not None)
+    rate = sum((b[1] - a[1]) / (b[0] - a[0]) for a, b in (span for span in spans if span))
+    return cpu_breakdown(samples, t0, t1, rate) if t1 > t0 else {}
 
 
 def time_to_accuracy(
