@@ -94,9 +94,9 @@ milliseconds, user + system, per 1,000 samples trained, per group of
 processes: an elasticps job's ``trainer``, ``ps``, ``master``, ``etcd``,
 ``launcher`` and ``fork-server``; a baseline's ``command`` and its
 ``worker`` children; and the ``total``), ``cores_busy`` (the run's CPU
-seconds per second) and ``machine_cores_busy`` (the whole machine's). On a
-machine of 2 cores, a case's rate is about ``2000 * machine busy fraction /
-total``: it shows whether a case is short of CPU or waits.
+seconds per second) and ``machine_cores_busy`` (the whole machine's). A
+case's rate is ``1e6 * cores_busy / total`` samples/s: the figures show
+whether a case spends too much CPU per sample or waits.
 
 Repetitions (``--reps``) are interleaved: each repetition runs every
 (configuration, case) of a model, in an order rotated by one each time; the
