@@ -399,7 +399,8 @@ def cpu_breakdown(
             before = last.get(name, seconds)
             # A lower figure: the name's process was restarted (a new PID).
             used = seconds - before if seconds >= before else seconds
-            groups[cpu_group(name)] = groups.get(cpu_group(name), 0.0) + used
+            group = cpu_group(name)
+            groups[group] = groups.get(group, 0.0) + used
             last[name] = seconds
     trained = rate * (b_t - a_t)
     per_1k = {g: round(c / trained * 1e6, 1) for g, c in sorted(groups.items())}
