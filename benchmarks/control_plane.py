@@ -70,7 +70,6 @@ from pathlib import Path
 from typing import Any
 
 PROJECT_TRAINERS = 10_000
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def emit(obj: object) -> None:
@@ -198,12 +197,6 @@ def client(spec_json: str) -> int:
 # --- the parent: etcd, master, phases -------------------------------------------------
 
 
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (with its reaped children), seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(fields[i]) for i in (11, 12)) / _CLK_TCK
-
-
 def proc_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -256,6 +249,8 @@ def run_phase(
     args: argparse.Namespace, phase: int, task_s: float, servers: Servers
 ) -> dict[str, Any]:
     """One phase: fresh simulated trainers with tasks of ``task_s`` seconds; its result line."""
+    from elasticps.testing import process_cpu_s
+
     address, master_pid = servers.address, servers.master_pid
     etcd_endpoint, children = servers.etcd_endpoint, servers.children
     per_process = -(-args.trainers // args.processes)
@@ -286,10 +281,10 @@ def run_phase(
         children.append(proc)
         first += count
     sleep_until(t_start)
-    cpu0, etcd0 = proc_cpu_s(master_pid), etcd_counters(etcd_endpoint)
+    cpu0, etcd0 = process_cpu_s(master_pid), etcd_counters(etcd_endpoint)
     clients0 = sum(_cpu_or_zero(p.pid) for p in procs)
     sleep_until(t_end)
-    cpu1, etcd1 = proc_cpu_s(master_pid), etcd_counters(etcd_endpoint)
+    cpu1, etcd1 = process_cpu_s(master_pid), etcd_counters(etcd_endpoint)
     clients1 = sum(_cpu_or_zero(p.pid) for p in procs)
     rss = proc_rss_mib(master_pid)
     results = []
@@ -339,8 +334,10 @@ def run_phase(
 
 
 def _cpu_or_zero(pid: int) -> float:
+    from elasticps.testing import process_cpu_s
+
     try:
-        return proc_cpu_s(pid)
+        return process_cpu_s(pid)
     except OSError:
         return 0.0
 

@@ -238,12 +238,6 @@ def click_batches(rows: int, batch: int, steps: int, zipf_s: float) -> list[tupl
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def traffic_run(
     addresses: list[str],
     sparse: bool,
@@ -253,6 +247,7 @@ def traffic_run(
 ) -> dict[str, Any]:
     import elasticps.nn as enn
     from elasticps.pserver.sparse_shard import TableEntry
+    from elasticps.testing import process_cpu_s
     from elasticps.trainer.client import ParameterClient
     from elasticps.trainer.flat import bind_flat_buffers
 
@@ -277,7 +272,7 @@ def traffic_run(
                 if step == args.warmup:
                     meter.sent = meter.received = 0
                     t0, cpu0 = time.perf_counter(), time.process_time()
-                    server_cpu0 = sum(_cpu_s(pid) for pid in server_pids)
+                    server_cpu0 = sum(process_cpu_s(pid) for pid in server_pids)
                 rows = None
                 if sparse:
                     ids = enn.batch_ids(model, inputs)
@@ -299,7 +294,7 @@ def traffic_run(
                 flat.zero_grad()
             seconds = time.perf_counter() - t0
             cpu = time.process_time() - cpu0
-            server_cpu = sum(_cpu_s(pid) for pid in server_pids) - server_cpu0
+            server_cpu = sum(process_cpu_s(pid) for pid in server_pids) - server_cpu0
     finally:
         client.close()
     steps = args.steps

@@ -144,6 +144,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticps.config import LEDGER_ONLY_ENV
+from elasticps.testing import process_cpu_s
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -329,16 +330,6 @@ def steady_span(
     return (lo[0], lo[1]), (hi[0], hi[1])
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (every thread), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def machine_busy_s() -> float:
     """CPU seconds the whole machine spent busy so far (all cores; idle and iowait excluded)."""
     with open("/proc/stat", "rb") as stat:
@@ -347,7 +338,13 @@ def machine_busy_s() -> float:
 
 
 def children_of(pid: int) -> list[int]:
-    """The PIDs of ``pid``'s descendants (Linux ``/proc/PID/task/*/children``)."""
+    """The PIDs of ``pid``'s descendants (Linux ``/proc/PID/task/*/children``).
+
+    Reads only the descendants' own files: 0.3 ms a call here, against 1.5
+    ms for :func:`elasticps.testing.child_pids`, which scans all of
+    ``/proc``, and the sampler calls it 10 times a second beside the run it
+    measures.
+    """
     found: list[int] = []
     todo = [pid]
     while todo:
@@ -443,9 +440,8 @@ class CpuSampler:
             now = time.time()
             cpu = {}
             for name, pid in self._pids().items():
-                seconds = process_cpu_s(pid)
-                if seconds is not None:
-                    cpu[name] = seconds
+                with contextlib.suppress(OSError):  # gone
+                    cpu[name] = process_cpu_s(pid)
             self.samples.append((now, machine_busy_s(), cpu))
             if self._stop.wait(CPU_EVERY_S):
                 return

@@ -45,6 +45,16 @@ def wait_for(
         time.sleep(interval_s)
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far.
+
+    Raises:
+        OSError: no process has PID ``pid`` (Linux: read from ``/proc``).
+    """
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pid_gone(pid: int) -> bool:
     """Whether no process has PID ``pid`` any more (a zombie still counts as present)."""
     try:
