@@ -796,7 +796,6 @@ def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_
             dropped.append(True)
             raise ConnectionResetError("dropped by the test")
 
-    cluster.servers[1]._gate = drop_first
     values = dyadic_values(reference_placement(2).total_numel, -1.0)
     peer = cluster.peer(
         INITIALIZER,
@@ -805,6 +804,7 @@ def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_
         reconnect_timeout_s=DEADLINE_S,
     )
     peer.client.hello(initialize=True)
+    cluster.servers[1]._gate = drop_first  # after the hello's pull, which passes it too
     assert [c.shared for c in peer.client._conns] == [True, True]
     grad = dyadic_values(peer.placement.total_numel, 0.5)
     peer.grads.copy_(grad)
