@@ -817,6 +817,77 @@ def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_
     assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
 
 
+def test_a_shared_memory_push_zeroes_the_gradient_and_runs_the_caller_s_work_while_servers_work(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Both servers hold the push until the caller's work runs: it must run
+    # once every request is out and before any answer is read.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    released = threading.Event()
+
+    def hold() -> None:
+        assert released.wait(DEADLINE_S), "the caller's work did not run while the servers held"
+
+    peer, values, _ = shared_memory_peer(cluster)
+    for server in cluster.servers:
+        server._gate = hold
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    seen: list[float] = []
+
+    def work() -> None:
+        seen.append(float(peer.grads.abs().sum()))  # zeroed before the caller's work
+        released.set()
+
+    handle = peer.client.push(num_samples=1, want_params=True, zero_grad=True, while_waiting=work)
+
+    assert handle.acknowledged and seen == [0.0]
+    assert torch.equal(peer.params, values - grad)
+    assert not peer.grads.any()
+
+
+def test_a_server_lost_after_the_gradient_was_zeroed_is_sent_the_same_gradient_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # The gradient buffer is zeroed while the servers work; server 1 then drops
+    # the connection before applying the push. Its retry must carry the
+    # gradient (from the connection's shared memory), not the zeros.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    dropped: list[bool] = []
+
+    def drop_first() -> None:
+        if not dropped:
+            dropped.append(True)
+            raise ConnectionResetError("dropped by the test")
+
+    values = dyadic_values(reference_placement(2).total_numel, -1.0)
+    peer = cluster.peer(
+        INITIALIZER,
+        values=values,
+        resolve=lambda index: cluster.addresses[index],
+        reconnect_timeout_s=DEADLINE_S,
+    )
+    peer.client.hello(initialize=True)
+    cluster.servers[1]._gate = drop_first  # after the hello's pull, which passes it too
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    calls: list[int] = []
+
+    handle = peer.client.push(
+        num_samples=1,
+        want_params=True,
+        key=PushKey(0, 0, 0, 1),
+        zero_grad=True,
+        while_waiting=lambda: calls.append(1),
+    )
+
+    assert handle.acknowledged and dropped == [True] and calls == [1]
+    assert peer.client.reconnects == 1
+    assert torch.equal(peer.params, values - grad)
+    assert not peer.grads.any()
+    assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
+
+
 @pytest.mark.parametrize("options", [{"overlap_push": True}, {"overlap_pull": True}])
 def test_background_pushes_go_through_shared_memory_and_a_reconnected_server_gets_bodies(
     cluster: Cluster, tmp_path: Path, options: dict[str, bool]

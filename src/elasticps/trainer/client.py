@@ -722,11 +722,64 @@ class _SharedMemory:
         for lo, hi, _, p in self._pieces:
             _copy(params[lo:hi], p)
 
+    def restore_grads(self, grads: torch.Tensor) -> None:
+        """Scatter the gradient last written here back into the flat gradient buffer."""
+        for lo, hi, g, _ in self._pieces:
+            _copy(grads[lo:hi], g)
+
     def close(self) -> None:
         self._pieces = []
         with contextlib.suppress(BufferError):
             self._map.close()  # still exported if a tensor view outlives us: GC frees it
         os.close(self.fd)
+
+
+class _EarlyWork:
+    """What a push does once every server has its request (see :meth:`ParameterClient.push`).
+
+    ``zero_grad`` zeroes the flat gradient buffer, which the push then no
+    longer reads; ``while_waiting`` is the caller's own work. When it ran
+    before the answers were read, a connection that failed and is retried
+    needs its gradient again: :meth:`restore` copies it back from the
+    connection's shared memory (it is still mapped there, untouched by the
+    server, until the connection is replaced) and :meth:`rezero` zeroes it
+    once the retry is over.
+    """
+
+    def __init__(
+        self,
+        grads: torch.Tensor,
+        *,
+        zero_grad: bool,
+        while_waiting: Callable[[], None] | None,
+    ) -> None:
+        self._grads = grads
+        self._zero_grad = zero_grad
+        self._while_waiting = while_waiting
+        self.ran = False
+
+    def run(self) -> None:
+        """Do the work, once."""
+        if self.ran:
+            return
+        self.ran = True
+        if self._zero_grad:
+            self._grads.zero_()
+        if self._while_waiting is not None:
+            self._while_waiting()
+
+    def restore(self, conn: _ShardConnection) -> None:
+        """Put ``conn``'s shard of the gradient back before its request is sent again."""
+        if self.ran and self._zero_grad:
+            memory = conn.shared_memory
+            assert memory is not None  # the early work runs only when every push is shared
+            memory.restore_grads(self._grads)
+
+    def rezero(self, conn: _ShardConnection) -> None:
+        """Zero ``conn``'s shard of the gradient again after :meth:`restore`."""
+        if self.ran and self._zero_grad:
+            for lo, hi in conn.layout.ranges:
+                self._grads[lo:hi].zero_()
 
 
 class PushHandle:
@@ -1109,25 +1162,29 @@ class ParameterClient:
         self,
         start: Callable[[_ShardConnection], S],
         finish: Callable[[_ShardConnection, S], T],
+        early: _EarlyWork | None = None,
     ) -> list[T]:
         """One request to every server (``start`` sends it, ``finish`` reads the answer).
 
         When every connection moves its tensors through shared memory, the
         frames are small: the calling thread sends every request first, then
         reads the answers, so the servers work in parallel without a thread
-        hand-off on this side. A connection that fails is then served as
-        :meth:`_robust` does, after the others: it reconnects and sends the
-        whole request again. Otherwise, or when the model is bigger than
-        :data:`SERIAL_EXCHANGE_MAX_BYTES` (its copies into and out of shared
-        memory then take longer than a hand-off, and run in parallel), each
-        connection goes on its own thread (:meth:`_fan_out`).
+        hand-off on this side. ``early`` (if any) runs between the two, once
+        every request went out, while the servers work. A connection that
+        fails is then served as :meth:`_robust` does, after the others: it
+        reconnects and sends the whole request again. Otherwise, or when the
+        model is bigger than :data:`SERIAL_EXCHANGE_MAX_BYTES` (its copies
+        into and out of shared memory then take longer than a hand-off, and
+        run in parallel), each connection goes on its own thread
+        (:meth:`_fan_out`), and ``early`` is left to the caller.
 
         Raises:
-            The first error of any server, once every answer has been read.
+            The first error of any server (or of ``early``), once every
+            answer has been read.
         """
         targets = self._conns
         if (
-            len(targets) < 2
+            not targets
             or not all(c.shared for c in targets)
             or self._grads.numel() * 4 > SERIAL_EXCHANGE_MAX_BYTES
         ):
@@ -1138,9 +1195,14 @@ class ParameterClient:
                 sent.append((start(c),))
             except _CONNECTION_ERRORS:
                 sent.append(None)
+        error: BaseException | None = None
+        if early is not None and all(request is not None for request in sent):
+            try:
+                early.run()
+            except BaseException as exc:  # raised below, once every answer is read
+                error = exc
         results: list[T | None] = []
         retry: list[int] = []
-        error: BaseException | None = None
         for i, (c, request) in enumerate(zip(targets, sent, strict=True)):
             results.append(None)
             if request is None:
@@ -1154,7 +1216,13 @@ class ParameterClient:
                 error = error or exc
         for i in retry:
             try:
-                results[i] = self._robust(lambda c: finish(c, start(c)), targets[i])
+                if early is not None:
+                    early.restore(targets[i])
+                try:
+                    results[i] = self._robust(lambda c: finish(c, start(c)), targets[i])
+                finally:
+                    if early is not None:
+                        early.rezero(targets[i])
             except BaseException as exc:  # raised below
                 error = error or exc
         if error is not None:
@@ -1227,6 +1295,8 @@ class ParameterClient:
         key: PushKey | None = None,
         rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
         prefetch: Mapping[str, torch.Tensor] | None = None,
+        zero_grad: bool = False,
+        while_waiting: Callable[[], None] | None = None,
     ) -> PushHandle:
         """Push the gradient buffer (the mean gradient over ``num_samples`` samples).
 
@@ -1262,6 +1332,17 @@ class ParameterClient:
                 :attr:`PushHandle.rows` once the push is done (None for a
                 push sent in the background without ``overlap_pull``, which
                 does not pull).
+            zero_grad: zero the gradient buffer once the push no longer
+                needs it, before returning: while the servers work on the
+                push when every server takes it through shared memory (the
+                trainer's core would otherwise wait), else after the answers
+                (or, in the background, once it is staged). A server that
+                fails and is retried gets the same gradient again.
+            while_waiting: the caller's work for the same moment (for
+                example reading the next mini-batch), run once on the calling
+                thread before this returns. It must not touch the gradient
+                buffer or this client; if it raises, the push is still
+                answered first, then the error is raised.
 
         Returns:
             The push's handle; see :class:`PushHandle` for what acknowledged
@@ -1336,6 +1417,11 @@ class ParameterClient:
             if pulls and prefetch:
                 handle.rows = self._assemble_rows(prefetch, wanted, pulled)
 
+        early = (
+            _EarlyWork(self._grads, zero_grad=zero_grad, while_waiting=while_waiting)
+            if zero_grad or while_waiting is not None
+            else None
+        )
         if background:
             assert self._background is not None
             future = self._background.submit(
@@ -1343,9 +1429,11 @@ class ParameterClient:
             )
             self._inflight = (future, handle)
         else:
-            self._push_and_acknowledge(start, finish, handle, rows_pulled)
+            self._push_and_acknowledge(start, finish, handle, rows_pulled, early)
             if want_params:
                 self._adopt()
+        if early is not None:
+            early.run()  # a no-op if it ran while the servers worked
         return handle
 
     def _push_and_acknowledge(
@@ -1354,10 +1442,15 @@ class ParameterClient:
         finish: Callable[[_ShardConnection, _SentPush], PushStatus],
         handle: PushHandle,
         then: Callable[[], None] | None = None,
+        early: _EarlyWork | None = None,
     ) -> None:
-        """Send a push to every server; ``then`` runs before the handle is done."""
+        """Send a push to every server; ``then`` runs before the handle is done.
+
+        ``early`` runs while the servers work, if the exchange allows it (see
+        :meth:`_exchange`).
+        """
         try:
-            statuses = self._exchange(start, finish)
+            statuses = self._exchange(start, finish, early)
             if then is not None:
                 then()
         except BaseException as exc:

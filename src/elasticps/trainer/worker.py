@@ -66,6 +66,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import pyarrow as pa
@@ -344,6 +345,10 @@ class Trainer:
         self._prefetched: list[
             tuple[object, dict[str, Tensor], PushHandle | dict[str, Tensor]]
         ] = []
+        # Reading the mini-batch after the one in training, when left to the
+        # wait of its push (see _run_task), and what that reading raised.
+        self._pending_read: Callable[[], None] | None = None
+        self._read_error: Exception | None = None
         self.flat: FlatModel = bind_flat_buffers(
             model, config.num_ps, config.big_array_bound, config.placement
         )
@@ -543,6 +548,7 @@ class Trainer:
             self._pass_batches = 0
         self._task = task
         self._acc = _Accumulator(first=task.offset, end=task.offset)
+        self._pending_read = self._read_error = None
         if self._ahead is None and self._deferred is None:
             # Have the next task at hand when this one ends (see _loop).
             self._ahead = self._call_master(master.get_task, self.name, holding=[task.task_id])
@@ -553,9 +559,21 @@ class Trainer:
             # (or, with overlap_pull, of the one after, while the next trains).
             depth = 2 if self._overlap_pull else 1
             ahead = collections.deque(itertools.islice(batches, depth + 1))
-            while ahead:
+            # The deque's last batch is needed only after this one's push (with
+            # overlap_pull, by it): it is read while the push waits for the
+            # servers, on a core that would otherwise wait too.
+            read_late = not self._overlap_pull
+            while True:
+                self._read_ahead()  # if the push did not
+                self._raise_read_error()
+                if not ahead:
+                    break
                 batch_id_or_none, batch, num_records = ahead.popleft()
-                ahead.extend(itertools.islice(batches, depth + 1 - len(ahead)))
+                read = functools.partial(_read_into, ahead, batches, depth + 1)
+                if read_late:
+                    self._pending_read = read
+                else:
+                    read()
                 batch_id = self._pass_batches if batch_id_or_none is None else batch_id_or_none
                 target = ahead[depth - 1] if len(ahead) >= depth else None
                 self._next_inputs = (
@@ -613,6 +631,7 @@ class Trainer:
                 self._push(client, want_params=True, on_acknowledged=acknowledged)
         except Exception as exc:
             self._next_inputs = self._following_inputs = None
+            self._pending_read = self._read_error = None
             self._prefetched.clear()
             progress.discard()
             report = master_pb2.ReportTaskRequest(
@@ -1064,8 +1083,10 @@ class Trainer:
                 key=key,
                 rows=self._sparse_rows(acc.batches),
                 prefetch=prefetch,
+                zero_grad=True,
+                while_waiting=self._read_ahead if self._pending_read is not None else None,
             )
-            self.flat.zero_grad()
+            self._raise_read_error()
             self._sparse_grads = []
             if prefetch is not None:
                 # A retry's prefetch replaces the one of the push answered STALE.
@@ -1083,6 +1104,25 @@ class Trainer:
                 )
             self._recompute(client, acc)
         self._acc = _Accumulator(first=acc.end, end=acc.end)
+
+    def _read_ahead(self) -> None:
+        """Read the next mini-batch now, if ``_run_task`` left it to a push's wait.
+
+        Runs while the push waits for its answers, where an error must not
+        cut the exchange short: it waits for :meth:`_raise_read_error`.
+        """
+        read, self._pending_read = self._pending_read, None
+        if read is None:
+            return
+        try:
+            read()
+        except Exception as exc:  # raised by _raise_read_error, once the push is answered
+            self._read_error = exc
+
+    def _raise_read_error(self) -> None:
+        error, self._read_error = self._read_error, None
+        if error is not None:
+            raise error
 
     def _prefetch_ids(self) -> dict[str, Tensor] | None:
         """The ids of the next mini-batch's rows, for a push to pull (None: none known)."""
@@ -1226,6 +1266,14 @@ def dense_frozen_patterns(model: torch.nn.Module, patterns: Sequence[str]) -> li
         if any(fnmatch.fnmatchcase(n, p) for n in params)
         or not any(fnmatch.fnmatchcase(t, p) for t in tables)
     ]
+
+
+_T = TypeVar("_T")
+
+
+def _read_into(ahead: collections.deque[_T], items: Iterator[_T], size: int) -> None:
+    """Take items from ``items`` until ``ahead`` holds ``size`` (or ``items`` ends)."""
+    ahead.extend(itertools.islice(items, size - len(ahead)))
 
 
 def _as_batch(item: object, batch_id: int) -> Batch:
