@@ -782,12 +782,15 @@ def test_a_big_model_s_shared_memory_push_uses_a_thread_per_server(
     assert torch.equal(peer.params, values - grad)
 
 
+@pytest.mark.parametrize("zero_grad", [False, True])
 def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_others(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, zero_grad: bool
 ) -> None:
     # Server 1 drops the connection on the first push, before applying it:
     # server 0's answer is read, then the client reconnects to server 1 and
-    # sends the push again. Each server applies it once.
+    # sends the push again. Each server applies it once. With zero_grad the
+    # gradient buffer was zeroed while the servers worked: the retry must
+    # carry the gradient (from the connection's shared memory), not zeros.
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
     dropped: list[bool] = []
 
@@ -808,12 +811,20 @@ def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_
     assert [c.shared for c in peer.client._conns] == [True, True]
     grad = dyadic_values(peer.placement.total_numel, 0.5)
     peer.grads.copy_(grad)
+    calls: list[int] = []
 
-    handle = peer.client.push(num_samples=1, want_params=True, key=PushKey(0, 0, 0, 1))
+    handle = peer.client.push(
+        num_samples=1,
+        want_params=True,
+        key=PushKey(0, 0, 0, 1),
+        zero_grad=zero_grad,
+        while_waiting=lambda: calls.append(1),
+    )
 
-    assert handle.acknowledged and dropped == [True]
+    assert handle.acknowledged and dropped == [True] and calls == [1]
     assert peer.client.reconnects == 1
     assert torch.equal(peer.params, values - grad)
+    assert torch.equal(peer.grads, torch.zeros_like(grad) if zero_grad else grad)
     assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
 
 
@@ -844,48 +855,6 @@ def test_a_shared_memory_push_zeroes_the_gradient_and_runs_the_caller_s_work_whi
     assert handle.acknowledged and seen == [0.0]
     assert torch.equal(peer.params, values - grad)
     assert not peer.grads.any()
-
-
-def test_a_server_lost_after_the_gradient_was_zeroed_is_sent_the_same_gradient_again(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    # The gradient buffer is zeroed while the servers work; server 1 then drops
-    # the connection before applying the push. Its retry must carry the
-    # gradient (from the connection's shared memory), not the zeros.
-    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
-    dropped: list[bool] = []
-
-    def drop_first() -> None:
-        if not dropped:
-            dropped.append(True)
-            raise ConnectionResetError("dropped by the test")
-
-    values = dyadic_values(reference_placement(2).total_numel, -1.0)
-    peer = cluster.peer(
-        INITIALIZER,
-        values=values,
-        resolve=lambda index: cluster.addresses[index],
-        reconnect_timeout_s=DEADLINE_S,
-    )
-    peer.client.hello(initialize=True)
-    cluster.servers[1]._gate = drop_first  # after the hello's pull, which passes it too
-    grad = dyadic_values(peer.placement.total_numel, 0.5)
-    peer.grads.copy_(grad)
-    calls: list[int] = []
-
-    handle = peer.client.push(
-        num_samples=1,
-        want_params=True,
-        key=PushKey(0, 0, 0, 1),
-        zero_grad=True,
-        while_waiting=lambda: calls.append(1),
-    )
-
-    assert handle.acknowledged and dropped == [True] and calls == [1]
-    assert peer.client.reconnects == 1
-    assert torch.equal(peer.params, values - grad)
-    assert not peer.grads.any()
-    assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
 
 
 @pytest.mark.parametrize("options", [{"overlap_push": True}, {"overlap_pull": True}])
