@@ -1084,7 +1084,7 @@ class Trainer:
                 rows=self._sparse_rows(acc.batches),
                 prefetch=prefetch,
                 zero_grad=True,
-                while_waiting=self._read_ahead if self._pending_read is not None else None,
+                while_waiting=self._read_ahead,  # a no-op when nothing is left to read
             )
             self._raise_read_error()
             self._sparse_grads = []
