@@ -27,16 +27,32 @@ and the arguments, so every process and every run agrees.
 
 Every trainer keeps all its parameters in one flat float32 buffer, and the
 model's parameters are views into it. The flat order is chosen so that each
-shard's data is a few contiguous ranges of that buffer:
+shard's data is a few contiguous ranges of that buffer. Two layouts:
+
+- *packed* (``hash``, and ``balanced`` for small models)::
 
     [whole params of shard 0][whole params of shard 1]...[sliced param 0][sliced param 1]...
     [buffers of shard 0][buffers of shard 1]...
 
+  A sliced parameter's ``i``-th slice (:func:`even_split`) belongs to shard ``i``.
+- *paged* (``balanced``, when the model has at least
+  :data:`MIN_PAGED_SLICE_NUMEL` elements per shard and the layout below can
+  be mapped, see :func:`page_runs`): the flat buffer is made of 4 KiB pages
+  (:data:`PAGE_NUMEL` elements), each holding one shard's elements only,
+  at the same place within the page as in that shard's own buffer. A
+  trainer can then map the memory it shares with each server page by page
+  into its flat buffers (:mod:`elasticps.trainer.pages`), and copy nothing.
+  Slices of at least :data:`MIN_PAGED_SLICE_NUMEL` elements are cut at
+  pages (:func:`page_split`) and rotate over the shards (see
+  :func:`_paged_layout`); a shard holds its full-page slices, its short
+  slice, its whole parameters, its buffers, in that order; the flat buffer
+  is padded to whole pages (padding belongs to no parameter).
+
 A sliced parameter is contiguous in the flat buffer (so it can back a model
-parameter), and its ``i``-th slice belongs to shard ``i``. On the wire a
-shard's body is the concatenation of its ranges in order, which is also the
-layout of the shard's own flat buffer on the parameter server. Both sides
-send and receive straight from these ranges, without copies.
+parameter). On the wire a shard's body is the concatenation of its ranges
+in order, which is also the layout of the shard's own flat buffer on the
+parameter server. Both sides send and receive straight from these ranges,
+without copies.
 
 A model's persistent buffers (BatchNorm statistics, see :mod:`elasticps.buffers`)
 come last, each whole on the shard given by the CRC-32 of its name, in its
@@ -73,6 +89,14 @@ MIN_SLICE_NUMEL: Final = 128
 """``balanced`` slices a parameter below ``big_array_bound`` only if every
 slice gets at least this many elements (512 bytes): each slice is one more
 range to send and apply per step, which costs more than a smaller imbalance."""
+
+PAGE_NUMEL: Final = 1024
+"""float32 elements in a 4 KiB memory page: the grain of the ``balanced`` layout."""
+
+MIN_PAGED_SLICE_NUMEL: Final = 16 * PAGE_NUMEL
+"""``balanced`` cuts a sliced parameter at page boundaries (:func:`page_split`)
+when its slices get at least this many elements (64 KiB), where a page more
+or less moves a shard's load by at most about 6 %."""
 
 
 @dataclass(frozen=True)
@@ -284,6 +308,58 @@ def plan_placement(
             big.append(p)
 
     shapes = {p.name: p.shape for p in params}
+    shapes.update({b.name: b.shape for b in buffers})
+
+    def assemble(layout: _Layout) -> Placement:
+        flat_offsets, pieces, shard_fill, total = layout
+        shards = []
+        for s in range(num_shards):
+            # A shard may hold nothing (a few parameters hashed to the same PS);
+            # trainers still push their (empty) bodies to it, for the push keys.
+            shards.append(
+                ShardLayout(
+                    index=s,
+                    pieces=tuple(pieces[s]),
+                    numel=shard_fill[s],
+                    ranges=_coalesce(
+                        (p.flat_offset, p.flat_offset + p.numel) for p in pieces[s] if p.numel
+                    ),
+                    shapes=tuple((p.name, shapes[p.name]) for p in pieces[s]),
+                    buffers=tuple(shard_buffers[s]),
+                )
+            )
+        return Placement(
+            params=tuple(params),
+            num_shards=num_shards,
+            big_array_bound=big_array_bound,
+            shards=tuple(shards),
+            flat_offsets=flat_offsets,
+            total_numel=total,
+            buffers=tuple(buffers),
+            strategy=strategy,
+        )
+
+    numel = sum(p.numel for p in params) + sum(b.encoded_numel for b in buffers)
+    if strategy == "balanced" and numel >= MIN_PAGED_SLICE_NUMEL * num_shards:
+        paged = assemble(_paged_layout(whole, big, shard_buffers))
+        if page_runs(paged) is not None:
+            return paged
+    return assemble(_packed_layout(whole, big, shard_buffers))
+
+
+_Layout = tuple[dict[str, int], list[list[Piece]], list[int], int]
+
+
+def _packed_layout(
+    whole: list[list[ParamSpec]], big: list[ParamSpec], shard_buffers: list[list[BufferSpec]]
+) -> _Layout:
+    """The packed layout: every piece right after the last, sliced parameters cut by
+    :func:`even_split`, slice ``i`` on shard ``i`` (see the module docstring).
+
+    Returns:
+        ``(flat_offsets, pieces by shard, elements by shard, total_numel)``.
+    """
+    num_shards = len(whole)
     flat_offsets: dict[str, int] = {}
     pieces: list[list[Piece]] = [[] for _ in range(num_shards)]
     shard_fill = [0] * num_shards
@@ -307,34 +383,147 @@ def plan_placement(
             pieces[s].append(Piece(b.name, 0, b.encoded_numel, s, shard_fill[s], flat))
             shard_fill[s] += b.encoded_numel
             flat += b.encoded_numel
-    shapes.update({b.name: b.shape for b in buffers})
+    return flat_offsets, pieces, shard_fill, flat
 
-    shards = []
-    for s in range(num_shards):
-        # A shard may hold nothing (a few parameters hashed to the same PS);
-        # trainers still push their (empty) bodies to it, for the push keys.
-        shards.append(
-            ShardLayout(
-                index=s,
-                pieces=tuple(pieces[s]),
-                numel=shard_fill[s],
-                ranges=_coalesce(
-                    (p.flat_offset, p.flat_offset + p.numel) for p in pieces[s] if p.numel
-                ),
-                shapes=tuple((p.name, shapes[p.name]) for p in pieces[s]),
-                buffers=tuple(shard_buffers[s]),
-            )
-        )
-    return Placement(
-        params=tuple(params),
-        num_shards=num_shards,
-        big_array_bound=big_array_bound,
-        shards=tuple(shards),
-        flat_offsets=flat_offsets,
-        total_numel=flat,
-        buffers=tuple(buffers),
-        strategy=strategy,
+
+def page_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous ranges cut at multiples of
+    :data:`PAGE_NUMEL`: the whole pages go as :func:`even_split` splits them, and
+    the last range also gets the ``n % PAGE_NUMEL`` elements after them."""
+    pages = even_split(n // PAGE_NUMEL, parts)
+    out = [(lo * PAGE_NUMEL, hi * PAGE_NUMEL) for lo, hi in pages]
+    out[-1] = (out[-1][0], n)
+    return out
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE_NUMEL) * PAGE_NUMEL
+
+
+def _paged_layout(
+    whole: list[list[ParamSpec]], big: list[ParamSpec], shard_buffers: list[list[BufferSpec]]
+) -> _Layout:
+    """The paged layout: laid out so that each shard's pages can be mapped into
+    the flat buffer (see :func:`page_runs`).
+
+    A parameter sliced into slices of at least :data:`MIN_PAGED_SLICE_NUMEL`
+    elements is cut by :func:`page_split`, and the ``j``-th largest such
+    parameter (ties by name) has its slice ``i`` on shard ``(i + j) % n``, so
+    that the short last slices fall on different shards. Smaller ones are
+    cut by :func:`even_split`, slice ``i`` on shard ``i`` (the layout is then
+    not mappable, but their copies are cheap). A shard holds, in order: its
+    page-sized slices, its short slices, its whole parameters, its buffers.
+    In the flat buffer every sliced parameter starts on a page; a shard's
+    whole parameters and buffers follow its short slice's parameter, or start
+    on a page if it has none, so that a page of the flat buffer never holds
+    two shards' elements.
+
+    Returns:
+        ``(flat_offsets, pieces by shard, elements by shard, total_numel)``.
+    """
+    num_shards = len(whole)
+    # Each sliced parameter's slices: (param_start, param_end, shard).
+    paged = sorted(
+        (p for p in big if p.numel // num_shards >= MIN_PAGED_SLICE_NUMEL),
+        key=lambda p: (-p.numel, p.name),
     )
+    turn = {p.name: j for j, p in enumerate(paged)}
+    cuts: list[list[tuple[int, int, int]]] = []
+    for p in big:
+        if p.name in turn:
+            bounds = page_split(p.numel, num_shards)
+            j = turn[p.name]
+            cuts.append([(lo, hi, (i + j) % num_shards) for i, (lo, hi) in enumerate(bounds)])
+        else:
+            cuts.append([(lo, hi, i) for i, (lo, hi) in enumerate(even_split(p.numel, num_shards))])
+    # Shard-buffer order: page-sized slices first, then the short ones.
+    full: list[list[tuple[int, int, int]]] = [[] for _ in range(num_shards)]  # (param, lo, hi)
+    short: list[list[tuple[int, int, int]]] = [[] for _ in range(num_shards)]
+    for k, slices in enumerate(cuts):
+        for lo, hi, s in slices:
+            if hi > lo:
+                (short if (hi - lo) % PAGE_NUMEL else full)[s].append((k, lo, hi))
+    # Where each shard's whole parameters and buffers go in the flat buffer:
+    # right behind the parameter of its last short slice.
+    tail_after = {s: short[s][-1][0] for s in range(num_shards) if short[s]}
+    tails = [
+        sum(q.numel for q in whole[s]) + sum(b.encoded_numel for b in shard_buffers[s])
+        for s in range(num_shards)
+    ]
+    flat_offsets: dict[str, int] = {}
+    tail_at: dict[int, int] = {}
+    flat = 0
+    for k, p in enumerate(big):
+        flat = _round_up(flat)
+        flat_offsets[p.name] = flat
+        flat += p.numel
+        for s in range(num_shards):
+            if tail_after.get(s) == k:
+                tail_at[s] = flat
+                flat += tails[s]
+    for s in range(num_shards):
+        if s not in tail_at:
+            flat = _round_up(flat)
+            tail_at[s] = flat
+            flat += tails[s]
+    pieces: list[list[Piece]] = [[] for _ in range(num_shards)]
+    shard_fill = [0] * num_shards
+    for s in range(num_shards):
+        for k, lo, hi in full[s] + short[s]:
+            name = big[k].name
+            pieces[s].append(Piece(name, lo, hi, s, shard_fill[s], flat_offsets[name] + lo))
+            shard_fill[s] += hi - lo
+        at = tail_at[s]
+        items = [(q.name, q.numel) for q in whole[s]]
+        items += [(b.name, b.encoded_numel) for b in shard_buffers[s]]
+        for name, numel in items:
+            flat_offsets[name] = at
+            pieces[s].append(Piece(name, 0, numel, s, shard_fill[s], at))
+            shard_fill[s] += numel
+            at += numel
+    return flat_offsets, pieces, shard_fill, _round_up(flat)
+
+
+def page_runs(placement: Placement) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
+    """How to map each shard's pages into the flat buffer, if the layout allows it.
+
+    A trainer can then make its flat buffers out of the pages of the memory it
+    shares with each server (see :mod:`elasticps.trainer.client`), so that
+    nothing is copied between them. That needs every page of the flat buffer
+    that holds a shard's elements to be one page of that shard's buffer, at
+    the same place within the page, holding no other shard's elements, and
+    each page of a shard's buffer to appear once.
+
+    Returns:
+        Per shard, ``(flat_page, shard_page, pages)`` runs (pages of
+        :data:`PAGE_NUMEL` elements); None if the layout cannot be mapped
+        (``hash`` placements with several shards, mostly).
+    """
+    if placement.total_numel % PAGE_NUMEL:
+        return None
+    owner: dict[int, tuple[int, int]] = {}  # flat page -> (shard, shard page)
+    out = []
+    for shard in placement.shards:
+        seen: dict[int, int] = {}  # shard page -> flat page
+        offset = 0
+        for lo, hi in shard.ranges:
+            if (lo - offset) % PAGE_NUMEL:
+                return None
+            delta = lo // PAGE_NUMEL - offset // PAGE_NUMEL
+            for page in range(lo // PAGE_NUMEL, -(-hi // PAGE_NUMEL)):
+                mine = (shard.index, page - delta)
+                if owner.setdefault(page, mine) != mine or seen.setdefault(mine[1], page) != page:
+                    return None
+            offset += hi - lo
+        runs: list[tuple[int, int, int]] = []
+        for shard_page, page in sorted(seen.items()):
+            last = runs[-1] if runs else None
+            if last and last[0] + last[2] == page and last[1] + last[2] == shard_page:
+                runs[-1] = (last[0], last[1], last[2] + 1)
+            else:
+                runs.append((page, shard_page, 1))
+        out.append(tuple(runs))
+    return tuple(out)
 
 
 def _balanced_homes(

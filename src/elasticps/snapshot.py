@@ -39,7 +39,7 @@ from typing import Final, NamedTuple
 import torch
 
 from elasticps.errors import DataError, ProtocolError, RemoteError, ServiceUnavailableError
-from elasticps.placement import even_split
+from elasticps.placement import PAGE_NUMEL, even_split, page_split
 from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
 from elasticps.storage import Location
@@ -641,11 +641,14 @@ def _int(value: object, what: str) -> int:
 def piece_fits(param_start: int, param_end: int, numel: int, shard_index: int) -> bool:
     """Whether a layout piece can belong to a parameter of ``numel`` elements.
 
-    A piece is the whole parameter, or the ``shard_index``-th slice of
-    ``even_split(numel, n)`` for some number of servers ``n`` (how
-    :mod:`elasticps.placement` slices big parameters).
+    A piece is the whole parameter, the ``shard_index``-th slice of
+    ``even_split(numel, n)``, or any slice of ``page_split(numel, n)``, for
+    some number of servers ``n`` (how :mod:`elasticps.placement` slices
+    parameters).
     """
     if (param_start, param_end) == (0, numel):
+        return True
+    if _page_slice_fits(param_start, param_end, numel):
         return True
     size = param_end - param_start
     if size <= 0 or param_end > numel:
@@ -659,6 +662,22 @@ def piece_fits(param_start: int, param_end: int, numel: int, shard_index: int) -
         n > shard_index and even_split(numel, n)[shard_index] == (param_start, param_end)
         for n in range(lo_n, hi_n + 1)
     )
+
+
+def _page_slice_fits(param_start: int, param_end: int, numel: int) -> bool:
+    """Whether ``[param_start, param_end)`` is a slice of ``page_split(numel, n)``, some ``n``."""
+    if param_start % PAGE_NUMEL or not 0 <= param_start < param_end <= numel:
+        return False
+    end = param_end if param_end < numel else numel - numel % PAGE_NUMEL
+    if end % PAGE_NUMEL or end < param_start:
+        return False
+    pages, size = numel // PAGE_NUMEL, (end - param_start) // PAGE_NUMEL
+    # even_split gives floor(pages / n) or one more pages to each slice.
+    lo_n = max(2, pages // (size + 1))
+    hi_n = pages // max(size - 1, 1) + 1
+    if hi_n - lo_n > 1 << 12:
+        return True  # too many candidates to check; accept
+    return any((param_start, param_end) in page_split(numel, n) for n in range(lo_n, hi_n + 1))
 
 
 def shard_state_for_layout(
