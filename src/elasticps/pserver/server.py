@@ -881,16 +881,24 @@ class ParameterServer:
             with self._cond:
                 shard = self._shard
             numel = msg.get("numel")
+            params_at = msg.get("params_at", numel)
             if shard is None or not state.hello_done:
                 reason = "send HELLO first"
             elif len(fds) != 1:
                 reason = f"{len(fds)} descriptors came with the request, not 1"
             elif not isinstance(numel, int) or numel != shard.numel or numel == 0:
                 reason = f"numel must be this shard's ({shard.numel}), got {numel!r}"
+            elif (
+                not isinstance(params_at, int)
+                or isinstance(params_at, bool)
+                or not numel <= params_at <= numel + PARAMS_AT_MAX_PAD
+            ):
+                top = numel + PARAMS_AT_MAX_PAD
+                reason = f"params_at must be {numel}..{top}, got {params_at!r}"
             else:
-                reason = _check_shared_file(fds[0], shared_region_nbytes(numel))
+                reason = _check_shared_file(fds[0], shared_region_nbytes(numel, params_at))
                 if not reason:
-                    state.shared = _SharedRegion(fds[0], numel)
+                    state.shared = _SharedRegion(fds[0], numel, params_at)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -1251,6 +1259,11 @@ class _RequestError(ElasticPSError):
         self.code = code
 
 
+PARAMS_AT_MAX_PAD = 1024
+"""Most elements between the end of the gradients and the parameters in a
+connection's shared memory (``attach_shm``'s ``params_at``): up to a page."""
+
+
 def _check_shared_file(fd: int, nbytes: int) -> str:
     """Why the shared-memory file ``fd`` cannot be mapped for ``nbytes`` bytes ("" if it can).
 
@@ -1271,11 +1284,11 @@ def _check_shared_file(fd: int, nbytes: int) -> str:
 
 class _SharedRegion:
     """A trainer's shared memory for one connection: float32 gradients ``[numel]``,
-    then float32 parameters ``[numel]``."""
+    then float32 parameters ``[numel]`` from element ``params_at``."""
 
-    def __init__(self, fd: int, numel: int) -> None:
+    def __init__(self, fd: int, numel: int, params_at: int) -> None:
         self.numel = numel
-        self._map, self.grads, self.params = map_shared_region(fd, numel)
+        self._map, self.grads, self.params = map_shared_region(fd, numel, params_at)
 
 
 class _Connection:

@@ -123,10 +123,12 @@ Shared memory
 A trainer on the same host as a server (so over AF_UNIX) may hand the
 connection a shared-memory file, so that dense gradients and parameters stop
 being copied through the socket: a CONTROL ``{"op": "attach_shm", "numel":
-N}`` is followed at once by one byte (0) that carries a file descriptor
-(``SCM_RIGHTS``): a memfd of at least ``8 * N`` bytes holding float32 ``[N]``
-gradients at offset 0 and float32 ``[N]`` parameters at offset ``4 * N``,
-where ``N`` is the shard's element count. The server answers CONTROL_OK
+N}`` (optionally with ``"params_at": P``, ``N <= P <= N + 1024``) is followed
+at once by one byte (0) that carries a file descriptor (``SCM_RIGHTS``): a
+memfd of at least ``4 * (P + N)`` bytes holding float32 ``[N]`` gradients at
+offset 0 and float32 ``[N]`` parameters at offset ``4 * P`` (``P = N`` when
+absent), where ``N`` is the shard's element count. (A trainer that maps the
+memfd's pages into its own buffers puts the parameters on a page.) The server answers CONTROL_OK
 ``{"shard": i, "attached": true}``, or ``false`` with a ``reason`` (it then
 maps nothing, and the trainer keeps sending bodies). From then on a PUSH
 with Flags.SHARED (dtype FLOAT32, no body) takes its gradient from the first
@@ -1077,27 +1079,31 @@ def discard_body(sock: socket.socket, header: FrameHeader, scratch: bytearray) -
         remaining -= chunk
 
 
-def shared_region_nbytes(numel: int) -> int:
+def shared_region_nbytes(numel: int, params_at: int | None = None) -> int:
     """Bytes of a connection's shared memory for a shard of ``numel`` elements
-    (see "Shared memory"): float32 gradients, then float32 parameters."""
-    return 8 * numel
+    (see "Shared memory"): float32 gradients, then float32 parameters from
+    element ``params_at`` (default ``numel``)."""
+    return 4 * ((numel if params_at is None else params_at) + numel)
 
 
-def map_shared_region(fd: int, numel: int) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
+def map_shared_region(
+    fd: int, numel: int, params_at: int | None = None
+) -> tuple[mmap.mmap, torch.Tensor, torch.Tensor]:
     """Map a connection's shared memory (see "Shared memory") for reading and writing.
 
     Returns:
         The mapping, its gradient region (float32 ``[numel]``, at offset 0) and
-        its parameter region (float32 ``[numel]``, at offset ``4 * numel``);
-        both tensors are views of the mapping.
+        its parameter region (float32 ``[numel]``, at offset ``4 * params_at``,
+        default ``4 * numel``); both tensors are views of the mapping.
 
     Raises:
         OSError / ValueError: ``fd`` cannot be mapped for
             :func:`shared_region_nbytes` bytes.
     """
-    region = mmap.mmap(fd, shared_region_nbytes(numel))  # MAP_SHARED, read and write
+    at = numel if params_at is None else params_at
+    region = mmap.mmap(fd, shared_region_nbytes(numel, at))  # MAP_SHARED, read and write
     grads = torch.frombuffer(region, dtype=torch.float32, count=numel)
-    params = torch.frombuffer(region, dtype=torch.float32, count=numel, offset=4 * numel)
+    params = torch.frombuffer(region, dtype=torch.float32, count=numel, offset=4 * at)
     return region, grads, params
 
 
