@@ -8,6 +8,7 @@ client and socket the test opened.
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.coord.store import PSSlot
 from elasticps.errors import ConfigError, RemoteError, ServiceUnavailableError
 from elasticps.netutil import LOOPBACK
-from elasticps.placement import Placement
+from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, Placement, page_runs
 from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.server import ParameterServer
@@ -135,10 +136,11 @@ class Cluster:
         *,
         width: int = 3,
         values: torch.Tensor | None = None,
+        big_array_bound: int = BIG_ARRAY_BOUND,
         **client_options: Any,
     ) -> Peer:
         """Bind a TinyModel to flat buffers and connect a client (no HELLO yet)."""
-        flat = bind_flat_buffers(TinyModel(width), len(self.servers), BIG_ARRAY_BOUND)
+        flat = bind_flat_buffers(TinyModel(width), len(self.servers), big_array_bound)
         if values is not None:
             flat.params.copy_(values)
         client = ParameterClient(
@@ -1386,3 +1388,202 @@ def test_sealing_keeps_only_the_newest_checkpoints(cluster: Cluster, tmp_path: P
     header, _ = read_reply(sock)
     assert header.msg_type is MsgType.CONTROL_OK
     assert server.files.durable_versions() == [4, 3]
+
+
+# --- shared memory mapped into the flat buffers -----------------------------------------
+
+# A TinyModel this wide has a paged layout on 2 servers (its embed.weight sliced
+# in 16-page slices): the client may map the shared memory into its buffers.
+MAPPED_WIDTH = 8192
+
+
+def mapped_peer(cluster: Cluster, trainer_id: int = INITIALIZER, **options: Any) -> Peer:
+    """A peer of the started servers whose buffers are mapped shared memory, said hello."""
+    numel = bind_flat_buffers(TinyModel(MAPPED_WIDTH), len(cluster.servers)).placement.total_numel
+    peer = cluster.peer(
+        trainer_id,
+        width=MAPPED_WIDTH,
+        values=dyadic_values(numel, -1.0),
+        big_array_bound=DEFAULT_BIG_ARRAY_BOUND,
+        map_buffers=True,
+        **options,
+    )
+    assert page_runs(peer.placement) is not None  # precondition: a paged layout
+    peer.client.hello(initialize=True)
+    assert [c.mapped for c in peer.client._conns] == [True] * len(cluster.servers)
+    return peer
+
+
+def refuse_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any gather into or scatter out of shared memory fail the test."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a mapped push copied through the shared memory")
+
+    monkeypatch.setattr(client_module._SharedMemory, "write_grads", refuse)
+    monkeypatch.setattr(client_module._SharedMemory, "read_params", refuse)
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.ASYNC, UpdateMode.SYNC])
+def test_mapped_pushes_copy_nothing_and_give_what_bodies_give(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: UpdateMode
+) -> None:
+    cluster.start(2, mode, unix_dir=tmp_path)
+    peer = mapped_peer(cluster)
+    values = peer.params.clone()
+    refuse_copies(monkeypatch)
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    for step in range(1, 4):
+        peer.grads.copy_(grad)
+        handle = peer.client.push(num_samples=1, want_params=True, zero_grad=True)
+        assert handle.acknowledged
+        assert not peer.grads.any()
+        for lo, hi in [r for shard in peer.placement.shards for r in shard.ranges]:
+            assert torch.equal(peer.params[lo:hi], values[lo:hi] - step * grad[lo:hi])
+    # A client that copies pulls the same values.
+    monkeypatch.undo()
+    other = cluster.peer(OBSERVER, width=MAPPED_WIDTH, big_array_bound=DEFAULT_BIG_ARRAY_BOUND)
+    other.client.hello(initialize=False)
+    assert not any(c.mapped for c in other.client._conns)
+    for shard in peer.placement.shards:
+        for lo, hi in shard.ranges:
+            assert torch.equal(other.params[lo:hi], peer.params[lo:hi])
+
+
+def test_a_mapped_push_zeroes_the_gradient_only_once_the_servers_answered(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # The servers read the gradient from the flat buffer itself: the caller's
+    # work runs while they hold the push, but the gradient is still there.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    released = threading.Event()
+
+    def hold() -> None:
+        assert released.wait(DEADLINE_S), "the caller's work did not run while the servers held"
+
+    peer = mapped_peer(cluster)
+    values = peer.params.clone()
+    for server in cluster.servers:
+        server._gate = hold
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    seen: list[bool] = []
+
+    def work() -> None:
+        seen.append(torch.equal(peer.grads, grad))
+        released.set()
+
+    handle = peer.client.push(num_samples=1, want_params=True, zero_grad=True, while_waiting=work)
+
+    assert handle.acknowledged and seen == [True]
+    assert not peer.grads.any()
+    for shard in peer.placement.shards:
+        for lo, hi in shard.ranges:
+            assert torch.equal(peer.params[lo:hi], values[lo:hi] - grad[lo:hi])
+
+
+def test_a_server_lost_in_a_mapped_push_gets_it_again_and_its_old_memory_is_cut_off(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Server 1 drops the connection before applying the push; the client
+    # reconnects (new shared memory, mapped anew) and sends it again. The
+    # old memory no longer reaches the flat buffers: a server that outlived
+    # its connection cannot change the trainer's parameters.
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    dropped: list[bool] = []
+
+    def drop_first() -> None:
+        if not dropped:
+            dropped.append(True)
+            raise ConnectionResetError("dropped by the test")
+
+    peer = mapped_peer(
+        cluster, resolve=lambda index: cluster.addresses[index], reconnect_timeout_s=DEADLINE_S
+    )
+    values = peer.params.clone()
+    conn = peer.client._conns[1]
+    old = conn._shared
+    assert old is not None
+    old_fd = os.dup(old.fd)  # what a server that outlives the connection holds
+    cluster.servers[1]._gate = drop_first
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+
+    handle = peer.client.push(
+        num_samples=1, want_params=True, key=PushKey(0, 0, 0, 1), zero_grad=True
+    )
+
+    assert handle.acknowledged and dropped == [True] and peer.client.reconnects == 1
+    assert conn.mapped and conn._shared is not old
+    for shard in peer.placement.shards:
+        for lo, hi in shard.ranges:
+            assert torch.equal(peer.params[lo:hi], values[lo:hi] - grad[lo:hi])
+    assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
+    # Whatever the old memory holds now, the flat buffers do not see it.
+    before = peer.params.clone()
+    try:
+        os.pwrite(old_fd, b"\xff" * (8 * old.params_at), 0)
+    finally:
+        os.close(old_fd)
+    assert torch.equal(peer.params, before)
+
+
+def test_closing_a_mapped_client_keeps_its_values_in_private_memory(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    peer = mapped_peer(cluster)
+    memories = [c._shared for c in peer.client._conns if c._shared is not None]
+    fds = [(os.dup(m.fd), 8 * m.params_at) for m in memories]
+    values, grads = peer.params.clone(), peer.grads.clone()
+
+    peer.client.close()
+
+    assert not any(c.mapped for c in peer.client._conns)
+    assert torch.equal(peer.params, values)
+    for fd, nbytes in fds:
+        try:
+            os.pwrite(fd, b"\xff" * nbytes, 0)  # what a late server write would do
+        finally:
+            os.close(fd)
+    assert torch.equal(peer.params, values) and torch.equal(peer.grads, grads)
+
+
+def test_a_copying_client_option_turns_mapping_off(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    numel = bind_flat_buffers(TinyModel(MAPPED_WIDTH), 2).placement.total_numel
+    peer = cluster.peer(
+        INITIALIZER,
+        width=MAPPED_WIDTH,
+        values=dyadic_values(numel, -1.0),
+        big_array_bound=DEFAULT_BIG_ARRAY_BOUND,
+        map_buffers=True,
+        overlap_push=True,
+    )
+    peer.client.hello(initialize=True)
+    assert [c.shared for c in peer.client._conns] == [True, True]
+    assert not any(c.mapped for c in peer.client._conns)
+
+
+def test_a_big_mapped_model_is_still_exchanged_by_the_calling_thread(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Above the bound a copying client spreads its copies over a thread per
+    # server; a mapped one has nothing to copy and keeps to one thread.
+    monkeypatch.setattr(client_module, "SERIAL_EXCHANGE_MAX_BYTES", 0)
+    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
+    peer = mapped_peer(cluster)
+    values = peer.params.clone()
+    pool = peer.client._pool
+    assert pool is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a mapped push used the thread pool")
+
+    pool.submit = refuse  # type: ignore[method-assign,assignment]
+    grad = dyadic_values(peer.placement.total_numel, 0.5)
+    peer.grads.copy_(grad)
+    assert peer.client.push(num_samples=1, want_params=True).acknowledged
+    for shard in peer.placement.shards:
+        for lo, hi in shard.ranges:
+            assert torch.equal(peer.params[lo:hi], values[lo:hi] - grad[lo:hi])

@@ -49,6 +49,16 @@ Three options change that path, all chosen at construction:
   background has its gradient copied into the shared memory by the caller
   (and into the staging buffer, for a server reconnected meanwhile, whose
   new memory holds nothing yet); compressed pushes travel in bodies.
+- ``map_buffers``: with buffers from
+  :func:`~elasticps.trainer.pages.page_aligned_zeros`, a paged placement
+  (:func:`~elasticps.placement.page_runs`) and no background pushes or
+  compression, each connection's shared memory is mapped page by page
+  into the flat buffers, so a push gathers and scatters nothing: the server
+  reads the gradient autograd wrote and writes the parameters the model
+  uses. The gradient is then zeroed only once every server answered. A new
+  connection maps its new memory over the same pages; a connection that
+  ends gives them private memory again (same contents), so a server that
+  outlives its connection never writes into the trainer's buffers.
 
 Exactly-once. A push may carry a :class:`~elasticps.pserver.coverage.PushKey`
 (the records whose gradients it sums). Servers apply a key at most once, so
@@ -102,10 +112,12 @@ from elasticps.errors import (
     RemoteError,
     ServiceUnavailableError,
 )
-from elasticps.placement import Placement, ShardLayout
+from elasticps.placement import PAGE_NUMEL, Placement, ShardLayout, page_runs
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.sparse import check_id_range
 from elasticps.pserver.sparse_shard import TABLES_KEY, TableEntry
+from elasticps.trainer import pages as flat_pages
+from elasticps.trainer.pages import PAGE_BYTES, map_file_pages, unmap_pages
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -147,7 +159,8 @@ _RESOLVE_AGAIN = frozenset({"wrong_epoch", "fenced"})
 
 SERIAL_EXCHANGE_MAX_BYTES = 16 << 20
 """Largest model (float32 bytes) whose shared-memory pushes one thread exchanges with
-every server (see ``ParameterClient._exchange``); a bigger one uses a thread per server."""
+every server when it copies them (see ``ParameterClient._exchange``); a bigger one uses
+a thread per server, unless the shared memory is mapped into its flat buffers."""
 
 _RECENT_SPLITS = 4
 """Splits of ids by server kept per sparse table (see ``ParameterClient._table_split``)."""
@@ -228,6 +241,7 @@ class _ShardConnection:
         transport: str = "auto",
         tables: Sequence[TableEntry] = (),
         shared_memory: bool = False,
+        page_runs: tuple[tuple[int, int, int], ...] | None = None,
     ) -> None:
         self.layout = layout
         self.hello_layout: dict[str, object] = layout.describe()
@@ -263,6 +277,10 @@ class _ShardConnection:
         self.wants_shared = shared_memory and layout.numel > 0
         self.server_offers_shared = False
         self._shared: _SharedMemory | None = None
+        # With page runs, the shared memory's pages are mapped into the flat
+        # buffers (see elasticps.trainer.pages): then nothing is gathered or scattered.
+        self.page_runs = page_runs
+        self.mapped = False
         self.sock: socket.socket | None = None
         # Set by slots_changed (another thread) when the slot was claimed anew.
         self.superseded = False
@@ -450,19 +468,18 @@ class _ShardConnection:
         """
         if self._shared is not None:
             return
+        paged = self.page_runs is not None
         try:
-            memory = _SharedMemory(self.layout)
+            memory = _SharedMemory(self.layout, paged=paged)
         except OSError as exc:
             log.info("parameter server %d: no shared memory (%s)", self.layout.index, exc)
             self.wants_shared = False
             return
         try:
-            send_json(
-                self._sock(),
-                MsgType.CONTROL,
-                {"op": "attach_shm", "numel": self.layout.numel},
-                epoch=self.epoch,
-            )
+            request: dict[str, object] = {"op": "attach_shm", "numel": self.layout.numel}
+            if paged:
+                request["params_at"] = memory.params_at
+            send_json(self._sock(), MsgType.CONTROL, request, epoch=self.epoch)
             socket.send_fds(self._sock(), [b"\0"], [memory.fd])
             header = self._reply()
             self._expect(header, MsgType.CONTROL_OK)
@@ -472,6 +489,15 @@ class _ShardConnection:
             raise
         if answer.get("attached") is True:
             self._shared = memory
+            if self.page_runs is not None:
+                try:
+                    memory.map_into(self._params, self._grads, self.page_runs)
+                    self.mapped = True
+                except OSError as exc:
+                    log.info(
+                        "parameter server %d: cannot map shared memory into the flat "
+                        "buffers (%s); copying", self.layout.index, exc,
+                    )  # fmt: skip
             return
         memory.close()
         log.info(
@@ -480,11 +506,22 @@ class _ShardConnection:
         )  # fmt: skip
 
     def release(self) -> None:
-        """Close the connection and free its shared memory."""
+        """Close the connection and free its shared memory (the flat buffers get
+        private pages again first, with the same contents, if it was mapped there).
+
+        Raises:
+            OSError: the pages could not be given back (the flat buffers still
+                share them with a server that may write into them).
+        """
         self.close()
         if self._shared is not None:
-            self._shared.close()
-            self._shared = None
+            memory, self._shared = self._shared, None
+            try:
+                if self.mapped:
+                    self.mapped = False
+                    memory.unmap()
+            finally:
+                memory.close()
 
     def send_push(
         self,
@@ -523,7 +560,8 @@ class _ShardConnection:
         if memory is not None and shared is not None and memory is shared:
             staged = False  # written by the caller (see ParameterClient.push)
         elif memory is not None and not staged:
-            memory.write_grads(self._grads)
+            if not self.mapped:  # mapped: the gradient is in the shared memory already
+                memory.write_grads(self._grads)
         else:
             memory = None
         if memory is not None:
@@ -648,7 +686,8 @@ class _ShardConnection:
                     f"parameter server {self.layout.index} sent PARAMS without a body "
                     "on a connection without shared memory"
                 )
-            self._shared.read_params(self._params)
+            if not self.mapped:  # mapped: the parameters are in the flat buffer already
+                self._shared.read_params(self._params)
         else:
             recv_body_into(self._sock(), header, self.param_views)
         self.version = header.model_version
@@ -687,23 +726,29 @@ class _SharedMemory:
     A memfd, sealed against resizing, holding float32 gradients ``[numel]`` then
     float32 parameters ``[numel]`` of one shard, in the shard's order; the
     trainer's flat buffers are gathered into it and scattered from it, one
-    copy per range of the layout.
+    copy per range of the layout, unless its pages are mapped into them
+    (:meth:`map_into`). ``paged`` puts the parameters on a page and makes the
+    file whole pages, so that it can be.
 
     Raises:
         OSError: the system has no memfd or cannot seal it.
     """
 
-    def __init__(self, layout: ShardLayout) -> None:
+    def __init__(self, layout: ShardLayout, *, paged: bool = False) -> None:
+        numel = layout.numel
+        self.params_at = -(-numel // PAGE_NUMEL) * PAGE_NUMEL if paged else numel
         self.fd = os.memfd_create(
             f"elasticps-ps{layout.index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
         try:
-            os.ftruncate(self.fd, shared_region_nbytes(layout.numel))
+            nbytes = shared_region_nbytes(numel, self.params_at)
+            os.ftruncate(self.fd, 2 * self.params_at * 4 if paged else nbytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map, grads, params = map_shared_region(self.fd, layout.numel)
+            self._map, grads, params = map_shared_region(self.fd, numel, self.params_at)
         except BaseException:
             os.close(self.fd)
             raise
+        self._mapped: list[tuple[torch.Tensor, int, int]] = []
         # (flat buffer range, shared region piece) pairs, in the shard's order.
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         offset = 0
@@ -726,6 +771,45 @@ class _SharedMemory:
         """Scatter the gradient last written here back into the flat gradient buffer."""
         for lo, hi, g, _ in self._pieces:
             _copy(grads[lo:hi], g)
+
+    def map_into(
+        self,
+        params: torch.Tensor,
+        grads: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+    ) -> None:
+        """Make the flat buffers' pages of this shard the pages of this memory.
+
+        Their current contents are copied in first. ``runs`` are
+        ``(flat_page, shard_page, pages)`` (see :func:`~elasticps.placement.page_runs`).
+
+        Raises:
+            OSError: a mapping failed (those made are undone).
+        """
+        self.write_grads(grads)
+        for lo, hi, _, p in self._pieces:
+            _copy(p, params[lo:hi])
+        try:
+            for flat_page, shard_page, pages in runs:
+                offset = shard_page * PAGE_BYTES
+                map_file_pages(grads, flat_page, pages, self.fd, offset)
+                self._mapped.append((grads, flat_page, pages))
+                map_file_pages(params, flat_page, pages, self.fd, self.params_at * 4 + offset)
+                self._mapped.append((params, flat_page, pages))
+        except OSError:
+            self.unmap()
+            raise
+
+    def unmap(self) -> None:
+        """Give the pages :meth:`map_into` mapped private memory again, keeping their contents.
+
+        Raises:
+            OSError: a page could not be given back.
+        """
+        while self._mapped:
+            buf, first_page, pages = self._mapped[-1]
+            unmap_pages(buf, first_page, pages)
+            self._mapped.pop()
 
     def close(self) -> None:
         self._pieces = []
@@ -931,6 +1015,12 @@ class ParameterClient:
             float32 gradients and parameters through shared memory with
             servers reached over AF_UNIX (see the module docstring); False
             always sends bodies.
+        map_buffers: ``params`` and ``grads`` come from
+            :func:`~elasticps.trainer.pages.page_aligned_zeros` (as
+            :func:`~elasticps.trainer.flat.bind_flat_buffers` makes them), so
+            the shared memory may be mapped into them (see the module
+            docstring); ignored where it cannot be (a packed placement, a
+            staging buffer, not Linux).
 
     Raises:
         ConfigError: an unknown ``transport`` or ``grad_compression``.
@@ -958,6 +1048,7 @@ class ParameterClient:
         sync: bool = False,
         tables: Sequence[TableEntry] = (),
         shared_memory: bool = True,
+        map_buffers: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -1008,6 +1099,15 @@ class ParameterClient:
         self._last_split: dict[int, tuple[tuple[np.ndarray, list[np.ndarray]], ...]] = {}
         self._background: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
+        runs = (
+            page_runs(placement)
+            if map_buffers
+            and self._staging is None
+            and self._received is None
+            and flat_pages.supported()
+            and all(flat_pages.is_page_aligned(b) for b in (params, grads))
+            else None
+        )
         try:
             first: list[tuple[_ShardConnection, PSSlot]] = []
             for layout in placement.shards:
@@ -1022,6 +1122,7 @@ class ParameterClient:
                     transport="unix" if transport == "shm" else transport,
                     tables=self.tables,
                     shared_memory=shared_memory and transport in ("auto", "shm"),
+                    page_runs=None if runs is None else runs[layout.index],
                 )
                 self._conns.append(conn)
                 first.append((conn, _as_slot(layout.index, addresses[layout.index])))
@@ -1173,10 +1274,11 @@ class ParameterClient:
         every request went out, while the servers work. A connection that
         fails is then served as :meth:`_robust` does, after the others: it
         reconnects and sends the whole request again. Otherwise, or when the
-        model is bigger than :data:`SERIAL_EXCHANGE_MAX_BYTES` (its copies
-        into and out of shared memory then take longer than a hand-off, and
-        run in parallel), each connection goes on its own thread
-        (:meth:`_fan_out`), and ``early`` is left to the caller.
+        model is bigger than :data:`SERIAL_EXCHANGE_MAX_BYTES` and the shared
+        memory is not mapped into the flat buffers (its copies into and out
+        of it then take longer than a hand-off, and run in parallel), each
+        connection goes on its own thread (:meth:`_fan_out`), and ``early``
+        is left to the caller.
 
         Raises:
             The first error of any server (or of ``early``), once every
@@ -1186,7 +1288,10 @@ class ParameterClient:
         if (
             not targets
             or not all(c.shared for c in targets)
-            or self._grads.numel() * 4 > SERIAL_EXCHANGE_MAX_BYTES
+            or (
+                self._grads.numel() * 4 > SERIAL_EXCHANGE_MAX_BYTES
+                and not all(c.mapped for c in targets)  # mapped: nothing to copy
+            )
         ):
             return self._fan_out(lambda c: finish(c, start(c)))
         sent: list[tuple[S] | None] = []
@@ -1417,9 +1522,12 @@ class ParameterClient:
             if pulls and prefetch:
                 handle.rows = self._assemble_rows(prefetch, wanted, pulled)
 
+        # Mapped shared memory is read by the servers until they answer: zero after.
+        zero_late = zero_grad and any(c.mapped for c in self._conns)
+        zero_early = zero_grad and not zero_late
         early = (
-            _EarlyWork(self._grads, zero_grad=zero_grad, while_waiting=while_waiting)
-            if zero_grad or while_waiting is not None
+            _EarlyWork(self._grads, zero_grad=zero_early, while_waiting=while_waiting)
+            if zero_early or while_waiting is not None
             else None
         )
         if background:
@@ -1429,7 +1537,11 @@ class ParameterClient:
             )
             self._inflight = (future, handle)
         else:
-            self._push_and_acknowledge(start, finish, handle, rows_pulled, early)
+            try:
+                self._push_and_acknowledge(start, finish, handle, rows_pulled, early)
+            finally:
+                if zero_late:  # answered (or failed, as without mapping)
+                    self._grads.zero_()
             if want_params:
                 self._adopt()
         if early is not None:

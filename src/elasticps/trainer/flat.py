@@ -31,6 +31,7 @@ from elasticps.placement import (
     Placement,
     plan_placement,
 )
+from elasticps.trainer.pages import page_aligned_zeros
 
 
 def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
@@ -61,6 +62,10 @@ class FlatModel:
         params: float32 ``[placement.total_numel]``.
         grads: float32 ``[placement.total_numel]``; the ``.grad`` of every parameter.
         buffers: the account of the model's persistent buffers; None if it has none.
+        page_aligned: ``params`` and ``grads`` were allocated by
+            :func:`elasticps.trainer.pages.page_aligned_zeros`, so that a
+            :class:`~elasticps.trainer.client.ParameterClient` may map shared
+            memory over their pages (``map_buffers``).
     """
 
     model: torch.nn.Module
@@ -68,6 +73,7 @@ class FlatModel:
     params: torch.Tensor
     grads: torch.Tensor
     buffers: BufferSync | None = None
+    page_aligned: bool = False
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer in place (never ``set_to_none``)."""
@@ -113,8 +119,9 @@ def bind_flat_buffers(
     """
     specs = buffer_specs(model)
     placement = plan_placement(param_specs(model), num_shards, big_array_bound, specs, strategy)
-    params = torch.empty(placement.total_numel, dtype=torch.float32)
-    grads = torch.zeros(placement.total_numel, dtype=torch.float32)
+    # Page-aligned, so that the client may map the servers' shared memory over them.
+    params = page_aligned_zeros(placement.total_numel)
+    grads = page_aligned_zeros(placement.total_numel)
     with torch.no_grad():
         for name, p in model.named_parameters():
             off = placement.flat_offsets[name]
@@ -125,7 +132,7 @@ def bind_flat_buffers(
     sync = BufferSync(model, specs, placement.flat_offsets) if specs else None
     if sync is not None:
         sync.encode_into(params)
-    return FlatModel(model, placement, params, grads, sync)
+    return FlatModel(model, placement, params, grads, sync, page_aligned=True)
 
 
 def frozen_ranges(placement: Placement, patterns: Iterable[str]) -> list[tuple[int, int]]:

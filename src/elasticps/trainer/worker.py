@@ -413,11 +413,14 @@ class Trainer:
             stop=self.stop,
             transport=cfg.ps_transport,
             grad_compression=cfg.grad_compression,
-            overlap_push=cfg.overlap_push and cfg.mode is UpdateMode.ASYNC,
+            # Only a push that does not pull goes in the background: with a pull
+            # every mini-batch there is none, and the buffers may be mapped instead.
+            overlap_push=cfg.overlap_push and cfg.mode is UpdateMode.ASYNC and cfg.pull_every > 1,
             overlap_pull=self._overlap_pull,
             initial_values=self._initial_values,
             sync=cfg.mode is UpdateMode.SYNC,
             tables=self._table_entries,
+            map_buffers=self.flat.page_aligned,
         )
         self._client = client
         master = MasterClient(
