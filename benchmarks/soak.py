@@ -97,9 +97,8 @@ def prepare(model: str, work: Path, audit_records: int) -> Dataset:
     if model in ("audit", "audit-sparse"):
         from elasticps.testing.audit import DEFAULT_RECORDS, write_dataset
 
-        if audit_records != DEFAULT_RECORDS:
-            # The model file builds Model() with its default number of counters.
-            raise SystemExit(f"soak: the audit model file holds {DEFAULT_RECORDS} counters")
+        if audit_records != DEFAULT_RECORDS and model == "audit-sparse":
+            raise SystemExit(f"soak: the sparse audit model holds {DEFAULT_RECORDS} rows")
         data = work / "audit"
         write_dataset(data, audit_records)
         return Dataset(
@@ -109,6 +108,9 @@ def prepare(model: str, work: Path, audit_records: int) -> Dataset:
             # The settings that make the audit exact (see elasticps.testing.audit).
             ("--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
              "--big-array-bound", str(max(1, audit_records // 8)),
+             # A counter per record (32,768 or more make a paged layout on 2 PS).
+             *(("--model-args", json.dumps({"records": audit_records}))
+               if audit_records != DEFAULT_RECORDS else ()),
              # The sparse variant: one row of a sparse table per record.
              *(("--model-class", "SparseModel") if model == "audit-sparse" else ())),
         )  # fmt: skip
@@ -320,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl-s", type=float, default=2.0)
     parser.add_argument("--records-per-task", type=int, default=200)
     parser.add_argument(
-        "--audit-records", type=int, default=4000, help="the audit model file's 4000 only"
+        "--audit-records",
+        type=int,
+        default=4000,
+        help="records (and counters) of the audit data set; audit-sparse: 4000 only",
     )
     parser.add_argument(
         "--every", type=_every, default=(0.75, 2.25), help="seconds between kills, LOW-HIGH"
