@@ -722,6 +722,19 @@ def test_pushes_over_shared_memory_give_what_bodies_give(
         assert torch.equal(shared.params, values - 4 * grad)
 
 
+def connection_dropper() -> tuple[list[bool], Callable[[], None]]:
+    """A server gate that drops the connection of the first request it sees (before
+    applying it), and the list that records it."""
+    dropped: list[bool] = []
+
+    def drop_first() -> None:
+        if not dropped:
+            dropped.append(True)
+            raise ConnectionResetError("dropped by the test")
+
+    return dropped, drop_first
+
+
 def shared_memory_peer(cluster: Cluster) -> tuple[Peer, torch.Tensor, ThreadPoolExecutor]:
     """A peer of 2 started servers, said hello, with shared memory on both connections;
     its initial values; its fan-out pool."""
@@ -794,12 +807,7 @@ def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_
     # gradient buffer was zeroed while the servers worked: the retry must
     # carry the gradient (from the connection's shared memory), not zeros.
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
-    dropped: list[bool] = []
-
-    def drop_first() -> None:
-        if not dropped:
-            dropped.append(True)
-            raise ConnectionResetError("dropped by the test")
+    dropped, drop_first = connection_dropper()
 
     values = dyadic_values(reference_placement(2).total_numel, -1.0)
     peer = cluster.peer(
@@ -830,33 +838,37 @@ def test_a_server_lost_in_a_shared_memory_push_is_sent_the_push_again_after_the_
     assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
 
 
-def test_a_shared_memory_push_zeroes_the_gradient_and_runs_the_caller_s_work_while_servers_work(
-    cluster: Cluster, tmp_path: Path
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_shared_memory_push_runs_the_caller_s_work_while_servers_work(
+    cluster: Cluster, tmp_path: Path, mapped: bool
 ) -> None:
     # Both servers hold the push until the caller's work runs: it must run
-    # once every request is out and before any answer is read.
+    # once every request is out and before any answer is read. A copying
+    # client has zeroed the gradient by then (the push copied it); a mapped
+    # one zeroes it only once the servers answered (they read it in place).
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
     released = threading.Event()
 
     def hold() -> None:
         assert released.wait(DEADLINE_S), "the caller's work did not run while the servers held"
 
-    peer, values, _ = shared_memory_peer(cluster)
+    peer = mapped_peer(cluster) if mapped else shared_memory_peer(cluster)[0]
+    values = peer.params.clone()
     for server in cluster.servers:
         server._gate = hold
     grad = dyadic_values(peer.placement.total_numel, 0.5)
     peer.grads.copy_(grad)
-    seen: list[float] = []
+    seen: list[bool] = []
 
     def work() -> None:
-        seen.append(float(peer.grads.abs().sum()))  # zeroed before the caller's work
+        seen.append(torch.equal(peer.grads, grad if mapped else torch.zeros_like(grad)))
         released.set()
 
     handle = peer.client.push(num_samples=1, want_params=True, zero_grad=True, while_waiting=work)
 
-    assert handle.acknowledged and seen == [0.0]
-    assert torch.equal(peer.params, values - grad)
+    assert handle.acknowledged and seen == [True]
     assert not peer.grads.any()
+    assert_shard_ranges_equal(peer, values - grad)
 
 
 @pytest.mark.parametrize("options", [{"overlap_push": True}, {"overlap_pull": True}])
@@ -1397,10 +1409,18 @@ def test_sealing_keeps_only_the_newest_checkpoints(cluster: Cluster, tmp_path: P
 MAPPED_WIDTH = 8192
 
 
-def mapped_peer(cluster: Cluster, trainer_id: int = INITIALIZER, **options: Any) -> Peer:
-    """A peer of the started servers whose buffers are mapped shared memory, said hello."""
+def assert_shard_ranges_equal(peer: Peer, expected: torch.Tensor) -> None:
+    """The peer's parameters equal ``expected`` wherever a shard's element is (not
+    in the padding of a paged layout, which no server holds)."""
+    for shard in peer.placement.shards:
+        for lo, hi in shard.ranges:
+            assert torch.equal(peer.params[lo:hi], expected[lo:hi])
+
+
+def wide_peer(cluster: Cluster, trainer_id: int = INITIALIZER, **options: Any) -> Peer:
+    """A peer of a TinyModel(MAPPED_WIDTH) that may map its buffers (no HELLO yet)."""
     numel = bind_flat_buffers(TinyModel(MAPPED_WIDTH), len(cluster.servers)).placement.total_numel
-    peer = cluster.peer(
+    return cluster.peer(
         trainer_id,
         width=MAPPED_WIDTH,
         values=dyadic_values(numel, -1.0),
@@ -1408,6 +1428,11 @@ def mapped_peer(cluster: Cluster, trainer_id: int = INITIALIZER, **options: Any)
         map_buffers=True,
         **options,
     )
+
+
+def mapped_peer(cluster: Cluster, trainer_id: int = INITIALIZER, **options: Any) -> Peer:
+    """A peer of the started servers whose buffers are mapped shared memory, said hello."""
+    peer = wide_peer(cluster, trainer_id, **options)
     assert page_runs(peer.placement) is not None  # precondition: a paged layout
     peer.client.hello(initialize=True)
     assert [c.mapped for c in peer.client._conns] == [True] * len(cluster.servers)
@@ -1438,48 +1463,13 @@ def test_mapped_pushes_copy_nothing_and_give_what_bodies_give(
         handle = peer.client.push(num_samples=1, want_params=True, zero_grad=True)
         assert handle.acknowledged
         assert not peer.grads.any()
-        for lo, hi in [r for shard in peer.placement.shards for r in shard.ranges]:
-            assert torch.equal(peer.params[lo:hi], values[lo:hi] - step * grad[lo:hi])
+        assert_shard_ranges_equal(peer, values - step * grad)
     # A client that copies pulls the same values.
     monkeypatch.undo()
     other = cluster.peer(OBSERVER, width=MAPPED_WIDTH, big_array_bound=DEFAULT_BIG_ARRAY_BOUND)
     other.client.hello(initialize=False)
     assert not any(c.mapped for c in other.client._conns)
-    for shard in peer.placement.shards:
-        for lo, hi in shard.ranges:
-            assert torch.equal(other.params[lo:hi], peer.params[lo:hi])
-
-
-def test_a_mapped_push_zeroes_the_gradient_only_once_the_servers_answered(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    # The servers read the gradient from the flat buffer itself: the caller's
-    # work runs while they hold the push, but the gradient is still there.
-    cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
-    released = threading.Event()
-
-    def hold() -> None:
-        assert released.wait(DEADLINE_S), "the caller's work did not run while the servers held"
-
-    peer = mapped_peer(cluster)
-    values = peer.params.clone()
-    for server in cluster.servers:
-        server._gate = hold
-    grad = dyadic_values(peer.placement.total_numel, 0.5)
-    peer.grads.copy_(grad)
-    seen: list[bool] = []
-
-    def work() -> None:
-        seen.append(torch.equal(peer.grads, grad))
-        released.set()
-
-    handle = peer.client.push(num_samples=1, want_params=True, zero_grad=True, while_waiting=work)
-
-    assert handle.acknowledged and seen == [True]
-    assert not peer.grads.any()
-    for shard in peer.placement.shards:
-        for lo, hi in shard.ranges:
-            assert torch.equal(peer.params[lo:hi], values[lo:hi] - grad[lo:hi])
+    assert_shard_ranges_equal(other, peer.params)
 
 
 def test_a_server_lost_in_a_mapped_push_gets_it_again_and_its_old_memory_is_cut_off(
@@ -1490,12 +1480,7 @@ def test_a_server_lost_in_a_mapped_push_gets_it_again_and_its_old_memory_is_cut_
     # old memory no longer reaches the flat buffers: a server that outlived
     # its connection cannot change the trainer's parameters.
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
-    dropped: list[bool] = []
-
-    def drop_first() -> None:
-        if not dropped:
-            dropped.append(True)
-            raise ConnectionResetError("dropped by the test")
+    dropped, drop_first = connection_dropper()
 
     peer = mapped_peer(
         cluster, resolve=lambda index: cluster.addresses[index], reconnect_timeout_s=DEADLINE_S
@@ -1515,9 +1500,7 @@ def test_a_server_lost_in_a_mapped_push_gets_it_again_and_its_old_memory_is_cut_
 
     assert handle.acknowledged and dropped == [True] and peer.client.reconnects == 1
     assert conn.mapped and conn._shared is not old
-    for shard in peer.placement.shards:
-        for lo, hi in shard.ranges:
-            assert torch.equal(peer.params[lo:hi], values[lo:hi] - grad[lo:hi])
+    assert_shard_ranges_equal(peer, values - grad)
     assert [s["pushes"] for s in shard_stats(peer)] == [1, 1]
     # Whatever the old memory holds now, the flat buffers do not see it.
     before = peer.params.clone()
@@ -1551,15 +1534,7 @@ def test_closing_a_mapped_client_keeps_its_values_in_private_memory(
 
 def test_a_copying_client_option_turns_mapping_off(cluster: Cluster, tmp_path: Path) -> None:
     cluster.start(2, UpdateMode.ASYNC, unix_dir=tmp_path)
-    numel = bind_flat_buffers(TinyModel(MAPPED_WIDTH), 2).placement.total_numel
-    peer = cluster.peer(
-        INITIALIZER,
-        width=MAPPED_WIDTH,
-        values=dyadic_values(numel, -1.0),
-        big_array_bound=DEFAULT_BIG_ARRAY_BOUND,
-        map_buffers=True,
-        overlap_push=True,
-    )
+    peer = wide_peer(cluster, overlap_push=True)
     peer.client.hello(initialize=True)
     assert [c.shared for c in peer.client._conns] == [True, True]
     assert not any(c.mapped for c in peer.client._conns)
@@ -1584,6 +1559,4 @@ def test_a_big_mapped_model_is_still_exchanged_by_the_calling_thread(
     grad = dyadic_values(peer.placement.total_numel, 0.5)
     peer.grads.copy_(grad)
     assert peer.client.push(num_samples=1, want_params=True).acknowledged
-    for shard in peer.placement.shards:
-        for lo, hi in shard.ranges:
-            assert torch.equal(peer.params[lo:hi], values[lo:hi] - grad[lo:hi])
+    assert_shard_ranges_equal(peer, values - grad)
