@@ -28,6 +28,10 @@ repetition) so that a noisy machine hurts every case alike:
     the same host): the gradient is copied into a memfd the server maps, the
     request and reply are bare headers, the server writes the parameters
     back into the memfd.
+``elasticps-mapped``
+    The same with the memfd's pages mapped into the client's page-aligned
+    flat buffers (``map_buffers=True``, as a trainer's buffers are when the
+    placement is paged): nothing is copied on the client.
 ``raw-tcp`` / ``raw-unix``
     The reference: a minimal server written here (16-byte header, ``recv_into``
     a preallocated buffer, ``param.add_(grad, alpha=-lr)``,
@@ -429,9 +433,11 @@ def _elasticps_case(
     *,
     two_messages: bool,
     transport: str,
+    mapped: bool = False,
 ) -> Case:
     from elasticps.placement import ParamSpec, plan_placement
     from elasticps.trainer.client import ParameterClient
+    from elasticps.trainer.pages import page_aligned_zeros
 
     numel = grads.numel()
     num_ps = len(addresses)
@@ -439,14 +445,26 @@ def _elasticps_case(
     # gradient is smaller, so lower the bound to keep the same placement.
     bound = min(BIG_ARRAY_BOUND, max(1, numel // num_ps - 1))
     placement = plan_placement([ParamSpec("w", (numel,))], num_ps, bound)
-    params = torch.zeros(numel, dtype=torch.float32)
-    client = ParameterClient(placement, addresses, params, grads, trainer_id=0, transport=transport)
+    # A paged placement may pad the flat buffers to whole pages after "w".
+    total = placement.total_numel
+    params = torch.zeros(total, dtype=torch.float32)
+    if mapped:  # buffers of their own, page-aligned, that the shared memory replaces
+        params = page_aligned_zeros(total)
+    if mapped or total != numel:
+        padded = page_aligned_zeros(total) if mapped else torch.zeros(total, dtype=torch.float32)
+        padded[:numel].copy_(grads)
+        grads = padded
+    client = ParameterClient(
+        placement, addresses, params, grads, trainer_id=0, transport=transport, map_buffers=mapped
+    )
     client.hello(initialize=True)
     wire = "unix" if transport == "shm" else transport
     if set(client.transports) != {wire}:
         raise RuntimeError(f"{name}: connected over {client.transports}, not {wire}")
     if [c.shared for c in client._conns] != [transport == "shm"] * num_ps:
         raise RuntimeError(f"{name}: shared memory is not as asked")
+    if [c.mapped for c in client._conns] != [mapped] * num_ps:
+        raise RuntimeError(f"{name}: the buffers are not mapped as asked")
 
     def round_trip() -> None:
         if two_messages:
@@ -455,7 +473,7 @@ def _elasticps_case(
         else:
             client.push(1, want_params=True)
 
-    return Case(name, num_ps, round_trip, params, servers, client.close)
+    return Case(name, num_ps, round_trip, params[:numel], servers, client.close)
 
 
 def _limit_case(grads: torch.Tensor) -> Case:
@@ -481,6 +499,7 @@ ALL_CASES = (
     "elasticps-tcp-2msg",
     "elasticps-unix",
     "elasticps-shm",
+    "elasticps-mapped",
     "raw-tcp",
     "raw-tcp-2conn",
     "raw-unix",
@@ -512,6 +531,7 @@ def _spawn_servers(
                         ("elasticps-tcp-2msg", {}),
                         ("elasticps-unix", {"family": "unix"}),
                         ("elasticps-shm", {"family": "unix"}),
+                        ("elasticps-mapped", {"family": "unix"}),
                     ],
                 ),
                 (
@@ -570,7 +590,13 @@ def _build_cases(
         def addrs(kind: str, case: str, num_ps: int = num_ps) -> list[str]:
             return [servers[f"{kind}-{i}"].addresses[f"{case}_{num_ps}_{i}"] for i in range(num_ps)]
 
-        for name in ("elasticps-tcp", "elasticps-tcp-2msg", "elasticps-unix", "elasticps-shm"):
+        for name in (
+            "elasticps-tcp",
+            "elasticps-tcp-2msg",
+            "elasticps-unix",
+            "elasticps-shm",
+            "elasticps-mapped",
+        ):
             if name not in wanted:
                 continue
             cases.append(
@@ -580,7 +606,8 @@ def _build_cases(
                     grads,
                     procs("elasticps"),
                     two_messages=name.endswith("2msg"),
-                    transport=name.split("-")[1],
+                    transport="shm" if name == "elasticps-mapped" else name.split("-")[1],
+                    mapped=name == "elasticps-mapped",
                 )
             )
         for fam in ("tcp", "unix"):
@@ -735,6 +762,8 @@ def _report(
             "elasticps_unix_over_tcp": ("elasticps-unix", "elasticps-tcp"),
             "elasticps_shm_over_unix": ("elasticps-shm", "elasticps-unix"),
             "elasticps_shm_over_raw_unix": ("elasticps-shm", "raw-unix"),
+            "elasticps_mapped_over_shm": ("elasticps-mapped", "elasticps-shm"),
+            "elasticps_mapped_over_raw_unix": ("elasticps-mapped", "raw-unix"),
             "elasticps_over_limit": ("elasticps-tcp", "limit"),
         }
         r = {k: round(m[a] / m[b], 3) for k, (a, b) in pairs.items() if a in m and b in m}
