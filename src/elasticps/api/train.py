@@ -529,7 +529,8 @@ def _metrics(flat: FlatModel, num_passes: int, trainers: int) -> dict[str, float
         "num_passes": float(num_passes),
         "num_trainers": float(trainers),
         "num_parameters": float(len(flat.placement.params)),
-        "numel": float(flat.placement.total_numel),
+        # The model's elements (a paged flat buffer also has padding).
+        "numel": float(sum(shard.numel for shard in flat.placement.shards)),
     }
 
 
