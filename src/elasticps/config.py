@@ -513,7 +513,10 @@ class TrainerConfig:
             samples/s with spare CPU, 0.8-0.9x on a saturated machine:
             benchmarks/push_options.py). Only pushes handed an
             ``on_acknowledged`` callback go to the background, so progress
-            is never reported for a push in flight.
+            is never reported for a push in flight. With ``pull_every`` 1
+            every push pulls, so none could: the trainer then does not ask
+            for it, and its buffers may be mapped from the servers' shared
+            memory instead (see :mod:`elasticps.trainer.client`).
         overlap_pull: send pushes that pull in the background too, so that
             mini-batch ``k + 1`` is computed while push ``k`` travels, on the
             parameters (and rows) pulled by push ``k - 1``. Async mode: one
