@@ -422,12 +422,12 @@ def _paged_layout(
         ``(flat_offsets, pieces by shard, elements by shard, total_numel)``.
     """
     num_shards = len(whole)
-    # Each sliced parameter's slices: (param_start, param_end, shard).
     paged = sorted(
         (p for p in big if p.numel // num_shards >= MIN_PAGED_SLICE_NUMEL),
         key=lambda p: (-p.numel, p.name),
     )
     turn = {p.name: j for j, p in enumerate(paged)}
+    # Each sliced parameter's slices: (param_start, param_end, shard).
     cuts: list[list[tuple[int, int, int]]] = []
     for p in big:
         if p.name in turn:
@@ -446,10 +446,12 @@ def _paged_layout(
     # Where each shard's whole parameters and buffers go in the flat buffer:
     # right behind the parameter of its last short slice.
     tail_after = {s: short[s][-1][0] for s in range(num_shards) if short[s]}
-    tails = [
-        sum(q.numel for q in whole[s]) + sum(b.encoded_numel for b in shard_buffers[s])
-        for s in range(num_shards)
+    # Each shard's whole parameters and buffers: (name, numel), in order.
+    wholes = [
+        [(q.name, q.numel) for q in params] + [(b.name, b.encoded_numel) for b in bufs]
+        for params, bufs in zip(whole, shard_buffers, strict=True)
     ]
+    tails = [sum(n for _, n in items) for items in wholes]
     flat_offsets: dict[str, int] = {}
     tail_at: dict[int, int] = {}
     flat = 0
@@ -474,9 +476,7 @@ def _paged_layout(
             pieces[s].append(Piece(name, lo, hi, s, shard_fill[s], flat_offsets[name] + lo))
             shard_fill[s] += hi - lo
         at = tail_at[s]
-        items = [(q.name, q.numel) for q in whole[s]]
-        items += [(b.name, b.encoded_numel) for b in shard_buffers[s]]
-        for name, numel in items:
+        for name, numel in wholes[s]:
             flat_offsets[name] = at
             pieces[s].append(Piece(name, 0, numel, s, shard_fill[s], at))
             shard_fill[s] += numel

@@ -741,8 +741,8 @@ class _SharedMemory:
             f"elasticps-ps{layout.index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
         try:
-            nbytes = shared_region_nbytes(numel, self.params_at)
-            os.ftruncate(self.fd, 2 * self.params_at * 4 if paged else nbytes)
+            # Both regions params_at elements long: whole pages when paged.
+            os.ftruncate(self.fd, shared_region_nbytes(self.params_at, self.params_at))
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map, grads, params = map_shared_region(self.fd, numel, self.params_at)
         except BaseException:
