@@ -135,6 +135,7 @@ from elasticps.errors import (
     ProtocolError,
     SparseTableError,
 )
+from elasticps.placement import PAGE_NUMEL
 from elasticps.pserver.checkpoint import ShardFiles, save_shard, tables_dir_of
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.shard import (
@@ -1259,7 +1260,7 @@ class _RequestError(ElasticPSError):
         self.code = code
 
 
-PARAMS_AT_MAX_PAD = 1024
+PARAMS_AT_MAX_PAD = PAGE_NUMEL
 """Most elements between the end of the gradients and the parameters in a
 connection's shared memory (``attach_shm``'s ``params_at``): up to a page."""
 

@@ -762,6 +762,11 @@ class _SharedMemory:
         for lo, hi, g, _ in self._pieces:
             _copy(g, grads[lo:hi])
 
+    def write_params(self, params: torch.Tensor) -> None:
+        """Gather the shard's ranges of the flat parameter buffer into the shared region."""
+        for lo, hi, _, p in self._pieces:
+            _copy(p, params[lo:hi])
+
     def read_params(self, params: torch.Tensor) -> None:
         """Scatter the parameters the server wrote into the flat parameter buffer."""
         for lo, hi, _, p in self._pieces:
@@ -787,8 +792,7 @@ class _SharedMemory:
             OSError: a mapping failed (those made are undone).
         """
         self.write_grads(grads)
-        for lo, hi, _, p in self._pieces:
-            _copy(p, params[lo:hi])
+        self.write_params(params)
         try:
             for flat_page, shard_page, pages in runs:
                 offset = shard_page * PAGE_BYTES
@@ -1441,7 +1445,9 @@ class ParameterClient:
                 needs it, before returning: while the servers work on the
                 push when every server takes it through shared memory (the
                 trainer's core would otherwise wait), else after the answers
-                (or, in the background, once it is staged). A server that
+                (also when the servers read it in place, from shared memory
+                mapped into the buffer), or, in the background, once it is
+                staged. A server that
                 fails and is retried gets the same gradient again.
             while_waiting: the caller's work for the same moment (for
                 example reading the next mini-batch), run once on the calling

@@ -128,8 +128,9 @@ at once by one byte (0) that carries a file descriptor (``SCM_RIGHTS``): a
 memfd of at least ``4 * (P + N)`` bytes holding float32 ``[N]`` gradients at
 offset 0 and float32 ``[N]`` parameters at offset ``4 * P`` (``P = N`` when
 absent), where ``N`` is the shard's element count. (A trainer that maps the
-memfd's pages into its own buffers puts the parameters on a page.) The server answers CONTROL_OK
-``{"shard": i, "attached": true}``, or ``false`` with a ``reason`` (it then
+memfd's pages into its own buffers puts the parameters on a page.) The
+server answers CONTROL_OK ``{"shard": i, "attached": true}``, or ``false``
+with a ``reason`` (it then
 maps nothing, and the trainer keeps sending bodies). From then on a PUSH
 with Flags.SHARED (dtype FLOAT32, no body) takes its gradient from the first
 region, read after the header arrives; with WANT_PARAMS, the server writes
