@@ -605,6 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("trainer-id", None),
     )
     trainer.add_argument("--ps", type=int, default=int(str(_env("ps", 1))))
+    trainer.add_argument("--example-file", default="", metavar="FILE",
+                         help="(set by the launcher for a model with lazy modules) the training "
+                         "file whose first --example-rows rows materialize them")  # fmt: skip
+    trainer.add_argument("--example-rows", type=int, default=0, metavar="N",
+                         help="rows of that first mini-batch")  # fmt: skip
     trainer.add_argument("--kafka-config", type=Path, default=_env("kafka-config", None),
                          help="Kafka consumer settings for the tasks of a stream")  # fmt: skip
     trainer.add_argument("--connect-timeout-s", type=float,
@@ -884,6 +889,9 @@ def _train_locally(config: JobConfig, files: dict[str, str], scratch: JobScratch
         line["test_samples"] = int(result.evaluation["samples"])
         if "auc" in result.evaluation:
             line["auc"] = round(result.evaluation["auc"], 4)
+    if result.metrics_failed:
+        # Trained and saved: what could not be evaluated is reported, not fatal.
+        line["metrics_failed"] = result.metrics_failed
     print(json.dumps(line))
     return 0
 
@@ -1087,6 +1095,8 @@ def _cmd_trainer(args: argparse.Namespace) -> int:
         overlap_pull=OVERLAP_PULL[args.overlap_pull],
         bad_records=args.bad_records,
         kafka_config=args.kafka_config,
+        example_file=args.example_file,
+        example_rows=args.example_rows,
     )
     return _run_role(lambda stop: run_trainer(config, stop))
 

@@ -533,6 +533,10 @@ class TrainerConfig:
             as skipped (at most ``Task.skip_budget`` per attempt).
         kafka_config: the consumer settings file (``--kafka-config``) for the
             tasks of a Kafka stream, or None.
+        example_file: for a model with lazy modules: the training file whose
+            first ``example_rows`` rows are the job's first mini-batch, which
+            materializes them (set by the launcher); empty for other models.
+        example_rows: rows of that mini-batch (the job's ``--batch-size``).
     """
 
     common: CommonConfig
@@ -556,6 +560,8 @@ class TrainerConfig:
     bad_records: str = "fail"
     model_args: str = ""
     kafka_config: Path | None = None
+    example_file: str = ""
+    example_rows: int = 0
 
     def __post_init__(self) -> None:
         _check_bad_records(self.bad_records)

@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from elasticps.data.parquet import FileName, RangeReader, check_columns, count_rows
 from elasticps.errors import BadRecordError, ConfigError, DataError, ModelContractError, one_line
-from elasticps.model_file import ModelSpec, describe_model_error
+from elasticps.model_file import ModelSpec, call_model, describe_model_error, output_tensor
+from elasticps.sharing import state_aliases, with_aliases, without_aliases
 
 if TYPE_CHECKING:
     from elasticps.tables import TableSet
@@ -43,24 +45,31 @@ def load_parameters(model: nn.Module, tensors: Mapping[str, Tensor], *, what: st
     """Load ``tensors`` into ``model`` with ``strict=True`` semantics.
 
     Names and shapes are compared first so that a mismatch is reported as one
-    readable line rather than PyTorch's multi-line error.
+    readable line rather than PyTorch's multi-line error. A tensor the model
+    holds under several names (tied weights, :mod:`elasticps.sharing`) is
+    looked for under its first name only, as elasticps saves it, and loaded
+    once, so the names stay one tensor. Lazy (uninitialized) parameters take
+    the shapes of ``tensors``.
 
     Args:
         model: the freshly built model.
         tensors: name -> tensor, names as in ``model.state_dict()``
-            (parameters and persistent buffers).
+            (parameters and persistent buffers); a shared tensor's other
+            names may be left out, and are ignored if present.
         what: how to name the model in error messages.
 
     Raises:
         ModelContractError: names or shapes differ from ``model.state_dict()``.
     """
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    aliases = state_aliases(model)
+    expected = without_aliases(model.state_dict(keep_vars=True), aliases)
+    given = without_aliases(tensors, aliases)
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
     wrong_shape = [
-        f"{name} {_shape(tensors[name].shape)} vs model {_shape(expected[name].shape)}"
-        for name in sorted(set(expected) & set(tensors))
-        if tensors[name].shape != expected[name].shape
+        f"{name} {_shape(given[name].shape)} vs model {_shape(expected[name].shape)}"
+        for name in sorted(set(expected) & set(given))
+        if not is_lazy(expected[name]) and given[name].shape != expected[name].shape
     ]
     problems = []
     if missing:
@@ -74,7 +83,7 @@ def load_parameters(model: nn.Module, tensors: Mapping[str, Tensor], *, what: st
     if problems:
         raise ModelContractError(f"parameters do not match {what}: {'; '.join(problems)}")
     try:
-        model.load_state_dict(dict(tensors), strict=True)
+        model.load_state_dict(with_aliases(given, aliases), strict=True)
     except RuntimeError as exc:  # e.g. a dtype that cannot be copied
         message = " ".join(str(exc).split())
         raise ModelContractError(f"cannot load parameters into {what}: {message}") from exc
@@ -154,20 +163,36 @@ def _flatten(name: str, value: object, out: dict[str, float]) -> None:
 
 
 class _Metrics:
-    """Named metric objects updated together; one that fails is dropped with a warning."""
+    """Named metric objects updated together; one that fails is dropped with a warning.
 
-    def __init__(self, metrics: Mapping[str, Any], what: str) -> None:
+    Args:
+        metrics: name -> metric object.
+        what: how to name the model in warnings.
+        owner: whose metrics they are, as the reasons in :attr:`failed` name
+            them (e.g. ``"the model file's metrics()"``); empty for the
+            default metrics.
+    """
+
+    def __init__(self, metrics: Mapping[str, Any], what: str, owner: str = "") -> None:
         self._metrics = dict(metrics)
         self._what = what
+        self._owner = owner
+        self.failed: dict[str, str] = {}
+        """name -> why the metric was left out (one line)."""
 
-    def update(self, preds: Tensor, target: Tensor) -> None:
+    def _drop(self, name: str, step: str, exc: Exception) -> None:
+        reason = f"{step} raised {one_line(exc, with_type=True)}"
+        if self._owner:
+            reason = f"{self._owner}: {reason}"
+        log.warning("metric %r of %s left out: %s", name, self._what, reason)
+        self.failed[name] = reason
+
+    def update(self, preds: object, target: object) -> None:
         for name in list(self._metrics):
             try:
                 self._metrics[name].update(preds, target)
             except Exception as exc:
-                log.warning(
-                    "metric %r of %s left out: %s", name, self._what, one_line(exc, with_type=True)
-                )
+                self._drop(name, "update", exc)
                 del self._metrics[name]
 
     def compute(self) -> dict[str, float]:
@@ -177,9 +202,7 @@ class _Metrics:
                 values: dict[str, float] = {}
                 _flatten(name, metric.compute(), values)
             except Exception as exc:
-                log.warning(
-                    "metric %r of %s left out: %s", name, self._what, one_line(exc, with_type=True)
-                )
+                self._drop(name, "compute", exc)
                 continue
             out.update({k: v for k, v in values.items() if math.isfinite(v)})
         return out
@@ -290,8 +313,10 @@ _CLASSES = "classes"
 _SAME_SHAPE = "same shape"
 
 
-def _kind(outputs: Tensor, targets: Tensor) -> str | None:
+def _kind(outputs: Tensor | None, targets: object) -> str | None:
     """Which default metrics fit one batch's shapes, or None."""
+    if outputs is None or not isinstance(targets, Tensor):
+        return None
     if not outputs.dtype.is_floating_point or outputs.dim() == 0:
         return None
     rows = outputs.shape[0]
@@ -326,19 +351,30 @@ class MetricSet:
     - anything else, or shapes that change from batch to batch: none (the
       loss alone).
 
+    The outputs' tensor is found by
+    :func:`~elasticps.model_file.output_tensor`: the outputs themselves, the
+    first element of a tuple or list, or the ``logits`` of a dict or
+    dataclass. The model's own metrics receive the outputs as ``forward``
+    returned them.
+
     Args:
         user_metrics: the model file's ``metrics()`` result (name -> a
             ``torchmetrics`` metric, or any object with ``update(preds,
             target)`` and ``compute()``), or None. A name equal to a default
             metric's replaces it.
         what: how to name the model in warnings.
+        owner: whose ``user_metrics`` they are, as :attr:`failed` names them.
     """
 
     def __init__(
-        self, user_metrics: Mapping[str, Any] | None = None, *, what: str = "model"
+        self,
+        user_metrics: Mapping[str, Any] | None = None,
+        *,
+        what: str = "model",
+        owner: str = "the model's metrics()",
     ) -> None:
         self._what = what
-        self._user = _Metrics(user_metrics or {}, what)
+        self._user = _Metrics(user_metrics or {}, what, owner)
         self._kind: str | None = None
         self._mixed = False
         self._classes: _Metrics | None = None
@@ -347,22 +383,32 @@ class MetricSet:
         self._all_binary = True
         self._seen_targets: set[int] = set()
 
-    def update(self, outputs: Tensor, targets: Tensor) -> None:
-        """Update every metric with one batch (``outputs`` detached, no grad)."""
+    @property
+    def failed(self) -> dict[str, str]:
+        """name -> why that metric could not be computed (one line), for the metrics left out."""
+        out: dict[str, str] = {}
+        for metrics in (self._classes, self._binary, self._regression, self._user):
+            if metrics is not None:
+                out.update(metrics.failed)
+        return out
+
+    def update(self, outputs: object, targets: Tensor) -> None:
+        """Update every metric with one batch (``outputs`` as ``forward`` returned them)."""
         self._user.update(outputs, targets)
         if self._mixed:
             return
-        kind = _kind(outputs, targets)
-        if self._kind is None and kind is not None and not self._started():
-            self._start(kind, outputs)
-        if kind is None or kind != self._kind:
+        tensor = output_tensor(outputs)
+        kind = _kind(tensor, targets)
+        if self._kind is None and tensor is not None and kind is not None and not self._started():
+            self._start(kind, tensor)
+        if tensor is None or kind is None or kind != self._kind:
             self._mixed = True
             return
         if kind == _CLASSES:
             assert self._classes is not None
-            self._classes.update(outputs, targets)
+            self._classes.update(tensor, targets)
             return
-        preds = outputs.reshape(-1).to(torch.float32)
+        preds = tensor.reshape(-1).to(torch.float32)
         target = targets.reshape(-1)
         assert self._regression is not None and self._binary is not None
         self._regression.update(preds, target.to(torch.float32))
@@ -410,8 +456,8 @@ class MetricSet:
         return out
 
 
-def _user_metrics(spec: ModelSpec) -> Mapping[str, Any] | None:
-    """The model file's fresh metrics, or None (a broken ``metrics()`` is only logged)."""
+def _user_metrics(spec: ModelSpec, failed: dict[str, str]) -> Mapping[str, Any] | None:
+    """The model file's fresh metrics, or None (a broken ``metrics()`` is logged, in ``failed``)."""
     if spec.metrics is None:
         return None
     try:
@@ -421,25 +467,29 @@ def _user_metrics(spec: ModelSpec) -> Mapping[str, Any] | None:
                 f"metrics() must return a dict of names to metrics, got {metrics!r:.80}"
             )
     except Exception as exc:
-        log.warning(
-            "metrics() of model file %s left out: %s", spec.path.name, one_line(exc, with_type=True)
-        )
+        reason = f"metrics() of model file {spec.path.name} raised {one_line(exc, with_type=True)}"
+        log.warning("metrics left out: %s", reason)
+        failed["metrics"] = reason
         return None
     return metrics
 
 
 def evaluate_batches(
     model: nn.Module,
-    loss: Callable[[Tensor, Tensor], Tensor],
+    loss: Callable[[Any, Any], Tensor],
     batches: Iterable[tuple[Tensor, Tensor]],
     *,
     metrics: Mapping[str, Any] | None = None,
     what: str = "model",
+    owner: str = "the model's metrics()",
+    failed: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """Mean loss and metrics of ``model`` over ``(inputs, targets)`` batches.
 
-    The model runs in eval mode under ``torch.no_grad()``; its training flag
-    is restored afterwards.
+    The model runs in eval mode under ``torch.no_grad()``, called on each
+    batch's inputs as :func:`~elasticps.model_file.call_model` does; its
+    training flag is restored afterwards. ``loss`` and ``metrics`` receive
+    the outputs as ``forward`` returned them.
 
     Args:
         model: the model, with its trained parameters and buffers loaded.
@@ -447,6 +497,9 @@ def evaluate_batches(
         batches: the mini-batches.
         metrics: extra metrics by name (see :class:`MetricSet`).
         what: how to name the model in warnings.
+        owner: whose ``metrics`` they are, as the reasons in ``failed`` name them.
+        failed: if given, filled with name -> reason (one line) for each
+            metric that could not be computed and was left out.
 
     Returns:
         The metrics (see :class:`MetricSet`), then ``loss`` (the
@@ -457,7 +510,7 @@ def evaluate_batches(
         DataError: no batch, or no sample.
         Exception: whatever ``model`` or ``loss`` raises.
     """
-    scores = MetricSet(metrics, what=what)
+    scores = MetricSet(metrics, what=what, owner=owner)
     loss_sum = 0.0
     samples = 0
     was_training = model.training
@@ -465,7 +518,7 @@ def evaluate_batches(
     try:
         with torch.no_grad():
             for inputs, targets in batches:
-                outputs = model(inputs)
+                outputs = call_model(model, inputs)
                 rows = len(targets)
                 loss_sum += float(loss(outputs, targets)) * rows
                 samples += rows
@@ -474,7 +527,10 @@ def evaluate_batches(
         model.train(was_training)
     if samples == 0:
         raise DataError("no samples to evaluate")
-    return {**scores.compute(), "loss": loss_sum / samples, "samples": float(samples)}
+    computed = scores.compute()
+    if failed is not None:
+        failed.update(scores.failed)
+    return {**computed, "loss": loss_sum / samples, "samples": float(samples)}
 
 
 def evaluate(
@@ -484,6 +540,7 @@ def evaluate(
     *,
     batch_size: int = 500,
     tables: Mapping[str, object] | None = None,
+    failed: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """Compute the mean loss and the metrics of a model on a Parquet file.
 
@@ -502,6 +559,9 @@ def evaluate(
         tables: the trained sparse tables of a model with :mod:`elasticps.nn`
             modules (a :class:`~elasticps.tables.TableSet`), bound to it before
             the first batch.
+        failed: if given, filled with name -> reason (one line) for each
+            metric left out because it could not be computed (``metrics`` if
+            the file's ``metrics()`` itself raised).
 
     Returns:
         The metrics that fit the model's shapes and its file's own
@@ -555,11 +615,14 @@ def evaluate(
             )
         return value
 
+    left_out: dict[str, str] = {} if failed is None else failed
+    owner = f"metrics() of model file {spec.path.name}"
     with RangeReader() as reader:
         try:
             return evaluate_batches(
-                model, checked_loss, batches(reader), metrics=_user_metrics(spec), what=what
-            )
+                model, checked_loss, batches(reader), metrics=_user_metrics(spec, left_out),
+                what=what, owner=owner, failed=left_out,
+            )  # fmt: skip
         except (ModelContractError, DataError):
             raise
         except Exception as exc:

@@ -16,6 +16,14 @@ A model file is a plain Python file (see ``examples/mnist_mlp.py``) that defines
     def metrics() -> dict[str, Metric]:  # optional: fresh torchmetrics objects by name
         ...
 
+``forward`` may return a tensor, a tuple or list, a dict or a dataclass (such
+as a Hugging Face ``ModelOutput``); ``loss`` and ``metrics()`` receive it as
+returned, and :func:`output_tensor` names the tensor the default metrics
+read. Inputs that are a dict of ``forward``'s parameter names are passed as
+keyword arguments (:func:`call_model`). Lazy modules (``nn.LazyLinear``) are
+materialized with one forward pass of the first training mini-batch
+(:meth:`ModelSpec.instantiate`).
+
 Every trainer loads the same file and calls :meth:`ModelSpec.instantiate` with
 the job's seed, so all trainers start from identical parameters. Parameters
 must be float32 (the tensor plane carries float32 only), and persistent
@@ -28,6 +36,8 @@ Every violation is reported as a one-line
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -43,17 +53,25 @@ from typing import Any, cast
 import pyarrow as pa
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from elasticps.buffers import buffer_specs
-from elasticps.errors import ModelContractError, one_line
+from elasticps.errors import ElasticPSError, ModelContractError, one_line
 from elasticps.preflight import require_model_file
 
 __all__ = [
+    "LazyModelError",
     "ModelSpec",
+    "call_model",
     "check_model",
     "describe_model_error",
     "in_process_spec",
+    "lazy_names",
     "load_model_file",
+    "materialize",
+    "materialize_as",
+    "model_arguments",
+    "output_tensor",
 ]
 
 _module_counter = itertools.count()
@@ -80,16 +98,25 @@ class ModelSpec:
             if the file defines none.
         model_args: the keyword arguments ``build`` passes to the class
             (``--model-args``).
+        example: returns the job's first training mini-batch (a
+            ``pyarrow.Table`` of up to ``--batch-size`` rows with
+            ``columns``), to materialize lazy modules with; None when the
+            job has not given it (:meth:`with_example`).
     """
 
     path: Path
     model_class: str
     columns: tuple[str, ...]
     build: Callable[[], nn.Module]
-    loss: Callable[[Tensor, Tensor], Tensor]
+    loss: Callable[[Any, Any], Tensor]
     batch_to_tensors: Callable[[pa.Table], tuple[Tensor, Tensor]]
     metrics: Callable[[], Mapping[str, Any]] | None = None
     model_args: Mapping[str, object] = field(default_factory=dict)
+    example: Callable[[], pa.Table] | None = None
+
+    def with_example(self, example: Callable[[], pa.Table]) -> ModelSpec:
+        """This spec, materializing lazy modules with the mini-batch ``example()`` returns."""
+        return dataclasses.replace(self, example=example)
 
     def instantiate(self, seed: int) -> nn.Module:
         """Build the model with parameters initialised from ``seed``.
@@ -97,7 +124,11 @@ class ModelSpec:
         The constructor runs under ``torch.manual_seed(seed)`` inside
         ``torch.random.fork_rng``, so equal seeds give bit-identical initial
         parameters on every trainer, and the caller's global RNG state is left
-        untouched.
+        untouched. A model with lazy modules (uninitialized parameters, such
+        as ``nn.LazyLinear``'s) is then materialized under the same seed by
+        one forward pass of :attr:`example` (:func:`materialize`): every
+        process that reads the same mini-batch builds the same shapes and
+        values.
 
         Args:
             seed: seed of the parameter initialisation.
@@ -106,15 +137,175 @@ class ModelSpec:
             A fresh model that passed :func:`check_model`.
 
         Raises:
-            ModelContractError: the constructor fails, or the model has
+            LazyModelError: the model has lazy modules and the spec has no
+                :attr:`example`.
+            ModelContractError: the constructor fails, the model has
                 non-float32 or no trainable parameters, or a buffer of a
-                dtype that cannot be carried.
+                dtype that cannot be carried, or its lazy modules cannot be
+                materialized.
         """
+        what = f"{self.model_class} from {self.path.name}"
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = self.build()
-        check_model(model, what=f"{self.model_class} from {self.path.name}")
+            lazy = lazy_names(model)
+            if lazy:
+                if self.example is None:
+                    raise LazyModelError(
+                        f"{what} has lazy (uninitialized) parameters ({_listed(lazy)}); they are "
+                        "materialized with a forward pass of the first training mini-batch, "
+                        "which this job cannot read"
+                    )
+                self._materialize(model, self.example, what)
+        check_model(model, what=what)
         return model
+
+    def _materialize(self, model: nn.Module, example: Callable[[], pa.Table], what: str) -> None:
+        called = "batch_to_tensors"
+        try:
+            inputs, _ = self.batch_to_tensors(example())
+            called = "forward"
+            materialize(model, inputs)
+        except ElasticPSError:
+            raise
+        except Exception as exc:
+            raise ModelContractError(
+                f"cannot materialize the lazy parameters of {what} with the first training "
+                f"mini-batch: {describe_model_error(exc, self.path, self.path.name, called)}"
+            ) from exc
+        left = lazy_names(model)
+        if left:
+            raise ModelContractError(
+                f"{what}: a forward pass of the first training mini-batch left parameters "
+                f"uninitialized ({_listed(left)}); every lazy module must run in forward"
+            )
+
+
+class LazyModelError(ModelContractError):
+    """A model has lazy (uninitialized) parameters and no mini-batch to materialize them with."""
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def lazy_names(model: nn.Module) -> list[str]:
+    """Names of ``model``'s uninitialized (lazy) parameters and buffers, in module order."""
+    names = [name for name, p in model.named_parameters() if is_lazy(p)]
+    return names + [name for name, b in model.named_buffers() if is_lazy(b)]
+
+
+def materialize(model: nn.Module, inputs: object) -> None:
+    """Materialize ``model``'s lazy modules with one forward pass of ``inputs``.
+
+    The pass runs in eval mode (BatchNorm's running statistics and dropout
+    are left alone) under ``torch.no_grad()``; its outputs are dropped and
+    the training flag is restored. Lazy modules initialise their parameters
+    from the global RNG, as PyTorch's ``LazyModuleMixin`` does: run it under
+    a seed for repeatable values.
+
+    Args:
+        model: the model, e.g. with ``nn.LazyLinear`` layers.
+        inputs: one mini-batch's inputs, passed as :func:`call_model` does.
+
+    Raises:
+        Exception: whatever ``forward`` raises.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            call_model(model, inputs)
+    finally:
+        model.train(was_training)
+
+
+def materialize_as(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
+    """Give ``model``'s lazy parameters and buffers the shapes of ``tensors``, by name.
+
+    For a lazy model built afresh to be loaded with trained values (their
+    values are left uninitialized: copy them in next). Lazy tensors that
+    ``tensors`` lacks stay lazy.
+    """
+    for name, param in model.named_parameters():
+        if is_lazy(param) and name in tensors:
+            cast(Any, param).materialize(tensors[name].shape)
+    for name, buf in model.named_buffers():
+        if is_lazy(buf) and name in tensors:
+            cast(Any, buf).materialize(tensors[name].shape)
+
+
+def call_model(model: nn.Module, inputs: object) -> object:
+    """Run ``model`` on one mini-batch's inputs, as ``batch_to_tensors`` returned them.
+
+    A dict whose keys ``forward`` accepts as keyword arguments (its parameter
+    names, or any name if it takes ``**kwargs``) is passed as keyword
+    arguments, ``model(**inputs)``, as Hugging Face's ``Trainer`` does.
+    Anything else, a dict that ``forward`` takes whole (its one parameter is
+    not named by a key) included, is passed as one argument, ``model(inputs)``.
+
+    Returns:
+        What ``forward`` returns: a tensor, tuple, list, dict or dataclass.
+
+    Raises:
+        Exception: whatever ``forward`` raises.
+    """
+    args, kwargs = model_arguments(model, inputs)
+    return model(*args, **kwargs)
+
+
+def model_arguments(model: nn.Module, inputs: object) -> tuple[tuple[object, ...], dict[str, Any]]:
+    """The positional and keyword arguments :func:`call_model` calls ``model`` with."""
+    if isinstance(inputs, Mapping) and _takes_keywords(cast(Any, type(model)), tuple(inputs)):
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_keywords(cls: Any, keys: tuple[object, ...]) -> bool:
+    """Whether ``cls.forward`` can be called with exactly ``keys`` as keyword arguments."""
+    if not all(isinstance(key, str) for key in keys):
+        return False
+    try:
+        signature = inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return False
+    params = list(signature.parameters.values())[1:]  # self
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    named = {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    required = {
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return set(keys) <= named and required <= set(keys)  # type: ignore[operator]
+
+
+def output_tensor(outputs: object) -> Tensor | None:
+    """The tensor of ``forward``'s outputs that the default metrics read.
+
+    In order: the outputs themselves if a tensor; the first element of a
+    non-empty tuple or list; the ``logits`` entry of a dict, or the
+    ``logits`` attribute of a dataclass (a Hugging Face ``ModelOutput`` is
+    both). None if none of these is a tensor: the evaluation then reports
+    the loss and the model file's own ``metrics()`` only.
+    """
+    if isinstance(outputs, Tensor):
+        return outputs
+    found: object = None
+    if isinstance(outputs, (tuple, list)) and outputs:
+        found = outputs[0]
+    elif isinstance(outputs, Mapping):
+        found = outputs.get("logits")
+    elif dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
+        found = getattr(outputs, "logits", None)
+    return found if isinstance(found, Tensor) else None
 
 
 def check_model(model: nn.Module, *, what: str = "model") -> None:
@@ -125,11 +316,19 @@ def check_model(model: nn.Module, *, what: str = "model") -> None:
         what: how to name the model in error messages.
 
     Raises:
-        ModelContractError: a parameter is not float32 (the tensor plane
-            carries float32 only), the model has no trainable parameters, or
-            a persistent buffer is float64, complex or of another dtype the
-            tensor plane cannot carry exactly (see :mod:`elasticps.buffers`).
+        ModelContractError: the model has lazy (uninitialized) parameters
+            (:func:`materialize` them first), a parameter is not float32 (the
+            tensor plane carries float32 only), the model has no trainable
+            parameters, or a persistent buffer is float64, complex or of
+            another dtype the tensor plane cannot carry exactly (see
+            :mod:`elasticps.buffers`).
     """
+    lazy = lazy_names(model)
+    if lazy:
+        raise ModelContractError(
+            f"{what} has lazy (uninitialized) parameters ({_listed(lazy)}); run one forward "
+            "pass of a mini-batch to materialize them first"
+        )
     wrong_dtype = [
         f"{name} ({str(param.dtype).removeprefix('torch.')})"
         for name, param in model.named_parameters()
@@ -325,7 +524,7 @@ def load_model_file(
         model_class=model_class,
         columns=columns,
         build=build,
-        loss=cast(Callable[[Tensor, Tensor], Tensor], loss),
+        loss=cast(Callable[[Any, Any], Tensor], loss),
         batch_to_tensors=cast(Callable[[pa.Table], tuple[Tensor, Tensor]], batch_to_tensors),
         metrics=cast(Callable[[], Mapping[str, Any]] | None, metrics),
         model_args=kwargs,
@@ -340,7 +539,7 @@ def _no_batch_to_tensors(batch: pa.Table) -> tuple[Tensor, Tensor]:
 
 def in_process_spec(
     model: nn.Module,
-    loss: Callable[[Tensor, Tensor], Tensor],
+    loss: Callable[[Any, Any], Tensor],
     *,
     batch_to_tensors: Callable[[pa.Table], tuple[Tensor, Tensor]] | None = None,
     columns: tuple[str, ...] = (),

@@ -245,7 +245,9 @@ class ParameterSet(Mapping[str, torch.Tensor]):
             strict: if True, every model parameter must be in the set.
 
         Sparse tables of the set are bound to the model's sparse modules of
-        the same name (the modules read them from then on).
+        the same name (the modules read them from then on). Lazy parameters
+        and buffers of the model take the set's shapes. A tensor the model
+        holds under several names is filled once, under its first name.
 
         Returns:
             The names of the model's parameters that were not in the set (only
@@ -255,6 +257,9 @@ class ParameterSet(Mapping[str, torch.Tensor]):
             MissingParameterError: ``strict`` and the set lacks some parameters.
             ConfigError: a shape differs.
         """
+        from elasticps.model_file import materialize_as
+
+        materialize_as(model, self._tensors)  # a lazy model takes the set's shapes
         missing = self.missing_for(model)
         if strict and missing:
             self.tensors_for(model)  # raises, naming them

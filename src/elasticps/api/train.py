@@ -44,7 +44,15 @@ from elasticps.buffers import model_buffers
 from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
 from elasticps.coord.store import JobStore, TrainerMap, Watch
 from elasticps.data.parquet import RangeReader, check_columns, count_rows
-from elasticps.errors import ConfigError, DataError, JobFailedError, ModelContractError, UserError
+from elasticps.errors import (
+    ConfigError,
+    DataError,
+    ElasticPSError,
+    JobFailedError,
+    ModelContractError,
+    UserError,
+    one_line,
+)
 from elasticps.events import (
     BeginIteration,
     BeginPass,
@@ -66,7 +74,15 @@ from elasticps.launcher.supervisor import (
     exit_status_for,
 )
 from elasticps.master.taskqueue import split_into_tasks
-from elasticps.model_file import ModelSpec, in_process_spec
+from elasticps.model_file import (
+    ModelSpec,
+    call_model,
+    in_process_spec,
+    lazy_names,
+    materialize,
+    materialize_as,
+    model_arguments,
+)
 from elasticps.parameters import ParameterSet
 from elasticps.pserver.shard import ParameterShard
 from elasticps.pserver.sparse import TableSpec
@@ -87,7 +103,7 @@ __all__ = ["evaluate_model", "infer", "train"]
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[[Any, Any], Tensor]
 EventHandler = Callable[[TrainingEvent], None]
 
 # Trainer id of the final pull; never a real trainer's (as the CLI launcher does).
@@ -182,6 +198,8 @@ def train(
     optimizer = updater_mod.as_config(updater if updater is not None else updater_mod.Adam())
     frozen = tuple(sorted(set(frozen_parameters)))
     template = copy.deepcopy(model)
+    if lazy_names(template):
+        _materialize(template, reader)
     if parameters is not None:
         ParameterSet(parameters).copy_into(template, strict=False)
     if isinstance(reader, Parquet):
@@ -204,6 +222,27 @@ def train(
     if cluster is None:
         return _train_in_process(job)
     return _train_local(job, cluster)
+
+
+def _materialize(model: nn.Module, reader: Reader | Parquet) -> None:
+    """Materialize ``model``'s lazy modules with the reader's first mini-batch, under seed 0.
+
+    Raises:
+        DataError: the reader yields nothing.
+        ModelContractError: the forward pass raised.
+    """
+    _, (inputs, _targets) = next(iter(_in_process_batches(reader)))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            materialize(model, inputs)
+        except ElasticPSError:
+            raise
+        except Exception as exc:
+            raise ModelContractError(
+                f"cannot materialize the lazy parameters of {type(model).__name__} with the "
+                f"first mini-batch: {one_line(exc, with_type=True)}"
+            ) from exc
 
 
 def evaluate_model(
@@ -275,14 +314,18 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
     set trained on a whole
     GAN runs its generator alone if the names agree (build the sub-network
     under the same attribute names, or pass a sub-set). The model is not
-    changed (``torch.func.functional_call``); it runs in eval mode, and its
-    training flag is restored afterwards.
+    changed (``torch.func.functional_call``), but for lazy modules, which
+    take the shapes of ``parameters``; it runs in eval mode, and its
+    training flag is restored afterwards. A tensor the model holds under
+    several names (tied weights) is looked up under its first name.
 
     Args:
         model: the module to run.
         parameters: name -> tensor, e.g. the result of :func:`train`.
-        inputs: the model's input (a tensor of whatever shape it takes, or a
-            tuple of positional arguments).
+        inputs: the model's input: a tensor of whatever shape it takes, a
+            tuple of positional arguments, or a dict of keyword arguments
+            (when ``forward`` takes its keys; else the dict is one argument,
+            as :func:`~elasticps.model_file.call_model` decides).
 
     Returns:
         What ``model`` returns.
@@ -293,14 +336,21 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
         ConfigError: a shape differs from the model's.
     """
     params = parameters if isinstance(parameters, ParameterSet) else ParameterSet(parameters)
+    materialize_as(model, params)  # a lazy model built afresh takes the set's shapes
     values = {**params.tensors_for(model), **params.buffers_for(model)}
     was_training = model.training
     model.eval()
     with _tables_bound(model, params):
         try:
             with torch.no_grad():
-                args = inputs if isinstance(inputs, tuple) else (inputs,)
-                return torch.func.functional_call(model, dict(values), args)
+                kwargs: dict[str, Any] = {}
+                if isinstance(inputs, tuple):
+                    args: tuple[object, ...] = inputs
+                else:
+                    args, kwargs = model_arguments(model, inputs)
+                # Tied weights are looked up under their first name, and
+                # functional_call (tie_weights=True) uses it for every name.
+                return torch.func.functional_call(model, dict(values), args, kwargs)
         finally:
             model.train(was_training)
 
@@ -587,7 +637,7 @@ def _train_in_process(job: _Job) -> ParameterSet:
                     if rows_batch is not None
                     else contextlib.nullcontext()
                 ):
-                    loss = spec.loss(flat.model(inputs), targets)
+                    loss = spec.loss(call_model(flat.model, inputs), targets)
                 if loss.dim() != 0:
                     raise ModelContractError(
                         f"loss must return a scalar, got shape {tuple(loss.shape)}"

@@ -316,6 +316,19 @@ DEFAULT_GROUP_CACHE_BYTES = 256 << 20
 """Bytes of decoded row groups a :class:`RangeReader` keeps by default (256 MiB)."""
 
 
+def first_rows(path: FileName, rows: int, columns: Sequence[str]) -> pa.Table:
+    """The first ``rows`` rows of a Parquet file (fewer if it has fewer), read once.
+
+    What a lazy model is materialized with: the job's first training
+    mini-batch (:meth:`elasticps.model_file.ModelSpec.instantiate`).
+
+    Raises:
+        DataError: the file is missing or is not Parquet, or lacks a column.
+    """
+    with RangeReader(cache_bytes=0) as reader:
+        return reader.read_rows(path, 0, min(rows, reader.num_rows(path)), columns)
+
+
 class RangeReader:
     """Reads row ranges of Parquet files, decoding only the overlapping row groups.
 

@@ -74,6 +74,7 @@ from elasticps.data.parquet import (
     check_no_nulls,
     count_rows,
     find_split,
+    first_rows,
     resolve_dataset,
     resolve_dataset_files,
 )
@@ -87,6 +88,7 @@ from elasticps.errors import (
     JobFailedError,
     JobUserError,
     LayoutMismatchError,
+    ModelContractError,
     RemoteError,
     ServiceUnavailableError,
 )
@@ -132,10 +134,11 @@ from elasticps.launcher.supervisor import (
 )
 from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
-from elasticps.model_file import ModelSpec, load_model_file
+from elasticps.model_file import LazyModelError, ModelSpec, load_model_file
 from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
 from elasticps.preflight import check_resume_location
 from elasticps.pserver.sparse import TableSpec
+from elasticps.sharing import state_aliases
 from elasticps.snapshot import (
     load_consistent_checkpoint,
     read_snapshot_manifest,
@@ -225,6 +228,10 @@ class JobResult:
     state: str = "finished"
     """``finished``, or ``stopped`` when :meth:`LocalLauncher.request_stop` (or
     ``elasticps stop``) ended it before its last pass."""
+    metrics_failed: dict[str, str] = field(default_factory=dict)
+    """Metrics of the final evaluation that could not be computed: name ->
+    reason (one line). ``loss`` names an error of the model file's code on the
+    test data; ``evaluation`` is then None."""
 
 
 class LocalLauncher:
@@ -297,6 +304,10 @@ class LocalLauncher:
         self._progress: dict[str, int] = {}
         self._records_skipped = 0
         self._num_parameters: int | None = None
+        # A lazy model's first mini-batch: (training file, rows), passed to trainers.
+        self._example: tuple[str, int] | None = None
+        self._aliases: dict[str, str] = {}  # tied names (elasticps.sharing)
+        self._metrics_failed: dict[str, str] = {}  # the final evaluation's, by name
         self._table_specs: tuple[TableSpec, ...] = ()  # the model's sparse tables
         self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
         self._health_due = 0.0
@@ -359,9 +370,6 @@ class LocalLauncher:
         """
         cfg = self.config
         spec = load_model_file(cfg.model_path, cfg.model_class, self.model_args())
-        # Built once here, as every trainer will: its constructor and parameters
-        # are checked before launch, and its size sizes the checkpoints.
-        self._size_model(spec.instantiate(cfg.seed))
         train: tuple[Location, ...] = ()
         test: Location | None = None
         if cfg.stream:
@@ -388,6 +396,14 @@ class LocalLauncher:
                 )
             if tests:
                 test = tests[0]
+        # Built once here, as every trainer will: its constructor and parameters
+        # are checked before launch, and its size sizes the checkpoints.
+        try:
+            model = spec.instantiate(cfg.seed)
+        except LazyModelError as exc:
+            spec = self._with_example(spec, train, exc)
+            model = spec.instantiate(cfg.seed)
+        self._size_model(model)
         if test is not None:
             check_columns(test, spec.columns)
             # Evaluation skips nothing, whatever --bad-records says.
@@ -479,12 +495,39 @@ class LocalLauncher:
         )
         return lock
 
+    def _with_example(
+        self, spec: ModelSpec, train: tuple[Location, ...], lazy: LazyModelError
+    ) -> ModelSpec:
+        """``spec`` with the job's first mini-batch, to materialize its lazy modules with.
+
+        The mini-batch is the first ``--batch-size`` rows of the first training
+        file that has rows: what the first task starts with. Every trainer
+        reads the same rows (``--example-file``), so all build the same shapes
+        and, under the job's seed, the same values.
+
+        Raises:
+            ModelContractError: the job trains on a stream, whose first
+                records no process can read again.
+        """
+        if not train:
+            raise ModelContractError(
+                f"{lazy}: a stream's first records cannot be read again by every trainer; "
+                "give the lazy modules their sizes (nn.Linear for nn.LazyLinear) to train on a "
+                "stream"
+            )
+        first = next(path for path in train if count_rows(path) > 0)
+        self._example = (str(first), self.config.batch_size)
+        return spec.with_example(
+            functools.partial(first_rows, first, self.config.batch_size, spec.columns)
+        )
+
     def _size_model(self, model: torch.nn.Module) -> None:
         """Record what sizes the checkpoints: dense parameters and sparse tables."""
         from elasticps.nn import table_specs
 
         self._num_parameters = sum(p.numel() for p in model.parameters())
         self._table_specs = tuple(table_specs(model).values())
+        self._aliases = state_aliases(model)
 
     def _evaluate(
         self,
@@ -492,14 +535,27 @@ class LocalLauncher:
         tensors: dict[str, torch.Tensor],
         test: Location,
         tables: TableSet | None = None,
-    ) -> dict[str, float]:
-        """The final evaluation; what the model file raises on the test data is a user error."""
+    ) -> dict[str, float] | None:
+        """The final evaluation, or None if the model file's code failed on the test data.
+
+        The model is trained and saved by now, so nothing here fails the
+        job: a metric that cannot be computed, and an error of the model
+        file's ``forward``, ``loss`` or ``batch_to_tensors`` on the test data
+        (under the name ``loss``), are recorded in :attr:`_metrics_failed`
+        with their reasons, for the result line and ``run.json``.
+        """
+        failed: dict[str, str] = {}
         try:
-            return evaluate(spec, tensors, test, tables=tables)
-        except BadRecordError as exc:
-            raise BadRecordError(
-                f"evaluating the trained model: {exc} (the model is saved in {self.config.output})"
-            ) from exc
+            return evaluate(spec, tensors, test, tables=tables, failed=failed)
+        except (BadRecordError, ModelContractError) as exc:
+            failed["loss"] = str(exc)
+            self._emit(
+                f"[launcher] the trained model could not be evaluated (it is saved in "
+                f"{self.config.output}): {exc}"
+            )
+            return None
+        finally:
+            self._metrics_failed = failed
 
     def _log_path(self, role: str) -> Path:
         """The log file of ``role`` (``launcher``, ``master-0``, ``trainer-3``...)."""
@@ -681,6 +737,7 @@ class LocalLauncher:
                 bool(exactly_once_summary(self._passes, cfg.epochs)["exactly_once"]),
                 records_skipped=self._records_skipped,
                 state=self._final_state,
+                metrics_failed=dict(self._metrics_failed),
             )
             self._write_run_record(result)
             return result
@@ -734,6 +791,9 @@ class LocalLauncher:
             "snapshot_version": snapshot_version,
             "samples": samples,
             "wall_s": round(wall_s, 3),
+            # Names that hold the same tensor as an earlier one, which the
+            # file holds once: alias -> name in model.safetensors.
+            "shared": self._aliases,
         }
 
     # --- checkpoint failures ------------------------------------------------------
@@ -925,6 +985,11 @@ class LocalLauncher:
                 "--threads", str(cfg.threads),
                 "--bad-records", cfg.bad_records,
                 *(["--kafka-config", str(cfg.kafka_config.resolve())] if cfg.kafka_config else []),
+                *(
+                    ["--example-file", self._example[0], "--example-rows", str(self._example[1])]
+                    if self._example is not None
+                    else []
+                ),
             ),
             env={LOG_FILE_ENV: str(self._log_path(f"trainer-{index}"))},
         )  # fmt: skip
@@ -1568,6 +1633,7 @@ class LocalLauncher:
             "records_skipped": self._records_skipped,
             "checkpoint_health": self._health.summary(),
             "evaluation": result.evaluation,
+            "metrics_failed": result.metrics_failed,
             "pids": result.pids,
             "chaos": self.chaos_log,
             "restarts": self._restart_counts(),

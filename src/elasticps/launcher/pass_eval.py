@@ -35,6 +35,7 @@ from elasticps.data.parquet import FileName
 from elasticps.errors import CoordinationError, ElasticPSError
 from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.model_file import ModelSpec
+from elasticps.sharing import canonical_names
 from elasticps.snapshot import load_consistent_checkpoint, take_consistent_checkpoint
 from elasticps.tables import TableSet
 
@@ -234,8 +235,12 @@ class _Snapshot:
 
 
 def _shaped(values: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Flat values (by name) as the model's ``state_dict``; ValueError if they differ."""
-    expected = set(model.state_dict())
+    """Flat values (by name) as the model's ``state_dict``; ValueError if they differ.
+
+    A tensor shared under several names is held once, under its first name
+    (:mod:`elasticps.sharing`).
+    """
+    expected = set(canonical_names(model))
     if set(values) != expected:
         differ = sorted(set(values) ^ expected)
         raise ValueError(f"the snapshot's parameters differ from the model's: {differ}")

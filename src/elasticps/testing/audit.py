@@ -25,6 +25,11 @@ trainers' gradients instead of averaging them by samples). A
 ``--big-array-bound`` below the record count slices the counters over every
 parameter server, so that each of them is audited.
 
+The tied variant (``--model-class SharedModel``) reaches the same counters
+through two names, as a language model ties its embedding and output
+weights: half of each record's gradient comes through each name, and the
+one shared parameter must still get exactly +1 per record and pass.
+
 The sparse variant (``--model-class SparseModel``) keeps the counters as the
 rows of a sparse embedding table instead (:mod:`elasticps.nn`, one row of
 one float per record, spread over every server by a hash of the record's
@@ -49,6 +54,7 @@ __all__ = [
     "COLUMNS",
     "AuditResult",
     "Model",
+    "SharedModel",
     "SparseModel",
     "batch_to_tensors",
     "check_counters",
@@ -79,6 +85,36 @@ class Model(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         """The counters of a mini-batch's records: float32 ``[B]`` for int64 ``[B]`` indices."""
         return self.counter[idx]
+
+
+class _Holder(nn.Module):
+    """A module that holds a parameter it shares with another module."""
+
+    def __init__(self, counter: nn.Parameter) -> None:
+        super().__init__()
+        self.counter = counter
+
+
+class SharedModel(nn.Module):
+    """The counters of :class:`Model`, reached through two names: ``counter`` and ``tied.counter``.
+
+    ``named_parameters()`` lists the one parameter once, as ``counter``;
+    ``state_dict()`` lists both names. The forward pass reads half of each
+    counter through each name, so the gradient of each record is still -1.
+
+    Args:
+        records: how many records the data set has (counters), >= 1.
+    """
+
+    def __init__(self, records: int = DEFAULT_RECORDS) -> None:
+        super().__init__()
+        self.counter = nn.Parameter(torch.zeros(records, dtype=torch.float32))
+        self.tied = _Holder(self.counter)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """The counters of a mini-batch's records: float32 ``[B]`` for int64 ``[B]`` indices."""
+        out: Tensor = 0.5 * self.counter[idx] + 0.5 * self.tied.counter[idx]
+        return out
 
 
 SPARSE_TABLE = "audit_rows"

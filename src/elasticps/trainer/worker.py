@@ -77,7 +77,7 @@ import elasticps.nn as enn
 from elasticps.config import TrainerConfig, UpdateMode, ledger_only, parse_model_args
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.kafka import KafkaRangeReader, is_kafka_url, load_client_config
-from elasticps.data.parquet import RangeReader, check_columns
+from elasticps.data.parquet import RangeReader, check_columns, first_rows
 from elasticps.errors import (
     BadRecordError,
     CoordinationError,
@@ -90,7 +90,7 @@ from elasticps.errors import (
 from elasticps.events import BeginIteration, EndIteration, TrainingEvent
 from elasticps.master.client import MasterClient
 from elasticps.master.main import VIRTUAL_SOURCE
-from elasticps.model_file import ModelSpec, describe_model_error, load_model_file
+from elasticps.model_file import ModelSpec, call_model, describe_model_error, load_model_file
 from elasticps.proto import master_pb2
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.sparse import TableSpec
@@ -893,7 +893,7 @@ class Trainer:
                 if batch is not None
                 else contextlib.nullcontext()
             ):
-                outputs = self.flat.model(inputs)
+                outputs = call_model(self.flat.model, inputs)
                 called = "loss"
                 loss = self.spec.loss(outputs, targets)
         except ElasticPSError:
@@ -1306,6 +1306,10 @@ def run_trainer(config: TrainerConfig, stop: threading.Event) -> None:
     spec = load_model_file(
         config.model_path, config.model_class, parse_model_args(config.model_args)
     )
+    if config.example_file:
+        spec = spec.with_example(
+            functools.partial(first_rows, config.example_file, config.example_rows, spec.columns)
+        )
     store = JobStore(config.common.etcd_endpoint, config.common.job)
     try:
         Trainer(config, spec, store, stop).run()
