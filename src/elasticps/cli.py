@@ -966,8 +966,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     # A model with sparse tables is evaluated with its trained rows, which the
     # checkpoint keeps beside the dense parameters (not in model.safetensors).
     tables = checkpoint_tables(spec.build(), Path(str(args.output)))
-    result = evaluate(spec, tensors, data, batch_size=args.batch_size, tables=tables)
-    print(json.dumps(result))
+    failed: dict[str, str] = {}
+    result = evaluate(spec, tensors, data, batch_size=args.batch_size, tables=tables, failed=failed)
+    print(json.dumps({**result, **({"metrics_failed": failed} if failed else {})}))
     return 0
 
 

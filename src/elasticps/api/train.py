@@ -130,7 +130,10 @@ def train(
 
     The model itself is not changed: every trainer works on a deep copy, and
     the result is a :class:`~elasticps.parameters.ParameterSet` (copy it back
-    with ``result.copy_into(model)``).
+    with ``result.copy_into(model)``). A model with lazy modules
+    (``nn.LazyLinear``) is first materialized in place, as its first forward
+    pass would: by one forward pass of the reader's first mini-batch, in
+    eval mode, under seed 0.
 
     Args:
         model: a ``torch.nn.Module`` with float32 parameters. Parameters are
@@ -197,9 +200,9 @@ def train(
         raise ConfigError("reader must be a function yielding (inputs, targets) or a Parquet")
     optimizer = updater_mod.as_config(updater if updater is not None else updater_mod.Adam())
     frozen = tuple(sorted(set(frozen_parameters)))
+    if lazy_names(model):  # a lazy module cannot be copied before its first forward
+        _materialize(model, reader)
     template = copy.deepcopy(model)
-    if lazy_names(template):
-        _materialize(template, reader)
     if parameters is not None:
         ParameterSet(parameters).copy_into(template, strict=False)
     if isinstance(reader, Parquet):
