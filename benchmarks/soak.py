@@ -88,13 +88,17 @@ def audit_check(out: Path, epochs: int) -> dict[str, object]:
     return check_run(out, epochs).as_dict()
 
 
-CHECKS: dict[str, PostCheck] = {"audit": audit_check, "audit-sparse": audit_check}
+CHECKS: dict[str, PostCheck] = {
+    "audit": audit_check,
+    "audit-sparse": audit_check,
+    "audit-shared": audit_check,
+}
 """Post-job checks of the final parameters, by ``--model`` name."""
 
 
 def prepare(model: str, work: Path, audit_records: int) -> Dataset:
     """The data set and model file of ``--model`` (built under ``work``)."""
-    if model in ("audit", "audit-sparse"):
+    if model in ("audit", "audit-sparse", "audit-shared"):
         from elasticps.testing.audit import DEFAULT_RECORDS, write_dataset
 
         if audit_records != DEFAULT_RECORDS and model == "audit-sparse":
@@ -112,7 +116,9 @@ def prepare(model: str, work: Path, audit_records: int) -> Dataset:
              *(("--model-args", json.dumps({"records": audit_records}))
                if audit_records != DEFAULT_RECORDS else ()),
              # The sparse variant: one row of a sparse table per record.
-             *(("--model-class", "SparseModel") if model == "audit-sparse" else ())),
+             *(("--model-class", "SparseModel") if model == "audit-sparse" else ()),
+             # The tied variant: the counters reached through two names.
+             *(("--model-class", "SharedModel") if model == "audit-shared" else ())),
         )  # fmt: skip
     data = work / "mnist"
     if not (data / "train.parquet").exists():
@@ -311,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         default="mlp",
         help="mlp, cnn, audit (exact per-record check), audit-sparse (the same, with the "
-        "counters as rows of a sparse table), or a model file",
+        "counters as rows of a sparse table), audit-shared (the same, with the counters "
+        "reached through two names, as tied weights are), or a model file",
     )
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
     parser.add_argument("--epochs", type=int, default=150)

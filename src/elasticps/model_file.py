@@ -221,18 +221,19 @@ def materialize(model: nn.Module, inputs: object) -> None:
 
 
 def materialize_as(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
-    """Give ``model``'s lazy parameters and buffers the shapes of ``tensors``, by name.
+    """Give ``model``'s lazy parameters and buffers the shapes and values of ``tensors``.
 
-    For a lazy model built afresh to be loaded with trained values (their
-    values are left uninitialized: copy them in next). Lazy tensors that
-    ``tensors`` lacks stay lazy.
+    For a lazy model built afresh to be loaded with trained values, looked up
+    by name. Lazy tensors that ``tensors`` lacks stay lazy; the model's other
+    tensors are left alone.
     """
-    for name, param in model.named_parameters():
-        if is_lazy(param) and name in tensors:
-            cast(Any, param).materialize(tensors[name].shape)
-    for name, buf in model.named_buffers():
-        if is_lazy(buf) and name in tensors:
-            cast(Any, buf).materialize(tensors[name].shape)
+    lazy = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    with torch.no_grad():
+        for name, tensor in lazy:
+            value = tensors.get(name)
+            if value is not None:
+                cast(Any, tensor).materialize(value.shape)
+                tensor.copy_(value)
 
 
 def call_model(model: nn.Module, inputs: object) -> object:

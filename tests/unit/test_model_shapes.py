@@ -318,3 +318,19 @@ def test_the_python_api_materializes_a_lazy_model_with_its_first_mini_batch() ->
     )
     assert params.shapes()["net.0.weight"] == (4, 3)
     assert lazy_names(model) == []  # materialized in place, as its first forward would
+
+
+def test_evaluate_model_gives_a_lazy_model_the_shapes_of_its_parameters() -> None:
+    trained = lazy_spec(EXAMPLE).instantiate(0)
+    params = ParameterSet(dict(trained.state_dict()))
+
+    def reader():  # type: ignore[no-untyped-def]
+        yield torch.ones(4, 3), torch.zeros(4)
+
+    def loss_fn(outputs: Tensor, targets: Tensor) -> Tensor:
+        return outputs.pow(2).mean()
+
+    expected = elasticps.evaluate_model(trained, params, reader, loss_fn)
+    assert elasticps.evaluate_model(Lazy(), params, reader, loss_fn) == expected
+    with pytest.raises(ModelContractError, match="lazy"):
+        elasticps.evaluate_model(Lazy(), None, reader, loss_fn)

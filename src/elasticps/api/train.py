@@ -286,10 +286,21 @@ def evaluate_model(
             parameters.
         ConfigError: a shape differs from the model's.
         DataError: the data holds no sample.
+        ModelContractError: the model has lazy parameters that
+            ``parameters`` does not give shapes to.
     """
+    params = None if parameters is None else ParameterSet(parameters)
+    if params is not None:
+        materialize_as(model, params)  # a lazy module cannot be copied before it has shapes
+    left = lazy_names(model)
+    if left:
+        raise ModelContractError(
+            f"{type(model).__name__} has lazy (uninitialized) parameters ({', '.join(left[:5])}): "
+            "pass parameters that hold them, or run one forward pass first"
+        )
     copy_ = copy.deepcopy(model)
-    if parameters is not None:
-        ParameterSet(parameters).copy_into(copy_)
+    if params is not None:
+        params.copy_into(copy_)
     return _evaluate_model(copy_, loss_fn, reader, metrics)
 
 
@@ -318,7 +329,7 @@ def infer(model: nn.Module, parameters: Mapping[str, Tensor], inputs: object) ->
     GAN runs its generator alone if the names agree (build the sub-network
     under the same attribute names, or pass a sub-set). The model is not
     changed (``torch.func.functional_call``), but for lazy modules, which
-    take the shapes of ``parameters``; it runs in eval mode, and its
+    take the shapes and values of ``parameters``; it runs in eval mode, and its
     training flag is restored afterwards. A tensor the model holds under
     several names (tied weights) is looked up under its first name.
 
