@@ -1156,6 +1156,14 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
     _add_mode(submit)
     _add_optimizer(submit)
     _add_task_flags(submit)
+    _add_sync_reduction(submit)
+    submit.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=10.0,
+        help="seconds between each PS's shard checkpoints (as for train)",
+    )
+    _add_refused(submit, sub.choices["train"])
     submit.add_argument("--job", default=None, help="job name (default: elasticps-<random>)")
     submit.add_argument("--image", required=True, help="container image with elasticps")
     submit.add_argument(
@@ -1232,6 +1240,129 @@ def _core_api(args: argparse.Namespace) -> Any:
     return client.CoreV1Api()
 
 
+# The options of `train` that a job submitted to Kubernetes cannot take, and why.
+# submit refuses each by name, before it creates anything.
+NOT_SUBMITTABLE: dict[str, str] = {
+    "--config": "give the options on the command line",
+    "--output": "a submitted job keeps its shard checkpoints in --checkpoint-dir",
+    "--overwrite": "a submitted job keeps its shard checkpoints in --checkpoint-dir",
+    "--resume": "a submitted job starts from its model's initial values",
+    "--fallback-output": "a submitted job writes no final model on the submitting machine",
+    "--checkpoint-failures-fatal-after-s": "it watches the launcher's final checkpoint, which a "
+    "submitted job does not write",
+    "--chaos": "fault injection kills the processes of a local job",
+    "--spawn": "pods start their own interpreters",
+    "--no-progress": "submit shows no progress bar",
+    "--etcd-port": "use --etcd-endpoints, or the job's own etcd pod",
+    "--max-restarts": "Kubernetes restarts the master and etcd pods, and the master's worker "
+    "manager the parameter servers",
+    "--standby-masters": "the master pod is restarted in place",
+    "--standby-ps": "the worker manager re-creates a lost parameter server",
+    "--eval-each-pass": "a submitted job is evaluated with elasticps evaluate on its checkpoint",
+    "--test-data": "a submitted job is evaluated with elasticps evaluate on its checkpoint",
+    "--kafka-config": "a Kafka stream cannot be submitted (run it with elasticps train)",
+    "--task-window-s": "a Kafka stream cannot be submitted (run it with elasticps train)",
+    "--until-offset": "a Kafka stream cannot be submitted (run it with elasticps train)",
+    "--until-time": "a Kafka stream cannot be submitted (run it with elasticps train)",
+}
+
+
+class _Refused(argparse.Action):
+    """An option ``submit`` refuses by name, with the reason in :data:`NOT_SUBMITTABLE`."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        flag = self.option_strings[0]
+        raise ConfigError(
+            f"elasticps submit: {flag} is not supported on Kubernetes: {NOT_SUBMITTABLE[flag]}"
+        )
+
+
+def _add_refused(submit: argparse.ArgumentParser, train: argparse.ArgumentParser) -> None:
+    """Give ``submit`` each option of :data:`NOT_SUBMITTABLE`, taking the values ``train``'s
+    takes, to refuse it with its reason (hidden from ``--help``)."""
+    taken = {a.option_strings[0]: a for a in train._actions if a.option_strings}
+    for flag in NOT_SUBMITTABLE:
+        submit.add_argument(
+            flag,
+            action=_Refused,
+            nargs=0 if taken[flag].nargs == 0 else None,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+
+
+def _role_flags() -> dict[str, str]:
+    """dest -> flag of every option that the role processes read from ``ELASTICPS_*``.
+
+    These are the options of the model, the trainers and the servers' update
+    rule (``_add_trainer_flags``, ``_add_mode``, ``_add_optimizer``,
+    ``_add_sync_reduction``): every role parser takes its default from the
+    variable, so a pod given the variable runs with the option.
+    """
+    scratch = argparse.ArgumentParser(add_help=False)
+    for add in (_add_trainer_flags, _add_mode, _add_optimizer, _add_sync_reduction):
+        add(scratch)
+    return {a.dest: a.option_strings[0] for a in scratch._actions if a.option_strings}
+
+
+def env_name(flag: str) -> str:
+    """The variable a role parser reads ``flag``'s default from: ``--lr-schedule`` ->
+    ``ELASTICPS_LR_SCHEDULE``."""
+    return "ELASTICPS_" + flag.removeprefix("--").upper().replace("-", "_")
+
+
+def submit_role_env(args: argparse.Namespace) -> dict[str, str]:
+    """The job-wide environment of a submitted job's pods: every role option, by variable.
+
+    Every option of :func:`_role_flags` that ``submit`` was given, or its
+    default, is carried (an unset optional one, such as ``--max-staleness``,
+    is left out, as its role default is "none"); the pods' model path is
+    their own (``--model`` is the file ``submit`` reads and ships).
+    """
+    env: dict[str, str] = {}
+    for dest, flag in _role_flags().items():
+        value = getattr(args, dest)
+        if dest == "model" or value is None:
+            continue
+        env[env_name(flag)] = str(value)
+    env[env_name("--model-args")] = model_args_text(parse_model_args(args.model_args))
+    env[env_name("--lease-ttl-s")] = str(args.lease_ttl_s)
+    env[env_name("--checkpoint-every-s")] = str(args.checkpoint_every_s)
+    return env
+
+
+def _check_submittable(args: argparse.Namespace) -> None:
+    """Refuse, by name, what a submitted job cannot do, before anything is created.
+
+    Raises:
+        ConfigError: ``--data`` names a Kafka stream, an option's value is
+            invalid (the optimizer, its schedule, sparse eviction), or
+            ``--master-port`` is set (the master pod serves on its Service's
+            port).
+    """
+    from elasticps.config import check_sparse_eviction
+
+    streams = [d for d in args.data if is_kafka_url(str(d))]
+    if streams:
+        raise ConfigError(
+            f"elasticps submit: --data {streams[0]}: a Kafka stream cannot be submitted to "
+            "Kubernetes; run it with elasticps train, or give Parquet files as seen in the pods"
+        )
+    if args.master_port:
+        raise ConfigError(
+            "elasticps submit: --master-port is not supported: the master pod serves on its "
+            "Service's port"
+        )
+    _optimizer(args)  # checks --optimizer-class, --optimizer-options and --lr-schedule
+    check_sparse_eviction(args.sparse_eviction)
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     import uuid
 
@@ -1241,28 +1372,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     job = args.job or f"elasticps-{uuid.uuid4().hex[:6]}"
     rng = _trainer_range(args.trainers, args.initial_trainers)
     low, high = rng.get("min_trainers", rng["trainers"]), rng.get("max_trainers", rng["trainers"])
+    _check_submittable(args)
     try:
         model_source = Path(args.model).read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read the model file {args.model}: {exc}") from None
-    env = {
-        "ELASTICPS_MODE": args.mode,
-        "ELASTICPS_MODEL_CLASS": args.model_class,
-        "ELASTICPS_MODEL_ARGS": model_args_text(parse_model_args(args.model_args)),
-        "ELASTICPS_OPTIMIZER": args.optimizer,
-        "ELASTICPS_LR": str(args.lr),
-        "ELASTICPS_MOMENTUM": str(args.momentum),
-        "ELASTICPS_WEIGHT_DECAY": str(args.weight_decay),
-        "ELASTICPS_BATCH_SIZE": str(args.batch_size),
-        "ELASTICPS_PUSH_EVERY": str(args.push_every),
-        "ELASTICPS_PULL_EVERY": str(args.pull_every),
-        "ELASTICPS_BIG_ARRAY_BOUND": str(args.big_array_bound),
-        "ELASTICPS_PLACEMENT": args.placement,
-        "ELASTICPS_SEED": str(args.seed),
-        "ELASTICPS_THREADS": str(args.threads),
-        "ELASTICPS_LEASE_TTL_S": str(args.lease_ttl_s),
-        "ELASTICPS_BAD_RECORDS": args.bad_records,
-    }
+    env = submit_role_env(args)
     master_args = (
         "--epochs", str(args.epochs),
         "--records-per-task", str(args.records_per_task),
