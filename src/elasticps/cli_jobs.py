@@ -111,8 +111,9 @@ def cmd_status(args: argparse.Namespace, core_api: Callable[[argparse.Namespace]
         if args.json:
             print(json.dumps(status))
             return 0
-        print(f"job {job} (namespace {args.namespace}), wanted trainers: "
-              f"{status['wanted_trainers']}")  # fmt: skip
+        failure = f" ({status['failure']})" if status["failure"] else ""
+        print(f"job {job} (namespace {args.namespace}): {status['state']}{failure}, "
+              f"wanted trainers: {status['wanted_trainers']}")  # fmt: skip
         _print_workers(status["pods"], "no pods")
         return 0
     from elasticps.jobs import run_status

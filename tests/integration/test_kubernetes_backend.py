@@ -42,10 +42,12 @@ from elasticps.launcher.kubernetes import (
     OwnerRef,
     build_manager,
     job_selector,
+    mark_job_failed,
     set_wanted_trainers,
 )
 from elasticps.launcher.manager import WorkerManager
 from elasticps.launcher.pod_events import PodEventListener
+from elasticps.launcher.supervisor import FailJob
 from elasticps.master.main import serve_master
 from elasticps.netutil import LOOPBACK
 from elasticps.testing import wait_for
@@ -269,6 +271,61 @@ def test_pods_deleted_out_of_band_are_replaced(job: Job) -> None:
         )
 
     wait_for(ps1_replaced, "ps-1 replaced after it failed")
+
+
+def test_a_job_the_policy_fails_reads_failed_in_status_and_list(
+    kube: FakeKubeServer,
+    api: client.CoreV1Api,
+    kubeconfig: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A trainer's user error (exit 2) fails the job: the master pod says so, and keeps running."""
+    submit(kubeconfig, tmp_path)
+    master = f"{JOB}-master-0"
+    backend = KubernetesBackend(NS, JOB, "registry.example/elasticps:1", api.api_client, None)
+
+    def on_decision(event: WorkerEvent, action: object) -> None:
+        if isinstance(action, FailJob):
+            mark_job_failed(api, NS, master, action.message)
+
+    manager = build_manager(
+        backend,
+        ManagerConfig(min_trainers=2, max_trainers=2, backoff_base_s=0.1, backoff_cap_s=0.2,
+                      tick_s=0.05),
+        ps=1,
+        desired=ConfigMapDesiredCount(api, NS, JOB, poll_s=0.05),
+        progress=None,
+        on_decision=on_decision,
+    )  # fmt: skip
+    manager.start()
+    cluster = ["--backend", "kubernetes", "--namespace", NS, "--kubeconfig", str(kubeconfig)]
+    try:
+        trainers = f"{job_selector(JOB)},{TRAINERS}"
+        wait_for(lambda: len(kube.objects("pods", NS, trainers)) == 2, "2 trainer pods")
+        assert main(["list", *cluster, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["state"] == "running"
+        victim = kube.objects("pods", NS, trainers)[0]["metadata"]["name"]
+        kube.finish(NS, victim, exit_code=2, reason="Error")
+
+        def marked() -> bool:
+            pod = kube.pod(NS, master)
+            return pod is not None and "elasticps/state" in pod["metadata"].get("labels", {})
+
+        wait_for(marked, "the master pod marked failed")
+    finally:
+        manager.stop()
+        backend.close()
+    assert kube.pod(NS, master)["status"]["phase"] == "Running"  # type: ignore[index]
+    assert main(["status", JOB, *cluster, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["state"] == "failed" and status["failure"], status
+    assert main(["status", JOB, *cluster]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[0].startswith(f"job {JOB} (namespace {NS}): failed (")
+    )
+    assert main(["list", *cluster, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "failed"
 
 
 def test_a_stuck_trainer_is_replaced(job: Job) -> None:

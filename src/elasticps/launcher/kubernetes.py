@@ -84,8 +84,10 @@ __all__ = [
     "job_logs",
     "job_objects",
     "job_selector",
+    "job_state",
     "job_status",
     "manifests_yaml",
+    "mark_job_failed",
     "master_pod",
     "master_service",
     "model_configmap",
@@ -131,6 +133,12 @@ MAX_CONFIGMAP_BYTES = 1024 * 1024
 """The API server's limit on a ConfigMap's data, bytes (etcd's request size)."""
 SCALE_KEY = "trainers"
 """The key of the wanted trainer count in the ``<job>-scale`` ConfigMap."""
+LABEL_STATE = "elasticps/state"
+"""A label of the master pod: ``failed`` once the supervision policy failed the job."""
+ANNOTATION_FAILURE = "elasticps/failure"
+"""An annotation of the master pod: why the policy failed the job (one line)."""
+MAX_FAILURE_CHARS = 1024
+"""Longest failure message kept in :data:`ANNOTATION_FAILURE`, characters."""
 
 
 def pod_name(job: str, worker: str) -> str:
@@ -842,9 +850,15 @@ def in_cluster_manager(
 
         def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
             if isinstance(action, FailJob):
-                # Nothing more is created; the job's state says why it stopped.
+                # Nothing more is created; the job's state says why it stopped:
+                # in etcd for the roles, on the master pod for status and list.
                 log.error("job %s fails: %s", job, action.message)
                 store.set_job_state("failed")
+                if name:
+                    try:
+                        mark_job_failed(backend.api, config.namespace, name, action.message)
+                    except KubernetesError as exc:
+                        log.error("could not mark the master pod failed: %s", exc)
 
         manager = build_manager(
             backend,
@@ -1045,12 +1059,63 @@ def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[
     return {"job": request.job, "namespace": ns, "etcd": etcd, "created": created}
 
 
+def mark_job_failed(api: Any, namespace: str, master_pod: str, message: str) -> None:
+    """Record on the master pod that the supervision policy failed the job.
+
+    The pod keeps running (its logs stay readable); ``elasticps status`` and
+    ``elasticps list`` read the label :data:`LABEL_STATE` and the annotation
+    :data:`ANNOTATION_FAILURE` (:func:`job_state`).
+
+    Args:
+        api: a ``CoreV1Api``.
+        namespace: the job's namespace.
+        master_pod: the master pod's name.
+        message: the one-line reason (cut to :data:`MAX_FAILURE_CHARS`).
+
+    Raises:
+        KubernetesError: the API refused the patch.
+    """
+    body = {
+        "metadata": {
+            "labels": {LABEL_STATE: "failed"},
+            "annotations": {ANNOTATION_FAILURE: " ".join(message.split())[:MAX_FAILURE_CHARS]},
+        }
+    }
+    try:
+        api.patch_namespaced_pod(master_pod, namespace, body)
+    except _request_errors() as exc:
+        raise _api_error(exc, f"marking pod {master_pod} failed") from exc
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    """An object's labels (API JSON); empty if it has none."""
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def job_state(master: Mapping[str, Any] | None) -> tuple[str, str]:
+    """A job's state from its master pod (API JSON), and why it failed (or ``""``).
+
+    ``failed`` once :func:`mark_job_failed` marked the pod, or its phase is
+    ``Failed`` (or unknown); else ``starting`` (``Pending``, or no master pod
+    yet), ``running`` or ``finished`` (``Succeeded``).
+    """
+    if master is None:
+        return "starting", ""
+    if _labels(master).get(LABEL_STATE) == "failed":
+        annotations = (master.get("metadata") or {}).get("annotations") or {}
+        return "failed", str(annotations.get(ANNOTATION_FAILURE, ""))
+    phase = (master.get("status") or {}).get("phase", "Pending")
+    return _JOB_STATES.get(phase, "failed"), ""
+
+
 def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
-    """The job's pods and states, and the wanted trainer count.
+    """The job's state, its pods and their states, and the wanted trainer count.
 
     Returns:
-        ``{"job", "namespace", "wanted_trainers", "pods": [{"name", "role",
-        "phase", "state", "reason"}...]}``, pods sorted by name.
+        ``{"job", "namespace", "state", "failure", "wanted_trainers", "pods":
+        [{"name", "role", "phase", "state", "reason"}...]}``, pods sorted by
+        name; ``state`` and ``failure`` as :func:`job_state` reads them from
+        the master pod.
 
     Raises:
         KubernetesError: the API failed.
@@ -1063,6 +1128,8 @@ def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
     except _request_errors() as exc:
         raise _api_error(exc, "listing pods") from exc
     pods = []
+    masters = [o for o in items if _labels(o).get(LABEL_ROLE) == "master"]
+    overall, failure = job_state(masters[0] if masters else None)
     for obj in items:
         view = PodView.from_json(obj)
         state, reason = classify(view)
@@ -1079,6 +1146,8 @@ def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
     return {
         "job": job,
         "namespace": namespace,
+        "state": overall,
+        "failure": failure,
         "wanted_trainers": wanted,
         "pods": sorted(pods, key=lambda p: p["name"]),
     }
@@ -1215,8 +1284,9 @@ def list_jobs(api: Any, namespace: str) -> list[dict[str, Any]]:
 
     Returns:
         ``[{"job", "state", "pass", "accuracy", "started", "pods"}...]`` sorted
-        by start: ``state`` from the master pod's phase (``starting``,
-        ``running``, ``finished``, ``failed``), ``started`` its creation time;
+        by start: ``state`` from the master pod (:func:`job_state`:
+        ``starting``, ``running``, ``finished``, ``failed``), ``started`` its
+        creation time;
         ``pass`` and ``accuracy`` are not known from outside the cluster
         (None), ``pods`` is the number of pods.
 
@@ -1244,7 +1314,6 @@ def list_jobs(api: Any, namespace: str) -> list[dict[str, Any]]:
         )  # fmt: skip
         row["pods"] += 1
         if labels.get(LABEL_ROLE) == "master":
-            phase = (obj.get("status") or {}).get("phase", "Pending")
-            row["state"] = _JOB_STATES.get(phase, "failed")
+            row["state"], _ = job_state(obj)
             row["started"] = metadata.get("creationTimestamp", "")
     return sorted(jobs.values(), key=lambda r: (r["started"], r["job"]))
