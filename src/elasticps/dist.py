@@ -72,6 +72,7 @@ from typing import IO, TypeVar
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ConfigError, JobFailedError, JobUserError
+from elasticps.launcher.spawn import child_env
 from elasticps.launcher.supervisor import EXIT_USER_ERROR, Action, Event, Exited, FailJob, Kind
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.updater import Updater, as_config
@@ -274,8 +275,10 @@ def _launch_local(
     with LocalServers(servers_config) as servers:
         try:
             for rank in range(workers):
-                env = dict(os.environ)
-                env.update(
+                # A worker is a trainer: the environment of every launcher's
+                # trainers, plus the dist_train contract's variables.
+                env = child_env(
+                    "trainer",
                     worker_env(
                         rank=rank,
                         workers=workers,
@@ -285,10 +288,8 @@ def _launch_local(
                         ps=ps,
                         optimizer=optimizer,
                         lease_ttl_s=lease_ttl_s,
-                    )
+                    ),
                 )
-                env["PYTHONUNBUFFERED"] = "1"
-                env["ELASTICPS_PARENT_PID"] = str(os.getpid())
                 proc = subprocess.Popen(
                     [*die_with_parent_prefix(), sys.executable, *command],
                     stdout=subprocess.PIPE,

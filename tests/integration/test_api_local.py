@@ -159,5 +159,9 @@ def test_local_servers_start_claim_every_slot_and_stop_by_pid() -> None:
         with JobStore(servers.etcd_endpoint, servers.job) as store:
             assert store.ps_desired() == 2
         servers.check()
+        # The environment of every launcher's roles (child_env), allocator tuning included.
+        environ = psutil.Process(pids["ps-0"]).environ()
+        assert environ["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30)
+        assert environ["ELASTICPS_ROLE"] == "ps"
     for pid in pids.values():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

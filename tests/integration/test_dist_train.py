@@ -29,7 +29,7 @@ from elasticps.dist import dist_train
 def work():
     rank = os.environ["ELASTICPS_RANK"]
     out = sys.argv[1]
-    env = {k: v for k, v in os.environ.items() if k.startswith("ELASTICPS_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("ELASTICPS_", "MALLOC_"))}
     env["pid"] = os.getpid()
     with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(env, f)
@@ -81,6 +81,9 @@ def test_launcher_runs_every_worker_with_the_job_environment(tmp_path: Path) -> 
         assert env["ELASTICPS_JOB"] == result.job
         assert ":" in env["ELASTICPS_ETCD"]
         assert json.loads(env[ENV_OPTIMIZER])["schedule"] == sgd.to_config().schedule
+        # The environment of every launcher's roles (child_env), allocator tuning included.
+        assert env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30)
+        assert env["ELASTICPS_PARENT_PID"] == str(os.getpid())
 
 
 @pytest.mark.integration

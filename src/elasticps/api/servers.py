@@ -68,7 +68,7 @@ from elasticps.errors import (
     JobFailedError,
     JobUserError,
 )
-from elasticps.launcher.spawn import run_beside
+from elasticps.launcher.spawn import child_env, run_beside
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
@@ -657,11 +657,9 @@ class LocalServers:
         self._started.append(proc.pid)
 
     def _popen(self, args: list[str], role: str, log_file: IO[bytes]) -> subprocess.Popen[bytes]:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["ELASTICPS_ROLE"] = role.split("-", maxsplit=1)[0]
-        # The child stops itself if we die (see elasticps.cli).
-        env["ELASTICPS_PARENT_PID"] = str(os.getpid())
+        # The environment of every launcher's role processes (its allocator
+        # settings, and the parent PID the child stops itself without).
+        env = child_env(role)
         if self._workdir is not None:
             env[RUNTIME_DIR_ENV] = str(self._workdir)  # removed when the servers stop
         return subprocess.Popen(
