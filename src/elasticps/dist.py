@@ -58,10 +58,8 @@ Example (``examples/kvstore_mnist.py``)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -72,7 +70,7 @@ from typing import IO, TypeVar
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ConfigError, JobFailedError, JobUserError
-from elasticps.launcher.spawn import child_env
+from elasticps.launcher.spawn import child_env, terminate, wait_or_kill
 from elasticps.launcher.supervisor import EXIT_USER_ERROR, Action, Event, Exited, FailJob, Kind
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.updater import Updater, as_config
@@ -335,14 +333,7 @@ def _wait(
             for w in running:
                 w.pump.join(timeout=1.0)
             actions = [
-                decide(
-                    Exited(
-                        f"trainer-{rank}",
-                        Kind.TRAINER,
-                        status=code if code >= 0 else None,
-                        signal=-code if code < 0 else None,
-                    )
-                )
+                decide(Exited.of_returncode(f"trainer-{rank}", Kind.TRAINER, code))
                 for rank, code in failed
             ]
             message = "dist_train: worker(s) failed: " + ", ".join(
@@ -363,18 +354,10 @@ def _wait(
 
 def _stop(running: list[_Worker]) -> None:
     """Stop every worker still running by PID: SIGTERM, then SIGKILL after a grace period."""
+    procs = [w.proc for w in running]
+    terminate(procs)
+    wait_or_kill(procs, _STOP_TIMEOUT_S)
     for w in running:
-        if w.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_TIMEOUT_S
-    for w in running:
-        try:
-            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.kill()
-            w.proc.wait()
         w.pump.join(timeout=1.0)
         if w.proc.stdout is not None:
             w.proc.stdout.close()

@@ -30,6 +30,8 @@ from elasticps.launcher.spawn import (
     Spawner,
     child_env,
     start_spawner,
+    terminate,
+    wait_or_kill,
 )
 from elasticps.testing import pid_gone, wait_for
 
@@ -202,3 +204,25 @@ def test_a_spawn_after_the_server_is_gone_is_a_clear_error(tmp_path: Path) -> No
 
 def test_the_exec_spawner_has_no_process_of_its_own() -> None:
     assert ExecSpawner().pids() == {}
+
+
+def test_the_stop_sequence_terms_then_kills_what_outlives_the_deadline(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    stubborn = subprocess.Popen(  # ignores SIGTERM once its trap is set
+        ["sh", "-c", f"trap '' TERM; touch {ready}; while :; do sleep 0.05; done"]
+    )
+    polite = subprocess.Popen(["sleep", "60"])
+    done = subprocess.Popen(["true"])
+    try:
+        wait_for(ready.exists, "the trap to be set", DEADLINE_S)
+        done.wait(timeout=DEADLINE_S)
+        terminate([stubborn, polite, done])
+        wait_or_kill([stubborn, polite, done], timeout_s=0.5)
+        assert polite.returncode == -signal.SIGTERM
+        assert stubborn.returncode == -signal.SIGKILL
+        assert done.returncode == 0
+    finally:
+        for proc in (stubborn, polite):
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()

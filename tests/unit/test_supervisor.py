@@ -354,3 +354,12 @@ class SupervisorMachine(RuleBasedStateMachine):
 
 TestSupervisorMachine = SupervisorMachine.TestCase
 TestSupervisorMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_an_exit_is_read_from_a_popen_returncode() -> None:
+    assert Exited.of_returncode("ps-0", Kind.PS, 2) == Exited("ps-0", Kind.PS, status=2)
+    killed = Exited.of_returncode("trainer-1", Kind.TRAINER, -signal.SIGKILL, "boom")
+    assert killed == Exited("trainer-1", Kind.TRAINER, signal=signal.SIGKILL, message="boom")
+    assert killed.describe() == f"signal {int(signal.SIGKILL)}" and not killed.internal
+    never = Exited.of_returncode("etcd", Kind.ETCD, None)
+    assert never.status is None and never.signal is None and never.describe() == "ended"

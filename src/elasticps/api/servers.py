@@ -43,7 +43,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -68,7 +67,7 @@ from elasticps.errors import (
     JobFailedError,
     JobUserError,
 )
-from elasticps.launcher.spawn import child_env, run_beside
+from elasticps.launcher.spawn import child_env, run_beside, terminate, wait_or_kill
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
@@ -355,15 +354,7 @@ class LocalServers:
                 message = ""
                 for line in self._output(child).splitlines():
                     message = error_line(line) or message
-                action = self.decide(
-                    Exited(
-                        child.role,
-                        child.kind,
-                        status=status if status >= 0 else None,
-                        signal=-status if status < 0 else None,
-                        message=message,
-                    )
-                )
+                action = self.decide(Exited.of_returncode(child.role, child.kind, status, message))
                 if isinstance(action, FailJob):
                     self._fail(action, child.role)
                 if not isinstance(action, Restart):
@@ -436,12 +427,7 @@ class LocalServers:
 
     def _restart_etcd(self, etcd: EtcdServer) -> None:
         code = etcd.returncode
-        event: Event = Exited(
-            "etcd",
-            Kind.ETCD,
-            status=code if code is not None and code >= 0 else None,
-            signal=-code if code is not None and code < 0 else None,
-        )
+        event: Event = Exited.of_returncode("etcd", Kind.ETCD, code)
         while True:
             action = self.decide(event)
             if isinstance(action, FailJob):
@@ -577,18 +563,10 @@ class LocalServers:
                 store.close()
         # PS before the master, as the launcher does.
         children.sort(key=lambda c: 0 if c.role.startswith("ps") else 1)
+        procs = [child.proc for child in children]
+        terminate(procs)
+        wait_or_kill(procs, cfg.stop_timeout_s)
         for child in children:
-            if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + cfg.stop_timeout_s
-        for child in children:
-            try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.kill()
-                child.proc.wait()
             child.log_file.close()
         if self._etcd is not None:
             self._etcd.stop()

@@ -48,7 +48,6 @@ import queue
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -113,7 +112,15 @@ from elasticps.launcher.output import (
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
 from elasticps.launcher.scratch import JobScratch
-from elasticps.launcher.spawn import ExecSpawner, ProcessHandle, Spawner, child_env, run_beside
+from elasticps.launcher.spawn import (
+    ExecSpawner,
+    ProcessHandle,
+    Spawner,
+    child_env,
+    run_beside,
+    terminate,
+    wait_or_kill,
+)
 from elasticps.launcher.stream_output import LatestPublisher, offsets_of, stream_extra
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
@@ -1121,14 +1128,7 @@ class LocalLauncher:
         if self._backend is not None:
             self._backend.close(timeout_s)
         order = self._signal_children()
-        deadline = time.monotonic() + timeout_s
-        for child in order:
-            try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.kill()
-                child.proc.wait()
+        wait_or_kill([child.proc for child in order], timeout_s)
         for child in order:
             if child.pump is not None:
                 child.pump.join(timeout=2)
@@ -1140,10 +1140,7 @@ class LocalLauncher:
         """SIGTERM every running child but the trainers, parameter servers first; returns them
         in that order."""
         order = sorted(self.children, key=lambda c: {"ps": 0}.get(c.kind, 1))
-        for child in order:
-            if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
+        terminate([child.proc for child in order])
         return order
 
     # --- monitoring -------------------------------------------------------------
@@ -1192,13 +1189,7 @@ class LocalLauncher:
             if child.pump is not None:
                 child.pump.join(timeout=2)  # flush its last lines (the traceback)
             self._release_keys(child)
-            exited = Exited(
-                child.role,
-                Kind(child.kind),
-                status=code if code >= 0 else None,
-                signal=-code if code < 0 else None,
-                message=child.message,
-            )
+            exited = Exited.of_returncode(child.role, Kind(child.kind), code, child.message)
             action = self._decide(exited)
             if isinstance(action, FailJob):
                 self._fail(action, child.role)
@@ -1227,12 +1218,7 @@ class LocalLauncher:
             JobFailedError: no restarts left.
         """
         code = etcd.returncode
-        event: Event = Exited(
-            "etcd",
-            Kind.ETCD,
-            status=code if code is not None and code >= 0 else None,
-            signal=-code if code is not None and code < 0 else None,
-        )
+        event: Event = Exited.of_returncode("etcd", Kind.ETCD, code)
         while True:
             action = self._decide(event)
             if isinstance(action, FailJob):

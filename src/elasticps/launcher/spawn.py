@@ -185,6 +185,31 @@ class Spawner(Protocol):
         ...
 
 
+def terminate(procs: Sequence[ProcessHandle]) -> None:
+    """Send SIGTERM to each process of ``procs`` still running, in order."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+
+
+def wait_or_kill(procs: Sequence[ProcessHandle], timeout_s: float) -> None:
+    """Wait for every process of ``procs`` to end within ``timeout_s`` seconds in all.
+
+    A process still running at the deadline is SIGKILLed; every process is
+    reaped before this returns. The one stop sequence of the local launchers:
+    :func:`terminate`, then this.
+    """
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
 def popen_child(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     """Start ``argv`` as a child of the launchers: its own session, stdin from
     ``/dev/null``, stdout and stderr on one pipe (the handle's ``stdout``).

@@ -189,6 +189,25 @@ class Exited:
     cause: str = ""
     message: str = ""
 
+    @classmethod
+    def of_returncode(
+        cls, name: str, kind: Kind, returncode: int | None, message: str = ""
+    ) -> Exited:
+        """The end of a local process from its ``returncode`` (as ``Popen`` gives it).
+
+        Args:
+            name: the role's name.
+            kind: its kind.
+            returncode: the exit status, ``-N`` if signal N killed it, or None
+                if it is not known (it did not start).
+            message: its last one-line error, if any.
+        """
+        if returncode is None:
+            return cls(name, kind, message=message)
+        if returncode < 0:
+            return cls(name, kind, signal=-returncode, message=message)
+        return cls(name, kind, status=returncode, message=message)
+
     @property
     def internal(self) -> bool:
         """Whether this is an internal error of the process itself (counted for trainers)."""
