@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import sys
@@ -38,12 +39,51 @@ def runtime_dir(prefix: str) -> str:
 LOOPBACK = "127.0.0.1"
 
 
+#: The lowest port :func:`free_port` picks.
+PORT_FLOOR = 10000
+
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections, inclusive.
+
+    Linux reads it from ``/proc/sys/net/ipv4/ip_local_port_range`` (32768
+    60999 by default); elsewhere, or if unreadable, IANA's dynamic range
+    (49152-65535, RFC 6335).
+    """
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as handle:
+            low, high = (int(v) for v in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """Return a TCP port on ``host`` that was free at the time of the call.
+
+    The port is picked at random below the kernel's ephemeral range
+    (:func:`ephemeral_ports`), from :data:`PORT_FLOOR` up: no outgoing
+    connection is ever given it as its source port. So a server that is
+    restarted on the ports it had (etcd on its data directory) finds them
+    free, unless another server bound them; a port from the ephemeral range
+    can be taken by any connection made while the server was down. Where
+    that range leaves no room, the kernel picks the port.
 
     The port is released before returning, so another process may take it; the
     caller binds it promptly and treats ``EADDRINUSE`` as a retryable race.
     """
+    low, _high = ephemeral_ports()
+    if low - 1 > PORT_FLOOR:
+        for _ in range(64):
+            port = random.randint(PORT_FLOOR, low - 1)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

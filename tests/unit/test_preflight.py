@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticps import netutil
 from elasticps.netutil import LOOPBACK
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,3 +91,19 @@ def test_a_jobs_output_directory_as_resume_is_refused_before_torch_is_imported(
     )  # fmt: skip
     assert f"its consistent checkpoint is {run / 'snapshot'}" in line
     assert heavy == []
+
+
+def test_a_free_port_is_below_the_ephemeral_range_so_no_connection_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    low, _ = netutil.ephemeral_ports()
+    ports = {netutil.free_port() for _ in range(20)}
+    assert all(netutil.PORT_FLOOR <= p < low for p in ports), ports
+    # A range that leaves no room below it: the kernel picks.
+    squeezed = tmp_path / "range"
+    squeezed.write_text(f"{netutil.PORT_FLOOR}\t65000\n")
+    monkeypatch.setattr(netutil, "_EPHEMERAL_RANGE_FILE", str(squeezed))
+    assert netutil.ephemeral_ports() == (netutil.PORT_FLOOR, 65000)
+    assert 0 < netutil.free_port() <= 65535
+    monkeypatch.setattr(netutil, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "missing"))
+    assert netutil.ephemeral_ports() == (49152, 65535)
