@@ -313,9 +313,9 @@ _CLASSES = "classes"
 _SAME_SHAPE = "same shape"
 
 
-def _kind(outputs: Tensor | None, targets: object) -> str | None:
+def _kind(outputs: Tensor, targets: object) -> str | None:
     """Which default metrics fit one batch's shapes, or None."""
-    if outputs is None or not isinstance(targets, Tensor):
+    if not isinstance(targets, Tensor):
         return None
     if not outputs.dtype.is_floating_point or outputs.dim() == 0:
         return None
@@ -398,10 +398,13 @@ class MetricSet:
         if self._mixed:
             return
         tensor = output_tensor(outputs)
+        if tensor is None:  # no tensor to read: the model's own metrics alone
+            self._mixed = True
+            return
         kind = _kind(tensor, targets)
-        if self._kind is None and tensor is not None and kind is not None and not self._started():
+        if self._kind is None and kind is not None and not self._started():
             self._start(kind, tensor)
-        if tensor is None or kind is None or kind != self._kind:
+        if kind is None or kind != self._kind:
             self._mixed = True
             return
         if kind == _CLASSES:
