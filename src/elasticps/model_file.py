@@ -115,8 +115,13 @@ class ModelSpec:
     example: Callable[[], pa.Table] | None = None
 
     def with_example(self, example: Callable[[], pa.Table]) -> ModelSpec:
-        """This spec, materializing lazy modules with the mini-batch ``example()`` returns."""
-        return dataclasses.replace(self, example=example)
+        """This spec, materializing lazy modules with the mini-batch ``example()`` returns.
+
+        ``example`` is called once, at the first :meth:`instantiate` that
+        needs it; later ones reuse its table (a process builds the model
+        several times: for its shapes, its initial values, the final model).
+        """
+        return dataclasses.replace(self, example=functools.cache(example))
 
     def instantiate(self, seed: int) -> nn.Module:
         """Build the model with parameters initialised from ``seed``.
