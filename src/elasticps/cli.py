@@ -74,6 +74,7 @@ from elasticps.storage import Location, is_url, path_or_url
 
 if TYPE_CHECKING:
     from elasticps.launcher.scratch import JobScratch
+    from elasticps.launcher.ssh import JobHosts
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -420,6 +421,35 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lease-ttl-s", type=float, default=5.0)
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    hosts = train.add_argument_group("hosts over ssh")
+    hosts.add_argument(
+        "--hosts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run the PS and trainers on the hosts of FILE over ssh, one host a line: "
+        "HOST[:SSHPORT] [slots=N] [roles=ps,trainer]; etcd and the master stay here",
+    )
+    hosts.add_argument(
+        "--ssh-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --hosts: this ssh configuration instead of ~/.ssh/config",
+    )
+    hosts.add_argument(
+        "--remote-python",
+        default="",
+        metavar="PATH",
+        help="with --hosts: the Python on the hosts that has elasticps (default: this one's path)",
+    )
+    hosts.add_argument(
+        "--advertise-address",
+        default="",
+        metavar="ADDRESS",
+        help="with --hosts: this machine's address for the hosts (default: its address on "
+        "its route to the first host)",
+    )
     train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
@@ -699,6 +729,10 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         overwrite=args.overwrite,
         checkpoint_failures_fatal_after_s=args.checkpoint_failures_fatal_after_s,
         fallback_output=args.fallback_output,
+        hosts_file=args.hosts,
+        ssh_config=args.ssh_config,
+        remote_python=args.remote_python,
+        advertise_address=args.advertise_address,
     )
 
 
@@ -844,24 +878,45 @@ def _cmd_train(args: argparse.Namespace) -> int:
     os.environ["ELASTICPS_GRAD_COMPRESSION"] = args.grad_compression
     os.environ["ELASTICPS_PS_TRANSPORT"] = args.ps_transport
     os.environ["ELASTICPS_OVERLAP_PULL"] = args.overlap_pull
+    hosts = _job_hosts(config)
     # etcd starts while torch is imported (about 1.5 s); it answers by then.
-    scratch = JobScratch.create(config.job, config.etcd_port)
+    scratch = JobScratch.create(
+        config.job, config.etcd_port, host=hosts.advertise if hosts else "127.0.0.1"
+    )
     try:
         scratch.etcd.spawn()
-        return _train_locally(config, files, scratch)
+        if hosts is not None:
+            hosts.check(config, scratch.etcd.endpoint)
+        return _train_locally(config, files, scratch, hosts)
     finally:
         scratch.close()
 
 
-def _train_locally(config: JobConfig, files: dict[str, str], scratch: JobScratch) -> int:
-    from elasticps.launcher.spawn import start_spawner
+def _job_hosts(config: JobConfig) -> JobHosts | None:
+    """The hosts of a ``--hosts`` job, or None for a job on this machine.
+
+    Raises:
+        ConfigError: a bad host file, or a host that ssh cannot resolve.
+    """
+    if config.hosts_file is None:
+        return None
+    from elasticps.launcher.ssh import JobHosts
+
+    return JobHosts.of(config)
+
+
+def _train_locally(
+    config: JobConfig, files: dict[str, str], scratch: JobScratch, hosts: JobHosts | None = None
+) -> int:
+    from elasticps.launcher.spawn import Spawner, start_spawner
 
     # The launcher needs torch too (to validate the model file, write
     # model.safetensors and evaluate): it imports it once, with what the roles
     # import, and forks the fork server from itself, before any thread starts.
-    with start_spawner(config.spawn, inline_entry=main) as spawner:
+    with start_spawner(config.spawn, inline_entry=main) as local:
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
+        spawner: Spawner = local if hosts is None else hosts.spawner(local)
         launcher = LocalLauncher(config, spawner=spawner, files=files, scratch=scratch)
         with sigterm_as_interrupt():
             try:
@@ -1252,6 +1307,10 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "submitted job does not write",
     "--chaos": "fault injection kills the processes of a local job",
     "--spawn": "pods start their own interpreters",
+    "--hosts": "Kubernetes places the pods on its nodes",
+    "--ssh-config": "Kubernetes places the pods on its nodes",
+    "--remote-python": "the pods run the image's Python",
+    "--advertise-address": "the pods reach etcd and the master by their Services",
     "--no-progress": "submit shows no progress bar",
     "--etcd-port": "use --etcd-endpoints, or the job's own etcd pod",
     "--max-restarts": "Kubernetes restarts the master and etcd pods, and the master's worker "

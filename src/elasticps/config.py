@@ -672,6 +672,16 @@ class JobConfig:
             consumer settings file, window and end (see :class:`MasterConfig`).
         test_data: a stream job's test set (a Parquet file, or a directory
             with ``test.parquet``) to evaluate at the end, or None.
+        hosts_file: a host file (:mod:`elasticps.launcher.hostfile`): the PS and
+            trainers run on its hosts over ssh (:mod:`elasticps.launcher.ssh`);
+            None: on this machine.
+        ssh_config: with ``hosts_file``, an ssh configuration file used instead
+            of the user's; None: the user's.
+        remote_python: with ``hosts_file``, the interpreter on the hosts; empty:
+            this one's path.
+        advertise_address: with ``hosts_file``, this machine's address that the
+            hosts reach etcd and the master at; empty: its address on its route
+            to the first host.
     """
 
     job: str
@@ -726,9 +736,23 @@ class JobConfig:
     until_offset: int | None = None
     until_time: float | None = None
     test_data: Path | None = None
+    hosts_file: Path | None = None
+    ssh_config: Path | None = None
+    remote_python: str = ""
+    advertise_address: str = ""
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.hosts_file is None and (
+            self.ssh_config is not None or self.remote_python or self.advertise_address
+        ):
+            raise ConfigError(
+                "--ssh-config, --remote-python and --advertise-address need --hosts"
+            )
+        if self.hosts_file is not None and (self.chaos or self.random_chaos is not None):
+            raise ConfigError(
+                "--chaos kills processes of this machine; with --hosts, kill hosts instead"
+            )
         if self.stream:
             from elasticps.data.kafka import KafkaSource, StreamLimits
 

@@ -33,15 +33,15 @@ class JobScratch:
     etcd: EtcdServer
 
     @classmethod
-    def create(cls, job: str, etcd_port: int = 0) -> JobScratch:
-        """A new directory and an etcd for it on ``etcd_port`` (0: a free port).
+    def create(cls, job: str, etcd_port: int = 0, host: str = "127.0.0.1") -> JobScratch:
+        """A new directory and an etcd for it on ``host``:``etcd_port`` (0: a free port).
 
         Raises:
             OSError: the directory cannot be created.
         """
         path = Path(tempfile.mkdtemp(prefix=f"elasticps-{job}-"))
         etcd = EtcdServer(
-            EtcdServerConfig(data_dir=path / "etcd", client_port=etcd_port),
+            EtcdServerConfig(data_dir=path / "etcd", client_port=etcd_port, host=host),
             log_path=path / "etcd.log",
         )
         return cls(path, etcd)

@@ -358,13 +358,14 @@ class _ShardConnection:
                 reason = f"cannot connect to {path}: {exc}"
             else:
                 self.server_offers_shared = answer.get("shm") is True
+                log.info("parameter server %d: AF_UNIX at %s (same host)", self.layout.index, path)
                 return unix
         if forced:
             raise ServiceUnavailableError(
                 f"transport 'unix' was asked for, but parameter server {self.layout.index} "
                 f"at {address} cannot be reached over AF_UNIX: {reason}"
             )
-        log.debug("parameter server %d: using TCP (%s)", self.layout.index, reason)
+        log.info("parameter server %d: TCP to %s (%s)", self.layout.index, address, reason)
         return None
 
     def close(self) -> None:

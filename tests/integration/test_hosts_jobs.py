@@ -1,0 +1,280 @@
+"""Jobs across hosts over ssh (``elasticps train --hosts``), on network-namespace hosts.
+
+Three hosts (:class:`~elasticps.testing.hosts.NamespaceHosts`), each with its
+own address, hostname and sshd; etcd and the master run on this machine and
+are reached at its address on the hosts' bridge. Checked:
+
+- the main job's CNN trains across the hosts to the accuracy of the same job
+  on one machine, with its PS and trainers on different hosts, over TCP;
+- the audit model (one counter per record), in sync and async, survives a
+  host's death (every process of it SIGKILLed and its link set down) and a
+  link cut for longer than the lease: exit 0, every counter exact, and the
+  PS cut off is fenced (it loses its lease and exits) when its link is back;
+- the preflight names a path a host cannot read, before anything starts.
+
+Skipped where network namespaces cannot be made (no root or CAP_NET_ADMIN, or
+no sshd).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticps.testing import kill_leftovers, wait_for
+from elasticps.testing.audit import check_run, write_dataset
+from elasticps.testing.hosts import NamespaceHosts, unavailable
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+WHY_NOT = unavailable()
+if WHY_NOT is not None:
+    pytestmark.append(pytest.mark.skip(reason=WHY_NOT))
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = 4000
+JOB_TIMEOUT_S = 300.0
+_STARTED = re.compile(r"started (ps|trainer) on (h\d+) \(ssh pid (\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[NamespaceHosts]:
+    with NamespaceHosts(3) as made:
+        yield made
+
+
+@pytest.fixture()
+def host_file(hosts: NamespaceHosts, tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "hosts.txt"
+    path.write_text("# three test hosts\n" + "".join(f"{name} slots=3\n" for name in hosts.hosts))
+    yield path
+    for name in hosts.hosts:  # every host up again for the next test
+        hosts.restore_link(name)
+        hosts.revive(name)
+
+
+@pytest.fixture(scope="module")
+def audit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("audit")
+    write_dataset(out, RECORDS)
+    return out
+
+
+def train(args: list[str], out: Path, timeout_s: float = JOB_TIMEOUT_S) -> tuple[int, str, str]:
+    """Run ``elasticps train ARGS``; return its status, stdout and stderr."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "elasticps", "train", *args, "--no-progress"],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+        )  # fmt: skip
+    finally:
+        kill_leftovers(out / "pids.json")
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def over_ssh(hosts: NamespaceHosts, host_file: Path) -> list[str]:
+    return ["--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)]
+
+
+def placements(out: Path) -> list[tuple[str, str]]:
+    """``(role kind, host)`` of every role the launcher started on a host, in order."""
+    log = (out / "logs" / "launcher.log").read_text()
+    return [(m.group(1), m.group(2)) for m in _STARTED.finditer(log)]
+
+
+def test_the_cnn_job_trains_across_hosts_as_on_one_machine(
+    hosts: NamespaceHosts, host_file: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "mnist"
+    subprocess.run([sys.executable, "-m", "elasticps", "data", "mnist", "--output", str(data)],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    job = ["--model", str(ROOT / "examples" / "mnist_cnn.py"), "--data", str(data),
+           "--trainers", "2", "--ps", "2", "--mode", "sync", "--epochs", "3"]  # fmt: skip
+    rc, one_out, err = train([*job, "--output", str(tmp_path / "one")], tmp_path / "one")
+    assert rc == 0, err[-3000:]
+    out = tmp_path / "hosts"
+    rc, many_out, err = train([*job, "--output", str(out), *over_ssh(hosts, host_file)], out)
+    assert rc == 0, err[-3000:]
+    one, many = json.loads(one_out.splitlines()[-1]), json.loads(many_out.splitlines()[-1])
+    assert many["exactly_once"] is True
+    assert many["samples_trained"] == one["samples_trained"]
+    assert many["accuracy"] >= one["accuracy"] - 0.02, (one, many)
+
+    placed = placements(out)
+    ps_hosts = {h for kind, h in placed if kind == "ps"}
+    trainer_hosts = {h for kind, h in placed if kind == "trainer"}
+    assert len(ps_hosts) == 2, placed  # one PS a host
+    assert trainer_hosts - ps_hosts, placed  # a trainer on a host with no PS
+    # The PS listen on their hosts' addresses; that trainer reaches both over TCP.
+    addresses = {hosts.hosts[h].address for h in ps_hosts}
+    serving = re.findall(r"serving on ([\d.]+):\d+", (out / "logs" / "ps-0.log").read_text())
+    serving += re.findall(r"serving on ([\d.]+):\d+", (out / "logs" / "ps-1.log").read_text())
+    assert set(serving) == addresses, serving
+    trainer_logs = "".join(p.read_text() for p in (out / "logs").glob("trainer-*.log"))
+    assert len(re.findall(r"parameter server \d: TCP to", trainer_logs)) >= 2
+    # etcd and the master ran here, at this machine's address on the bridge.
+    assert json.loads((out / "run.json").read_text())["etcd"].startswith(hosts.gateway)
+
+
+def audit_job(audit_dir: Path, out: Path, mode: str, epochs: int) -> list[str]:
+    return [
+        "--model", str(audit_dir / "audit_model.py"), "--data", str(audit_dir),
+        "--output", str(out), "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
+        "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
+        "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
+        "--lease-ttl-s", "2", "--checkpoint-every-s", "1",
+    ]  # fmt: skip
+
+
+def start_job(args: list[str], out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "elasticps", "train", *args, "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def first_ps_host(out: Path) -> str:
+    """The host of the first PS, once the job has checkpointed a shard."""
+    wait_for(
+        lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
+        "a first shard checkpoint",
+        timeout_s=120,
+        interval_s=0.1,
+    )
+    return next(h for kind, h in placements(out) if kind == "ps")
+
+
+def finish(proc: subprocess.Popen[str], out: Path) -> tuple[str, str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_leftovers(out / "pids.json")
+    assert proc.returncode == 0, stderr[-4000:]
+    return stdout, stderr
+
+
+def assert_exact(out: Path, stdout: str, epochs: int) -> None:
+    line = json.loads(stdout.strip().splitlines()[-1])
+    assert line["exactly_once"] is True, line
+    assert line["samples_trained"] == RECORDS * epochs, line
+    audit = check_run(out)
+    assert audit.exactly_once, audit.as_dict()
+    assert audit.exact == RECORDS
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_dead_host_costs_no_update(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    epochs = 200
+    out = tmp_path / "run"
+    proc = start_job([*audit_job(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
+    victim = first_ps_host(out)
+    hosts.cut_link(victim)  # the machine dies: off the network, every process killed
+    killed = hosts.kill_host(victim)
+    assert killed
+    stdout, stderr = finish(proc, out)
+    assert_exact(out, stdout, epochs)
+    later = placements(out)[5:]  # after the first two PS and three trainers
+    assert ("ps", victim) not in later and any(kind == "ps" for kind, _ in later), later
+    assert "restarting it" in stderr
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_host_cut_off_past_its_lease_is_fenced_when_it_returns(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    epochs = 200
+    out = tmp_path / "run"
+    proc = start_job([*audit_job(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
+    victim = first_ps_host(out)
+    hosts.cut_link(victim)
+    # Its PS is re-placed on another host: the lease (2 s) expired long before.
+    wait_for(
+        lambda: (
+            ("ps", victim) not in placements(out)[5:]
+            and any(kind == "ps" for kind, _ in placements(out)[5:])
+        ),
+        "the cut-off PS re-placed on another host",
+        timeout_s=60,
+        interval_s=0.2,
+    )
+    hosts.restore_link(victim)
+    stdout, _ = finish(proc, out)
+    assert_exact(out, stdout, epochs)
+    # Fenced: once its successor served, the PS that came back wrote no checkpoint.
+    old, successor = served(out, hosts.hosts[victim].address)
+    for path in (out / "ps-checkpoints").glob(f"ps-*/shard-e{old:012d}-*"):
+        assert path.stat().st_mtime < successor, path
+    wait_for(
+        lambda: not [pid for pid in hosts.pids(victim) if _is_role(pid)],
+        "no role process left on the host that came back",
+        timeout_s=40,
+        interval_s=0.2,
+    )
+
+
+_SERVING = re.compile(
+    r"^(\S+ \S+) INFO ps \S+: parameter server (\d+) \(epoch (\d+)\) serving on ([\d.]+):",
+    re.MULTILINE,
+)
+
+
+def served(out: Path, address: str) -> tuple[int, float]:
+    """The epoch of the PS that served at ``address``, and when (unix time, s) the PS
+    that took its shard over started to serve."""
+    lines = []
+    for log in (out / "logs").glob("ps-*.log"):
+        lines += _SERVING.findall(log.read_text())
+    lines.sort()
+    stamp, shard, epoch, _ = next(line for line in lines if line[3] == address)
+    later = [line for line in lines if line[1] == shard and line[3] != address and line[0] > stamp]
+    assert later, lines
+    when = datetime.datetime.strptime(later[0][0], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return int(epoch), when
+
+
+def _is_role(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"elasticps" in cmdline or b"elasticps.launcher.remote" in cmdline
+
+
+def test_the_preflight_names_what_a_host_cannot_read(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    args = [*audit_job(audit_dir, out, "sync", 1), *over_ssh(hosts, host_file)]
+    args += ["--remote-python", "/nonexistent/python"]
+    rc, _, err = train(args, out, timeout_s=120)
+    assert rc == 2, err[-2000:]
+    assert "the hosts cannot run this job" in err and "h0:" in err, err[-2000:]
+    assert "--remote-python" in err
+    assert not (out / "pids.json").exists() or not json.loads((out / "pids.json").read_text())
+
+
+def test_a_host_file_naming_an_unknown_host_is_refused_before_anything_starts(
+    hosts: NamespaceHosts, tmp_path: Path, audit_dir: Path
+) -> None:
+    bad = tmp_path / "hosts.txt"
+    bad.write_text("nosuchhost.invalid slots=2\n")
+    out = tmp_path / "run"
+    args = [*audit_job(audit_dir, out, "sync", 1), "--hosts", str(bad),
+            "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
+    rc, _, err = train(args, out, timeout_s=60)
+    assert rc == 2, err[-2000:]
+    assert "nosuchhost.invalid" in err.splitlines()[-1]
+    assert os.path.exists(bad)
