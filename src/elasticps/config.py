@@ -746,9 +746,7 @@ class JobConfig:
         if self.hosts_file is None and (
             self.ssh_config is not None or self.remote_python or self.advertise_address
         ):
-            raise ConfigError(
-                "--ssh-config, --remote-python and --advertise-address need --hosts"
-            )
+            raise ConfigError("--ssh-config, --remote-python and --advertise-address need --hosts")
         if self.hosts_file is not None and (self.chaos or self.random_chaos is not None):
             raise ConfigError(
                 "--chaos kills processes of this machine; with --hosts, kill hosts instead"

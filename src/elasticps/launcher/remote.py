@@ -47,8 +47,17 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["FILES_TOKEN", "MAX_REQUEST_BYTES", "STOP_GRACE_S", "check", "main", "route_address"]
+__all__ = [
+    "FILES_TOKEN",
+    "MAX_REQUEST_BYTES",
+    "STOP_GRACE_S",
+    "check",
+    "exit_with",
+    "main",
+    "route_address",
+]
 
 FILES_TOKEN = "@FILES@"
 """Replaced, in every argument of a ``run`` request, by the directory of its files."""
@@ -125,10 +134,13 @@ def _mapping(value: object, what: str) -> dict[str, str]:
     return dict(value)
 
 
-def _run(request: Mapping[str, object]) -> int:
+def _run(request: Mapping[str, object], program: Sequence[str]) -> int:
     args = _strings(request["run"], "run")
     extra = _mapping(request.get("env", {}), "env")
     files = _mapping(request.get("files", {}), "files")
+    silence_s = request.get("silence_s", 0)
+    if not isinstance(silence_s, (int, float)) or silence_s < 0:
+        raise ValueError("silence_s must be a number >= 0")
     workdir = Path(tempfile.mkdtemp(prefix="elasticps-role-"))
     try:
         for name, data in files.items():
@@ -152,15 +164,12 @@ def _run(request: Mapping[str, object]) -> int:
                 return 1
         cwd = str(request.get("cwd") or "")
         child = subprocess.Popen(
-            [sys.executable, "-m", "elasticps", *args],
+            [*program, *args],
             env=env,
             stdin=subprocess.DEVNULL,
             cwd=cwd if cwd and os.path.isdir(cwd) else None,
             start_new_session=True,
         )
-        silence_s = request.get("silence_s", 0)
-        if not isinstance(silence_s, (int, float)) or silence_s < 0:
-            raise ValueError("silence_s must be a number >= 0")
         return _supervise(child, float(silence_s))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -224,9 +233,16 @@ def _supervise(child: subprocess.Popen[bytes], silence_s: float) -> int:
     return code if code >= 0 else 128 - code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Serve one request from standard input (see the module docstring)."""
-    del argv
+def main(program: Sequence[str] | None = None) -> int:
+    """Serve one request from standard input (see the module docstring).
+
+    Args:
+        program: what a ``run`` request's arguments are given to; by default
+            ``python -m elasticps``.
+
+    Returns:
+        The exit status: the role's, 0 after a ``check``, 2 for a bad request.
+    """
     line = sys.stdin.buffer.readline(MAX_REQUEST_BYTES + 1)
     try:
         if len(line) > MAX_REQUEST_BYTES:
@@ -245,14 +261,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(json.dumps({"problems": problems, "host": socket.gethostname()}), flush=True)
             return 0
-        return _run(request)
+        return _run(request, program or (sys.executable, "-m", "elasticps"))
     except ValueError as exc:
         print(f"elasticps: error: bad request from the launcher: {exc}", flush=True)
         return 2
 
 
-if __name__ == "__main__":
-    status = main()
+def exit_with(program: Sequence[str] | None = None) -> NoReturn:
+    """:func:`main`, then exit with its status at once.
+
+    There is no interpreter shutdown: the control thread may still be
+    blocked reading standard input, which Python cannot finalize.
+    """
+    status = main(program)
     sys.stdout.flush()
-    # No interpreter shutdown: the control thread may be blocked reading stdin.
     os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_with()
