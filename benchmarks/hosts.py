@@ -1,0 +1,196 @@
+"""Jobs across hosts: the main job on three namespace hosts against one machine, and host loss.
+
+Makes three hosts in network namespaces (:class:`elasticps.testing.hosts.NamespaceHosts`:
+own network stack, hostname and sshd each, one file system), then prints one
+JSON line per run and a summary line:
+
+- ``case: "main-job"``: the README's main job (MNIST CNN, 2 trainers, 2 PS,
+  sync, ``--epochs``), alternately on this machine (``where: "one-machine"``)
+  and with ``--hosts`` over ssh (``where: "3-hosts"``), ``--reps`` times each:
+  ``samples_per_s`` is the job's ``samples_trained`` over its ``wall_s``
+  (launch to final checkpoint), ``accuracy`` its test accuracy.
+- ``case: "host-loss"``: the audit model (one counter per record, async or
+  sync) on the hosts; once a shard checkpoint exists, the host of the first
+  PS is killed (link down, every process SIGKILLed). ``to_first_gradient_s``
+  is the time from the kill to the re-placed PS's log line
+  ``first gradient accepted by this server``; ``exact`` says whether every
+  counter came out exact. ``to_restart_s`` is when the launcher saw the PS's
+  session end, ``to_ps_placed_s`` when it started the PS on another host.
+  ``start_s`` is the time from the launch to the first trained samples, and
+  ``training_samples_per_s`` the rate from then to the end (the launcher's
+  timeline in ``run.json``).
+- ``case: "summary"``: ``hosts_over_one_machine`` and
+  ``training_hosts_over_one_machine``, the ratios of the medians.
+
+The hosts share this machine's cores: the ratio shows the cost of ssh, TCP
+between network namespaces and placement, not the gain of more machines.
+
+Usage (as root, with ``scripts/install-system-packages.sh`` run)::
+
+    .venv/bin/python benchmarks/hosts.py                # 3 reps, 5 epochs
+    .venv/bin/python benchmarks/hosts.py --quick        # 1 rep, 1 epoch, one host loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elasticps.testing import kill_leftovers, wait_for
+from elasticps.testing.audit import check_run, write_dataset
+from elasticps.testing.hosts import NamespaceHosts, unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+_RESTART = re.compile(r"^(\S+ \S+) INFO .*ps-\d+ \(pid \d+\) exit 255; restarting", re.MULTILINE)
+_PLACED = re.compile(r"^(\S+ \S+) INFO train elasticps.launcher.ssh: started ps on", re.MULTILINE)
+_FIRST = re.compile(r"^(\S+ \S+) INFO ps \S+: ps \d+: first gradient accepted", re.MULTILINE)
+
+
+def train(args: list[str], out: Path) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticps", "train", *args, "--output", str(out),
+         "--overwrite", "--no-progress"],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    kill_leftovers(out / "pids.json")
+    if proc.returncode != 0:
+        raise SystemExit(f"the job failed: {proc.stderr[-2000:]}")
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def timeline(out: Path) -> tuple[float, float]:
+    """From the launcher's timeline in ``run.json``: seconds from the start to the first
+    trained samples, and samples/s from then to the end."""
+    points = json.loads((out / "run.json").read_text())["timeline"]
+    first = next(p for p in points if p[2] > 0)
+    last = points[-1]
+    rate = (last[2] - first[2]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+    return round(first[0] - points[0][0], 2), round(rate, 1)
+
+
+def _stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def main_job(
+    hosts: NamespaceHosts, host_file: Path, work: Path, epochs: int, reps: int
+) -> tuple[float, float]:
+    data = work / "mnist"
+    subprocess.run([sys.executable, "-m", "elasticps", "data", "mnist", "--output", str(data)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    job = ["--model", str(ROOT / "examples" / "mnist_cnn.py"), "--data", str(data),
+           "--trainers", "2", "--ps", "2", "--mode", "sync", "--epochs", str(epochs)]  # fmt: skip
+    over_ssh = ["--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)]
+    rates: dict[str, list[float]] = {"one-machine": [], "3-hosts": []}
+    training: dict[str, list[float]] = {"one-machine": [], "3-hosts": []}
+    for rep in range(reps):
+        for where, extra in (("one-machine", []), ("3-hosts", over_ssh)):
+            result = train([*job, *extra], work / where)
+            rate = float(str(result["samples_trained"])) / float(str(result["wall_s"]))
+            rates[where].append(rate)
+            start_s, training_rate = timeline(work / where)
+            training[where].append(training_rate)
+            print(json.dumps({"case": "main-job", "where": where, "rep": rep,
+                              "samples_per_s": round(rate, 1), "wall_s": result["wall_s"],
+                              "start_s": start_s, "training_samples_per_s": training_rate,
+                              "accuracy": result.get("accuracy")}), flush=True)  # fmt: skip
+    return (
+        statistics.median(rates["3-hosts"]) / statistics.median(rates["one-machine"]),
+        statistics.median(training["3-hosts"]) / statistics.median(training["one-machine"]),
+    )
+
+
+def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> None:
+    audit = work / "audit"
+    if not audit.exists():
+        write_dataset(audit, 4000)
+    out = work / f"loss-{mode}"
+    epochs = 200
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticps", "train",
+         "--model", str(audit / "audit_model.py"), "--data", str(audit), "--output", str(out),
+         "--overwrite", "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
+         "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
+         "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
+         "--lease-ttl-s", "2", "--checkpoint-every-s", "1", "--no-progress",
+         "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
+            "a shard checkpoint",
+            timeout_s=120,
+            interval_s=0.05,
+        )
+        log = (out / "logs" / "launcher.log").read_text()
+        victim = re.findall(r"started ps on (h\d+)", log)[0]
+        killed_at = time.time()
+        hosts.cut_link(victim)
+        hosts.kill_host(victim)
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_leftovers(out / "pids.json")
+        hosts.restore_link(victim)
+        hosts.revive(victim)
+    if proc.returncode != 0:
+        raise SystemExit(f"the host-loss job failed: {stderr[-2000:]}")
+    firsts = []
+    for path in (out / "logs").glob("ps-*.log"):
+        for stamp in _FIRST.findall(path.read_text()):
+            when = _stamp(stamp)
+            if when > killed_at:
+                firsts.append(when)
+    log = (out / "logs" / "launcher.log").read_text()
+    seen = [_stamp(m) for m in _RESTART.findall(log)]
+    placed = [_stamp(m) for m in _PLACED.findall(log) if _stamp(m) > killed_at]
+    # The re-placed PS's first gradient (a surviving PS may log its own again).
+    firsts = [when for when in firsts if placed and when > min(placed)]
+    audit_result = check_run(out)
+    print(json.dumps({"case": "host-loss", "mode": mode, "host": victim,
+                      "to_restart_s": round(min(seen) - killed_at, 2) if seen else None,
+                      "to_ps_placed_s": round(min(placed) - killed_at, 2) if placed else None,
+                      "to_first_gradient_s": round(min(firsts) - killed_at, 2) if firsts else None,
+                      "exact": audit_result.exactly_once,
+                      "samples_trained": json.loads(stdout.splitlines()[-1])["samples_trained"]}),
+          flush=True)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="1 rep, 1 epoch, one host loss")
+    args = parser.parse_args()
+    why = unavailable()
+    if why is not None:
+        print(json.dumps({"case": "skipped", "why": why}))
+        return 0
+    reps, epochs = (1, 1) if args.quick else (args.reps, args.epochs)
+    with tempfile.TemporaryDirectory(prefix="eps-bench-hosts-") as tmp, NamespaceHosts(3) as hosts:
+        work = Path(tmp)
+        host_file = work / "hosts.txt"
+        host_file.write_text("".join(f"{name} slots=3\n" for name in hosts.hosts))
+        ratio, training_ratio = main_job(hosts, host_file, work, epochs, reps)
+        for mode in ("async",) if args.quick else ("async", "sync"):
+            host_loss(hosts, host_file, work, mode)
+        summary = {"case": "summary", "hosts_over_one_machine": round(ratio, 3),
+                   "training_hosts_over_one_machine": round(training_ratio, 3)}  # fmt: skip
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
