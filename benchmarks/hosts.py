@@ -25,10 +25,17 @@ JSON line per run and a summary line:
 The hosts share this machine's cores: the ratio shows the cost of ssh, TCP
 between network namespaces and placement, not the gain of more machines.
 
+With ``--soak N`` it runs instead one long audit job (``--mode``) under N
+host faults, one every 8-15 s (``--seed``): a host killed (link down, every
+process SIGKILLed, back 10 s later as after a reboot) or its link cut for
+4-12 s, and prints the faults, the job's result and whether every counter
+came out exact (``case: "soak"``). A correctness test, not a measurement.
+
 Usage (as root, with ``scripts/install-system-packages.sh`` run)::
 
     .venv/bin/python benchmarks/hosts.py                # 3 reps, 5 epochs
     .venv/bin/python benchmarks/hosts.py --quick        # 1 rep, 1 epoch, one host loss
+    .venv/bin/python benchmarks/hosts.py --soak 20 --mode async --seed 1
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import re
 import statistics
 import subprocess
@@ -168,11 +176,89 @@ def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> 
           flush=True)  # fmt: skip
 
 
+def soak(
+    hosts: NamespaceHosts, host_file: Path, work: Path, *, mode: str, faults: int, seed: int
+) -> None:
+    rng = random.Random(seed)
+    audit = work / "audit"
+    write_dataset(audit, 4000)
+    out = work / "soak"
+    epochs = faults * 70  # about 0.15 s a pass: the job outlasts the faults
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticps", "train",
+         "--model", str(audit / "audit_model.py"), "--data", str(audit), "--output", str(out),
+         "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
+         "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
+         "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
+         "--lease-ttl-s", "2", "--checkpoint-every-s", "1", "--max-restarts", "100",
+         "--no-progress", "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    done: list[dict[str, object]] = []
+    started = time.monotonic()
+    try:
+        wait_for(
+            lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
+            "a shard checkpoint",
+            timeout_s=120,
+            interval_s=0.1,
+        )
+        for _ in range(faults):
+            time.sleep(rng.uniform(8, 15))
+            if proc.poll() is not None:
+                break
+            name = rng.choice(sorted(hosts.hosts))
+            at = round(time.monotonic() - started, 1)
+            if rng.random() < 0.5:
+                hosts.cut_link(name)
+                hosts.kill_host(name)
+                time.sleep(10)
+                hosts.restore_link(name)
+                hosts.revive(name)
+                done.append({"at_s": at, "fault": "kill", "host": name})
+            else:
+                cut_s = rng.uniform(4, 12)
+                hosts.cut_link(name)
+                time.sleep(cut_s)
+                hosts.restore_link(name)
+                done.append({"at_s": at, "fault": "cut", "host": name, "for_s": round(cut_s, 1)})
+        stdout, stderr = proc.communicate(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_leftovers(out / "pids.json")
+        for name in hosts.hosts:
+            hosts.restore_link(name)
+            hosts.revive(name)
+    result = json.loads(stdout.splitlines()[-1]) if proc.returncode == 0 else None
+    record = json.loads((out / "run.json").read_text())
+    audit_result = check_run(out) if proc.returncode == 0 else None
+    print(json.dumps({
+        "case": "soak", "mode": mode, "seed": seed, "rc": proc.returncode,
+        "faults": done, "kills": sum(f["fault"] == "kill" for f in done),
+        "cuts": sum(f["fault"] == "cut" for f in done),
+        "restarts": record.get("restarts"), "wall_s": round(time.monotonic() - started, 1),
+        "passes": epochs, "result": result,
+        "audit": audit_result.as_dict() if audit_result else None,
+        "error": stderr.strip().splitlines()[-1] if proc.returncode else "",
+    }), flush=True)  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="1 rep, 1 epoch, one host loss")
+    parser.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: one audit job under N host faults",
+    )
+    parser.add_argument("--mode", choices=("sync", "async"), default="async")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     why = unavailable()
     if why is not None:
@@ -183,6 +269,9 @@ def main() -> int:
         work = Path(tmp)
         host_file = work / "hosts.txt"
         host_file.write_text("".join(f"{name} slots=3\n" for name in hosts.hosts))
+        if args.soak:
+            soak(hosts, host_file, work, mode=args.mode, faults=args.soak, seed=args.seed)
+            return 0
         ratio, training_ratio = main_job(hosts, host_file, work, epochs, reps)
         for mode in ("async",) if args.quick else ("async", "sync"):
             host_loss(hosts, host_file, work, mode)
