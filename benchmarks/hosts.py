@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 from elasticps.testing import kill_leftovers, wait_for
-from elasticps.testing.audit import check_run, write_dataset
+from elasticps.testing.audit import check_run, train_args, write_dataset
 from elasticps.testing.hosts import NamespaceHosts, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +117,16 @@ def main_job(
     )
 
 
+def wait_for_checkpoint(out: Path) -> None:
+    """Wait until the job in ``out`` has written its first shard checkpoint."""
+    wait_for(
+        lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
+        "a shard checkpoint",
+        timeout_s=120,
+        interval_s=0.05,
+    )
+
+
 def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> None:
     audit = work / "audit"
     if not audit.exists():
@@ -124,22 +134,13 @@ def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> 
     out = work / f"loss-{mode}"
     epochs = 200
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticps", "train",
-         "--model", str(audit / "audit_model.py"), "--data", str(audit), "--output", str(out),
-         "--overwrite", "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
-         "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
-         "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
-         "--lease-ttl-s", "2", "--checkpoint-every-s", "1", "--no-progress",
+        [sys.executable, "-m", "elasticps", "train", *train_args(audit, out, mode, epochs),
+         "--overwrite", "--no-progress",
          "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        wait_for(
-            lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
-            "a shard checkpoint",
-            timeout_s=120,
-            interval_s=0.05,
-        )
+        wait_for_checkpoint(out)
         log = (out / "logs" / "launcher.log").read_text()
         victim = re.findall(r"started ps on (h\d+)", log)[0]
         killed_at = time.time()
@@ -185,24 +186,15 @@ def soak(
     out = work / "soak"
     epochs = faults * 70  # about 0.15 s a pass: the job outlasts the faults
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticps", "train",
-         "--model", str(audit / "audit_model.py"), "--data", str(audit), "--output", str(out),
-         "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
-         "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
-         "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
-         "--lease-ttl-s", "2", "--checkpoint-every-s", "1", "--max-restarts", "100",
-         "--no-progress", "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)],
+        [sys.executable, "-m", "elasticps", "train", *train_args(audit, out, mode, epochs),
+         "--max-restarts", "100", "--no-progress",
+         "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     done: list[dict[str, object]] = []
     started = time.monotonic()
     try:
-        wait_for(
-            lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
-            "a shard checkpoint",
-            timeout_s=120,
-            interval_s=0.1,
-        )
+        wait_for_checkpoint(out)
         for _ in range(faults):
             time.sleep(rng.uniform(8, 15))
             if proc.poll() is not None:

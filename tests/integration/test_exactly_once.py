@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elasticps.testing import run_train
-from elasticps.testing.audit import AuditResult, check_run, write_dataset
+from elasticps.testing.audit import AuditResult, check_run, train_args, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -49,11 +49,7 @@ def run_audit(
     timeout_s: float = JOB_TIMEOUT_S,
 ) -> tuple[dict[str, object], AuditResult]:
     args = [
-        "--model", str(audit_dir / "audit_model.py"), "--data", str(audit_dir),
-        "--output", str(out), "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
-        "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
-        "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
-        "--lease-ttl-s", "2", "--checkpoint-every-s", "1",
+        *train_args(audit_dir, out, mode, epochs),
         *(["--chaos", chaos] if chaos else []), *extra,
     ]  # fmt: skip
     line, stderr = run_train(args, pids_file=out / "pids.json", timeout_s=timeout_s, env=env)

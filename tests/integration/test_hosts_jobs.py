@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from elasticps.testing import kill_leftovers, wait_for
-from elasticps.testing.audit import check_run, write_dataset
+from elasticps.testing.audit import check_run, train_args, write_dataset
 from elasticps.testing.hosts import NamespaceHosts, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -124,16 +124,6 @@ def test_the_cnn_job_trains_across_hosts_as_on_one_machine(
     assert json.loads((out / "run.json").read_text())["etcd"].startswith(hosts.gateway)
 
 
-def audit_job(audit_dir: Path, out: Path, mode: str, epochs: int) -> list[str]:
-    return [
-        "--model", str(audit_dir / "audit_model.py"), "--data", str(audit_dir),
-        "--output", str(out), "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
-        "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
-        "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
-        "--lease-ttl-s", "2", "--checkpoint-every-s", "1",
-    ]  # fmt: skip
-
-
 def start_job(args: list[str], out: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "elasticps", "train", *args, "--no-progress"],
@@ -179,7 +169,7 @@ def test_a_dead_host_costs_no_update(
 ) -> None:
     epochs = 200
     out = tmp_path / "run"
-    proc = start_job([*audit_job(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
+    proc = start_job([*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
     victim = first_ps_host(out)
     hosts.cut_link(victim)  # the machine dies: off the network, every process killed
     killed = hosts.kill_host(victim)
@@ -197,7 +187,7 @@ def test_a_host_cut_off_past_its_lease_is_fenced_when_it_returns(
 ) -> None:
     epochs = 200
     out = tmp_path / "run"
-    proc = start_job([*audit_job(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
+    proc = start_job([*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
     victim = first_ps_host(out)
     hosts.cut_link(victim)
     # Its PS is re-placed on another host: the lease (2 s) expired long before.
@@ -257,7 +247,7 @@ def test_the_preflight_names_what_a_host_cannot_read(
     hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    args = [*audit_job(audit_dir, out, "sync", 1), *over_ssh(hosts, host_file)]
+    args = [*train_args(audit_dir, out, "sync", 1), *over_ssh(hosts, host_file)]
     args += ["--remote-python", "/nonexistent/python"]
     rc, _, err = train(args, out, timeout_s=120)
     assert rc == 2, err[-2000:]
@@ -272,7 +262,7 @@ def test_a_host_file_naming_an_unknown_host_is_refused_before_anything_starts(
     bad = tmp_path / "hosts.txt"
     bad.write_text("nosuchhost.invalid slots=2\n")
     out = tmp_path / "run"
-    args = [*audit_job(audit_dir, out, "sync", 1), "--hosts", str(bad),
+    args = [*train_args(audit_dir, out, "sync", 1), "--hosts", str(bad),
             "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
     rc, _, err = train(args, out, timeout_s=60)
     assert rc == 2, err[-2000:]

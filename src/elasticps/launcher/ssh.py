@@ -46,6 +46,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -134,8 +135,12 @@ class SshOptions:
         if self.silence_s < 2 * self.alive_interval_s:
             raise ConfigError("the silence before a role stops must be >= 2 alive intervals")
 
-    def argv(self, host: HostSpec, *command: str) -> list[str]:
-        """``ssh`` with these options, to run ``command`` (a shell command line) on ``host``."""
+    def argv(
+        self, host: HostSpec, *command: str, connect_timeout_s: float | None = None
+    ) -> list[str]:
+        """``ssh`` with these options, to run ``command`` (a shell command line) on ``host``;
+        ``connect_timeout_s`` replaces :attr:`connect_timeout_s` for this command."""
+        timeout_s = self.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
         argv = ["ssh"]
         if self.config is not None:
             argv += ["-F", str(self.config)]
@@ -143,7 +148,7 @@ class SshOptions:
             "-o", "BatchMode=yes",
             "-o", f"ServerAliveInterval={max(1, round(self.alive_interval_s))}",
             "-o", f"ServerAliveCountMax={self.alive_count}",
-            "-o", f"ConnectTimeout={max(1, round(self.connect_timeout_s))}",
+            "-o", f"ConnectTimeout={max(1, round(timeout_s))}",
         ]  # fmt: skip
         if host.ssh_port is not None:
             argv += ["-p", str(host.ssh_port)]
@@ -151,8 +156,6 @@ class SshOptions:
 
     def python(self) -> str:
         """The interpreter to run on the hosts."""
-        import sys
-
         return self.remote_python or sys.executable
 
 
@@ -503,8 +506,9 @@ class SshSpawner:
         """The host for a new ``kind`` role (the lock is held)."""
         self._prune()
         up = [h for h in self._hosts if self._is_up(h.name)]
+        up_names = {h.name for h in up}
         placed = {f"{live.kind}-{i}": live.host for i, live in self._live.items()
-                  if live.host in {h.name for h in up}}  # fmt: skip
+                  if live.host in up_names}  # fmt: skip
         try:
             return place(up, [f"{kind}-new"], placed)[f"{kind}-new"]
         except ConfigError as exc:
@@ -547,10 +551,7 @@ class SshSpawner:
         return True
 
     def _probe(self, name: str) -> bool:
-        argv = self._options.argv(self._by_name[name], "true")
-        argv[argv.index(f"ConnectTimeout={max(1, round(self._options.connect_timeout_s))}")] = (
-            f"ConnectTimeout={_PROBE_TIMEOUT_S}"
-        )
+        argv = self._options.argv(self._by_name[name], "true", connect_timeout_s=_PROBE_TIMEOUT_S)
         timeout_s = _PROBE_TIMEOUT_S + 5
         try:
             done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)

@@ -163,6 +163,28 @@ def model_file() -> Path:
     return Path(__file__)
 
 
+def train_args(data: Path, out: Path, mode: str, epochs: int) -> list[str]:
+    """``elasticps train`` arguments of the audit job the tests and soaks run.
+
+    The settings that make the +1 exact (see the module docstring), 3 trainers
+    and 2 PS over the counters, 200 records a task, a 2 s lease and a shard
+    checkpoint every second.
+
+    Args:
+        data: a directory made by :func:`write_dataset`.
+        out: the job's ``--output``.
+        mode: ``sync`` or ``async``.
+        epochs: passes.
+    """
+    return [
+        "--model", str(data / "audit_model.py"), "--data", str(data),
+        "--output", str(out), "--optimizer", "sgd", "--lr", "1", "--sync-reduction", "sum",
+        "--push-every", "1", "--big-array-bound", "500", "--trainers", "3", "--ps", "2",
+        "--mode", mode, "--epochs", str(epochs), "--records-per-task", "200",
+        "--lease-ttl-s", "2", "--checkpoint-every-s", "1",
+    ]  # fmt: skip
+
+
 def write_dataset(out: Path, records: int, *, row_group_size: int = 100) -> None:
     """Write an audit data set: ``train.parquet`` (indices 0..records-1) and this model file.
 
