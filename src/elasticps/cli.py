@@ -68,7 +68,13 @@ from elasticps.jobfile import CONFIG_FILE, config_toml, resolved_config
 from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
 from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.launcher.supervisor import exit_status_for
-from elasticps.logs import active_log_file, environment_log_file, file_only, log_to_file
+from elasticps.logs import (
+    NonBlockingStream,
+    active_log_file,
+    environment_log_file,
+    file_only,
+    log_to_file,
+)
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
 from elasticps.storage import Location, is_url, path_or_url
 
@@ -1622,9 +1628,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     after an internal failure (one ``elasticps: internal error:`` line naming
     the log with the traceback).
     """
+    stderr = sys.stderr
     try:
         args = parse_args(argv)
         role = os.environ.get("ELASTICPS_ROLE", args.command)
+        if args.command == "train":
+            # The launcher supervises the job from the threads that write its
+            # terminal lines: a terminal that stops reading must not stop them.
+            sys.stderr = NonBlockingStream(stderr)
         logging.basicConfig(
             level=str(args.log_level).upper(),
             format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
@@ -1640,6 +1651,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except Exception as exc:
         return _internal_failure(exc)
+    finally:
+        if isinstance(sys.stderr, NonBlockingStream):
+            sys.stderr.drain(timeout_s=10.0)
+            sys.stderr = stderr
 
 
 def _internal_failure(exc: Exception) -> int:

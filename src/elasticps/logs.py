@@ -16,15 +16,20 @@ waits in the file for a bug report.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
+import queue
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 __all__ = [
     "DEFAULT_FORMAT",
     "LOG_FILE_ENV",
+    "NonBlockingStream",
     "OneLineFormatter",
     "active_log_file",
     "environment_log_file",
@@ -159,3 +164,104 @@ def environment_log_file() -> Path | None:
     """The log file ``ELASTICPS_LOG_FILE`` names, or None."""
     value = os.environ.get(LOG_FILE_ENV, "")
     return Path(value) if value else None
+
+
+class NonBlockingStream(io.TextIOBase):
+    """A text stream whose writes never block the writing thread: one thread copies them out.
+
+    The launcher writes its terminal lines from the threads that supervise the
+    job. When the terminal, or the pipe that stands for it, stops reading, a
+    plain write blocks as soon as the pipe's buffer is full (64 KiB on Linux),
+    and supervision would stop with it: no dead host noticed, no PS restarted.
+    Here a write is queued and returns at once; a daemon thread writes the
+    queue to ``target`` in order. When ``max_queued`` writes are waiting, later
+    ones are dropped and counted, and once ``target`` takes writes again a line
+    says how many were lost (the log file keeps every record).
+
+    Args:
+        target: the stream written to (normally ``sys.stderr``).
+        max_queued: how many writes may wait; at least 1.
+
+    Raises:
+        ValueError: ``max_queued`` < 1.
+    """
+
+    def __init__(self, target: IO[str], max_queued: int = 10_000) -> None:
+        super().__init__()
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        self.target = target
+        self._queue: queue.Queue[str] = queue.Queue(max_queued)
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._copy, name="terminal-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """How many writes were dropped so far because ``max_queued`` were waiting."""
+        with self._lock:
+            return self._dropped
+
+    def write(self, text: str) -> int:
+        """Queue ``text``; returns ``len(text)`` even when it is dropped."""
+        if text:
+            try:
+                self._queue.put_nowait(text)
+            except queue.Full:
+                with self._lock:
+                    self._dropped += 1
+        return len(text)
+
+    def flush(self) -> None:
+        """Return at once: the writing thread flushes ``target`` after each write."""
+
+    def writable(self) -> bool:
+        """Always True."""
+        return True
+
+    def isatty(self) -> bool:
+        """Whether ``target`` is a terminal."""
+        return bool(getattr(self.target, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        """``target``'s file descriptor (for terminal-size queries)."""
+        return self.target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        """``target``'s encoding."""
+        return str(getattr(self.target, "encoding", None) or "utf-8")
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued write has reached ``target``, at most ``timeout_s`` seconds.
+
+        Returns:
+            Whether the queue emptied in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _copy(self) -> None:
+        reported = 0
+        while True:
+            text = self._queue.get()
+            try:
+                with self._lock:
+                    dropped = self._dropped
+                if dropped > reported:
+                    self.target.write(
+                        f"elasticps: {dropped - reported} line(s) not shown here: nothing read "
+                        "them in time (the log file has every record)\n"
+                    )
+                    reported = dropped
+                self.target.write(text)
+                self.target.flush()
+            except (OSError, ValueError):
+                pass  # a closed terminal: nothing to show it on
+            finally:
+                self._queue.task_done()
