@@ -121,3 +121,21 @@ def test_keys_reject_unsafe_ids() -> None:
         keys.task(-1)
     with pytest.raises(ConfigError):
         keys.checkpoint(-1)
+
+
+def test_parse_endpoints_splits_a_cluster_and_drops_duplicates() -> None:
+    from elasticps.coord.client import parse_endpoints
+
+    assert parse_endpoints("10.0.0.1:2379,http://10.0.0.2:2379, [::1]:2379,10.0.0.1:2379") == [
+        ("10.0.0.1", 2379),
+        ("10.0.0.2", 2379),
+        ("::1", 2379),
+    ]
+
+
+def test_parse_endpoints_refuses_an_empty_member() -> None:
+    from elasticps.coord.client import parse_endpoints
+    from elasticps.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="empty endpoint"):
+        parse_endpoints("10.0.0.1:2379,,10.0.0.2:2379")

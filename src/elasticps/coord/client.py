@@ -20,7 +20,7 @@ from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exceptions
 
 from elasticps.coord.etcd_server import parse_endpoint
-from elasticps.errors import CoordinationError
+from elasticps.errors import ConfigError, CoordinationError
 
 __all__ = [
     "ETCD_ERRORS",
@@ -34,6 +34,7 @@ __all__ = [
     "describe",
     "encode",
     "is_transient",
+    "parse_endpoints",
     "poll_delays",
     "sleep_until_next_poll",
 ]
@@ -45,6 +46,9 @@ ETCD_ERRORS: Final = (etcd_exceptions.Etcd3Exception, grpc.RpcError)
 POLL_MAX_S: Final = 0.05
 #: First sleep between two reads while waiting for a key, in seconds.
 POLL_MIN_S: Final = 0.005
+
+#: How long a member of a several-member etcd that failed a request is skipped, in seconds.
+_FAILOVER_RETRY_S: Final = 2.0
 
 #: Most operations etcd accepts in one transaction (its ``--max-txn-ops`` default).
 MAX_TXN_OPS: Final = 128
@@ -59,11 +63,41 @@ _GRPC_OPTIONS: Final = [
 ]
 
 
+def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
+    """Split a comma-separated list of etcd client endpoints (the members of one cluster).
+
+    Args:
+        endpoints: ``"host:port"`` or ``"http://host:port"``, or several of them
+            separated by commas (``"10.0.0.1:2379,10.0.0.2:2379"``).
+
+    Returns:
+        ``(host, port)`` of each, in order, without duplicates.
+
+    Raises:
+        ConfigError: the list is empty or an endpoint is malformed.
+    """
+    parsed: list[tuple[str, int]] = []
+    for part in endpoints.split(","):
+        if not part.strip():
+            raise ConfigError(f"etcd endpoints {endpoints!r}: an empty endpoint")
+        address = parse_endpoint(part)
+        if address not in parsed:
+            parsed.append(address)
+    return parsed
+
+
 def connect(endpoint: str, timeout_s: float) -> Any:
     """A pyetcd client of the etcd at ``endpoint``, once its channel is ready.
 
+    With several endpoints (the members of one etcd cluster), the client
+    starts on the first member that answers, and a request that fails with
+    ``UNAVAILABLE`` or ``DEADLINE_EXCEEDED`` marks its member failed for
+    :data:`_FAILOVER_RETRY_S` seconds, so that the caller's retry goes to
+    another member (pyetcd's failover).
+
     Args:
-        endpoint: ``"host:port"`` or ``"http://host:port"``.
+        endpoint: ``"host:port"`` or ``"http://host:port"``, or several
+            separated by commas.
         timeout_s: how long to wait for etcd to answer, and the deadline of
             every request made with the client, in seconds.
 
@@ -72,29 +106,43 @@ def connect(endpoint: str, timeout_s: float) -> Any:
 
     Raises:
         ConfigError: the endpoint is malformed.
-        CoordinationError: etcd did not answer within ``timeout_s``.
+        CoordinationError: no member answered within ``timeout_s``.
     """
-    host, port = parse_endpoint(endpoint)
+    addresses = parse_endpoints(endpoint)
     # pyetcd marks an endpoint "failed" after one UNAVAILABLE error and then
     # refuses to use it for time_retry seconds (300 by default); with a single
     # endpoint that would make an etcd restart fatal. Retry at once instead.
-    ep = pyetcd.Endpoint(
-        f"[{host}]" if ":" in host else host,
-        port,
-        secure=False,
-        time_retry=0.0,
-        opts=_GRPC_OPTIONS,
+    # With several members, skip a failed one briefly, so the next try fails over.
+    time_retry = 0.0 if len(addresses) == 1 else _FAILOVER_RETRY_S
+    eps = [
+        pyetcd.Endpoint(
+            f"[{host}]" if ":" in host else host,
+            port,
+            secure=False,
+            time_retry=time_retry,
+            opts=_GRPC_OPTIONS,
+        )
+        for host, port in addresses
+    ]
+    client = pyetcd.MultiEndpointEtcd3Client(
+        endpoints=eps, timeout=timeout_s, failover=len(eps) > 1
     )
-    client = pyetcd.MultiEndpointEtcd3Client(endpoints=[ep], timeout=timeout_s)
-    ready = grpc.channel_ready_future(ep.channel)
-    try:
-        ready.result(timeout=timeout_s)
-    except grpc.FutureTimeoutError as exc:
-        ready.cancel()
+    futures = {ep.netloc: grpc.channel_ready_future(ep.channel) for ep in eps}
+    deadline = time.monotonic() + timeout_s
+    ready = None
+    while ready is None and time.monotonic() < deadline:
+        ready = next((label for label, f in futures.items() if f.done()), None)
+        if ready is None:
+            time.sleep(0.01)
+    for future in futures.values():
+        future.cancel()
+    if ready is None:
         client.close()
         raise CoordinationError(
             f"etcd at {endpoint} did not answer within {timeout_s:g} s; is it running?"
-        ) from exc
+        )
+    # Start on a member that answers (pyetcd picks one at random).
+    client._current_endpoint_label = ready
     return client
 
 
