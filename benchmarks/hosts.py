@@ -30,6 +30,8 @@ host faults, one every 8-15 s (``--seed``): a host killed (link down, every
 process SIGKILLed, back 10 s later as after a reboot) or its link cut for
 4-12 s, and prints the faults, the job's result and whether every counter
 came out exact (``case: "soak"``). A correctness test, not a measurement.
+``--workdir DIR`` keeps the jobs' outputs and logs (default: a temporary
+directory, removed).
 
 Usage (as root, with ``scripts/install-system-packages.sh`` run)::
 
@@ -41,6 +43,7 @@ Usage (as root, with ``scripts/install-system-packages.sh`` run)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import random
@@ -185,11 +188,13 @@ def soak(
     write_dataset(audit, 4000)
     out = work / "soak"
     epochs = faults * 70  # about 0.15 s a pass: the job outlasts the faults
+    # The launcher's stderr goes to a file: a pipe nobody reads during the soak fills up.
+    stderr_file = (work / "soak-stderr.txt").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "elasticps", "train", *train_args(audit, out, mode, epochs),
          "--max-restarts", "100", "--no-progress",
          "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=stderr_file, text=True,
     )  # fmt: skip
     done: list[dict[str, object]] = []
     started = time.monotonic()
@@ -214,7 +219,7 @@ def soak(
                 time.sleep(cut_s)
                 hosts.restore_link(name)
                 done.append({"at_s": at, "fault": "cut", "host": name, "for_s": round(cut_s, 1)})
-        stdout, stderr = proc.communicate(timeout=1800)
+        stdout, _ = proc.communicate(timeout=1800)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -223,6 +228,9 @@ def soak(
         for name in hosts.hosts:
             hosts.restore_link(name)
             hosts.revive(name)
+        stderr_file.seek(0)
+        stderr = stderr_file.read()
+        stderr_file.close()
     result = json.loads(stdout.splitlines()[-1]) if proc.returncode == 0 else None
     record = json.loads((out / "run.json").read_text())
     audit_result = check_run(out) if proc.returncode == 0 else None
@@ -251,14 +259,22 @@ def main() -> int:
     )
     parser.add_argument("--mode", choices=("sync", "async"), default="async")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="keep the jobs' outputs and logs here"
+    )
     args = parser.parse_args()
     why = unavailable()
     if why is not None:
         print(json.dumps({"case": "skipped", "why": why}))
         return 0
     reps, epochs = (1, 1) if args.quick else (args.reps, args.epochs)
-    with tempfile.TemporaryDirectory(prefix="eps-bench-hosts-") as tmp, NamespaceHosts(3) as hosts:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eps-bench-hosts-")))
+        else:
+            work = args.workdir
+            work.mkdir(parents=True, exist_ok=True)
+        hosts = stack.enter_context(NamespaceHosts(3))
         host_file = work / "hosts.txt"
         host_file.write_text("".join(f"{name} slots=3\n" for name in hosts.hosts))
         if args.soak:
