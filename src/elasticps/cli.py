@@ -23,6 +23,7 @@ master or a parameter server exits with 75 (``EX_TEMPFAIL``, see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -456,6 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --hosts: this machine's address for the hosts (default: its address on "
         "its route to the first host)",
     )
+    hosts.add_argument(
+        "--etcd-replicas",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="with --hosts: 3 runs etcd as three members on the first three hosts, so that "
+        "losing one host loses nothing (default 1: one etcd on this machine)",
+    )
     train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
@@ -739,6 +748,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         ssh_config=args.ssh_config,
         remote_python=args.remote_python,
         advertise_address=args.advertise_address,
+        etcd_replicas=args.etcd_replicas,
     )
 
 
@@ -890,12 +900,38 @@ def _cmd_train(args: argparse.Namespace) -> int:
         config.job, config.etcd_port, host=hosts.advertise if hosts else "127.0.0.1"
     )
     try:
+        if config.etcd_replicas > 1 and hosts is not None:
+            addresses = hosts.check(config, None)  # the members start on the hosts later
+            return _train_locally(config, files, scratch, hosts, addresses)
         scratch.etcd.spawn()
         if hosts is not None:
             hosts.check(config, scratch.etcd.endpoint)
         return _train_locally(config, files, scratch, hosts)
     finally:
         scratch.close()
+
+
+def _hosts_etcd(
+    config: JobConfig,
+    scratch: JobScratch,
+    hosts: JobHosts,
+    spawner: object,
+    addresses: dict[str, str],
+) -> JobScratch:
+    """``scratch`` with the job's etcd as three members on the first three hosts."""
+    from elasticps.launcher.etcd_hosts import HostsEtcd
+    from elasticps.launcher.ssh import SshSpawner
+
+    assert isinstance(spawner, SshSpawner)
+    etcd = HostsEtcd(
+        spawner,
+        [h.name for h in hosts.hosts],
+        addresses,
+        scratch.path.name,
+        client_port=config.etcd_port,
+    )
+    etcd.spawn()
+    return dataclasses.replace(scratch, etcd=etcd)
 
 
 def _job_hosts(config: JobConfig) -> JobHosts | None:
@@ -912,7 +948,11 @@ def _job_hosts(config: JobConfig) -> JobHosts | None:
 
 
 def _train_locally(
-    config: JobConfig, files: dict[str, str], scratch: JobScratch, hosts: JobHosts | None = None
+    config: JobConfig,
+    files: dict[str, str],
+    scratch: JobScratch,
+    hosts: JobHosts | None = None,
+    etcd_addresses: dict[str, str] | None = None,
 ) -> int:
     from elasticps.launcher.spawn import Spawner, start_spawner
 
@@ -922,7 +962,11 @@ def _train_locally(
     with start_spawner(config.spawn, inline_entry=main) as local:
         from elasticps.launcher.local import LocalLauncher, sigterm_as_interrupt
 
-        spawner: Spawner = local if hosts is None else hosts.spawner(local)
+        spawner: Spawner = local
+        if hosts is not None:
+            spawner = hosts.spawner(local)
+            if etcd_addresses is not None:
+                scratch = _hosts_etcd(config, scratch, hosts, spawner, etcd_addresses)
         launcher = LocalLauncher(config, spawner=spawner, files=files, scratch=scratch)
         with sigterm_as_interrupt():
             try:
@@ -933,6 +977,8 @@ def _train_locally(
                     "elasticps: interrupted; every process of the job was stopped", file=sys.stderr
                 )
                 return 130
+            finally:
+                scratch.etcd.stop()
     line: dict[str, object] = {
         **({"state": result.state} if result.state != "finished" else {}),
         "checkpoint": config.output_url or str(result.output),
@@ -1317,6 +1363,7 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--ssh-config": "Kubernetes places the pods on its nodes",
     "--remote-python": "the pods run the image's Python",
     "--advertise-address": "the pods reach etcd and the master by their Services",
+    "--etcd-replicas": "it places etcd members on --hosts hosts",
     "--no-progress": "submit shows no progress bar",
     "--etcd-port": "use --etcd-endpoints, or the job's own etcd pod",
     "--max-restarts": "Kubernetes restarts the master and etcd pods, and the master's worker "

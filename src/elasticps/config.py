@@ -682,6 +682,9 @@ class JobConfig:
         advertise_address: with ``hosts_file``, this machine's address that the
             hosts reach etcd and the master at; empty: its address on its route
             to the first host.
+        etcd_replicas: with ``hosts_file``, 3 runs the job's etcd as three
+            members on the first three hosts (:mod:`elasticps.launcher.etcd_hosts`);
+            1: one etcd on this machine.
     """
 
     job: str
@@ -740,9 +743,14 @@ class JobConfig:
     ssh_config: Path | None = None
     remote_python: str = ""
     advertise_address: str = ""
+    etcd_replicas: int = 1
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.etcd_replicas not in (1, 3):
+            raise ConfigError(f"--etcd-replicas must be 1 or 3, got {self.etcd_replicas}")
+        if self.etcd_replicas != 1 and self.hosts_file is None:
+            raise ConfigError("--etcd-replicas 3 needs --hosts: its members run on three hosts")
         if self.hosts_file is None and (
             self.ssh_config is not None or self.remote_python or self.advertise_address
         ):

@@ -21,12 +21,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Protocol, Self
 
 from elasticps.errors import ConfigError, CoordinationError, PortInUseError
 from elasticps.netutil import LOOPBACK, check_port_free, die_with_parent_prefix, free_port
 
-__all__ = ["EtcdServer", "EtcdServerConfig", "etcd_binary", "parse_endpoint"]
+__all__ = ["EtcdProcess", "EtcdServer", "EtcdServerConfig", "etcd_binary", "parse_endpoint"]
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +64,50 @@ _TUNING_FLAGS = (
     "--quota-backend-bytes",
     str(2 * 1024**3),
 )
+
+
+class EtcdProcess(Protocol):
+    """What a launcher needs of the job's etcd: :class:`EtcdServer` (one member here), or
+    :class:`~elasticps.launcher.etcd_hosts.HostsEtcd` (three members on the hosts)."""
+
+    @property
+    def endpoint(self) -> str:
+        """The client endpoint(s), comma-separated."""
+        ...
+
+    @property
+    def pid(self) -> int | None:
+        """A local PID that stands for it, or None."""
+        ...
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it died by itself, else None."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether it runs (for a cluster: whether a quorum runs)."""
+        ...
+
+    def spawn(self) -> None:
+        """Start it and return at once."""
+        ...
+
+    def start(self) -> None:
+        """Start it and wait until it answers; raises CoordinationError."""
+        ...
+
+    def restart(self) -> None:
+        """Start it again on its data; raises CoordinationError."""
+        ...
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop it; idempotent."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL it (fault injection)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from tqdm import tqdm
 from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
-from elasticps.coord.etcd_server import EtcdServer
+from elasticps.coord.etcd_server import EtcdProcess
 from elasticps.coord.store import JobStore, is_transient
 from elasticps.data.kafka import load_client_config
 from elasticps.data.parquet import (
@@ -279,7 +279,7 @@ class LocalLauncher:
         self.timeline: list[tuple[float, int, int]] = []
         self._pid_log: dict[str, int] = {}
         self._workdir: Path | None = None  # the job's temporary directory, while it runs
-        self._etcd: EtcdServer | None = None
+        self._etcd: EtcdProcess | None = None
         self._store: JobStore | None = None
         self._etcd_restarts = 0
         self._etcd_pid: int | None = None
@@ -1211,7 +1211,7 @@ class LocalLauncher:
             log.info("supervisor: %s -> %s", event, action)
         return action
 
-    def _restart_etcd(self, etcd: EtcdServer) -> None:
+    def _restart_etcd(self, etcd: EtcdProcess) -> None:
         """Restart etcd on its data directory as the policy allows, until it is up.
 
         Raises:

@@ -13,10 +13,14 @@ input, the *request* (at most :data:`MAX_REQUEST_BYTES`), then control lines:
   role stops when it does; ``ELASTICPS_RUNTIME_DIR`` is a private directory.
   The process exits with the role's status (``128 + N`` if signal N killed
   it), which ssh hands back to the launcher.
-- ``{"check": {"read": [PATHS], "write": [DIRS], "connect": ["HOST:PORT"]}}``:
-  print one JSON line ``{"problems": [...], "host": HOSTNAME}`` that names
-  each path this host cannot read or write and each address it cannot reach
-  (TCP, 5 s), then exit 0.
+  With ``"module": NAME`` the role is ``python -m NAME ARGS`` instead; NAME is
+  one of :data:`MODULES` (an etcd member runs as
+  ``elasticps.coord.etcd_member``).
+- ``{"check": {"read": [PATHS], "write": [DIRS], "connect": ["HOST:PORT"]},
+  "route_to": ADDRESS}``: print one JSON line ``{"problems": [...], "host":
+  HOSTNAME, "address": ADDRESS}`` that names each path this host cannot read
+  or write and each address it cannot reach (TCP, 5 s), and gives this host's
+  source address on its route to ``route_to`` (empty without it), then exit 0.
 
 After a ``run`` request, a line ``TERM`` or ``INT`` sends that signal to the
 role and ``KILL`` kills it; ``PING`` (any line) says the launcher is there. With
@@ -52,6 +56,7 @@ from typing import NoReturn
 __all__ = [
     "FILES_TOKEN",
     "MAX_REQUEST_BYTES",
+    "MODULES",
     "STOP_GRACE_S",
     "check",
     "exit_with",
@@ -64,6 +69,9 @@ FILES_TOKEN = "@FILES@"
 
 MAX_REQUEST_BYTES = 64 << 20
 """Largest request line, bytes (the model file travels in it)."""
+
+MODULES = ("elasticps", "elasticps.coord.etcd_member")
+"""The modules a ``run`` request may name (``"module"``); the first is the default."""
 
 STOP_GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL when the session ends."""
@@ -259,9 +267,24 @@ def main(program: Sequence[str] | None = None) -> int:
                 _strings(need.get("write", []), "check.write"),
                 _strings(need.get("connect", []), "check.connect"),
             )
-            print(json.dumps({"problems": problems, "host": socket.gethostname()}), flush=True)
+            route_to = request.get("route_to", "")
+            if not isinstance(route_to, str):
+                raise ValueError("route_to must be a string")
+            address = ""
+            if route_to:
+                try:
+                    address = route_address(route_to)
+                except OSError as exc:
+                    problems.append(f"no route to {route_to}: {exc.strerror or exc}")
+            answer = {"problems": problems, "host": socket.gethostname(), "address": address}
+            print(json.dumps(answer), flush=True)
             return 0
-        return _run(request, program or (sys.executable, "-m", "elasticps"))
+        module = request.get("module", MODULES[0])
+        if module not in MODULES:
+            raise ValueError(f"module must be one of {', '.join(MODULES)}, got {module!r}")
+        if program is None:
+            program = (sys.executable, "-m", str(module))
+        return _run(request, program)
     except ValueError as exc:
         print(f"elasticps: error: bad request from the launcher: {exc}", flush=True)
         return 2

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
+from elasticps.coord.etcd_server import EtcdProcess, EtcdServer, EtcdServerConfig
 
 __all__ = ["JobScratch"]
 
@@ -30,7 +30,7 @@ class JobScratch:
     """
 
     path: Path
-    etcd: EtcdServer
+    etcd: EtcdProcess
 
     @classmethod
     def create(cls, job: str, etcd_port: int = 0, host: str = "127.0.0.1") -> JobScratch:

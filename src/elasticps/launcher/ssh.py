@@ -204,19 +204,25 @@ def preflight(
     read: Sequence[str] = (),
     write: Sequence[str] = (),
     connect: Sequence[str] = (),
+    route_to: str = "",
     timeout_s: float = 60.0,
-) -> None:
+) -> dict[str, str]:
     """Check over ssh, on every host at once, what the job needs there.
 
     Each host must answer ssh, run ``remote_python -m elasticps.launcher.remote``,
     read ``read`` (data, a checkpoint to resume), write ``write`` (the
     directory of the PS checkpoints), and reach ``connect`` (etcd).
 
+    Returns:
+        Each host's address on its route to ``route_to`` (empty strings
+        without it), by host name.
+
     Raises:
         ConfigError: what failed, one line per host.
     """
     request = json.dumps({"check": {"read": list(read), "write": list(write),
-                                    "connect": list(connect)}})  # fmt: skip
+                                    "connect": list(connect)},
+                          "route_to": route_to})  # fmt: skip
     command = shlex.join([options.python(), "-m", "elasticps.launcher.remote"])
     procs = {
         host.name: subprocess.Popen(
@@ -229,6 +235,7 @@ def preflight(
         for host in hosts
     }
     problems = []
+    addresses: dict[str, str] = {}
     for name, proc in procs.items():
         try:
             out, err = proc.communicate(request + "\n", timeout=timeout_s)
@@ -250,8 +257,10 @@ def preflight(
             problems.append(f"{name}: {why}{hint}")
             continue
         problems += [f"{name}: {p}" for p in answer.get("problems", [])]
+        addresses[name] = str(answer.get("address") or "")
     if problems:
         raise ConfigError("the hosts cannot run this job:\n  " + "\n  ".join(problems))
+    return addresses
 
 
 @dataclass(frozen=True)
@@ -292,7 +301,7 @@ class JobHosts:
         advertise = config.advertise_address or advertise_address(hosts, options)
         return cls(hosts, options, advertise)
 
-    def check(self, config: JobConfig, etcd_endpoint: str) -> None:
+    def check(self, config: JobConfig, etcd_endpoint: str | None) -> dict[str, str]:
         """:func:`preflight` for ``config``: every host reads the data and a checkpoint to
         resume, writes the output (the PS checkpoints), and reaches etcd.
 
@@ -306,7 +315,11 @@ class JobHosts:
         if config.resume is not None and not is_url(str(config.resume)):
             read.append(str(Path(config.resume).resolve()))
         write = [] if config.output_url else [str(config.output.resolve())]
-        preflight(self.hosts, self.options, read=read, write=write, connect=[etcd_endpoint])
+        connect = [etcd_endpoint] if etcd_endpoint else []
+        return preflight(
+            self.hosts, self.options, read=read, write=write, connect=connect,
+            route_to=self.advertise,
+        )  # fmt: skip
 
     def spawner(self, local: Spawner) -> SshSpawner:
         """The spawner of this job's roles; ``local`` starts those that run here."""
@@ -441,6 +454,19 @@ class SshSpawner:
         """The hosts of the host file."""
         return self._hosts
 
+    @property
+    def options(self) -> SshOptions:
+        """How the hosts are reached."""
+        return self._options
+
+    def host_spec(self, name: str) -> HostSpec:
+        """Host ``name`` of the host file.
+
+        Raises:
+            KeyError: no such host.
+        """
+        return self._by_name[name]
+
     def pids(self) -> dict[str, int]:
         """The local spawner's own processes."""
         return self._local.pids()
@@ -468,26 +494,57 @@ class SshSpawner:
         request = self._request(args, env)
         with self._lock:
             host = self._choose(kind)
-            command = shlex.join([self._options.python(), "-m", "elasticps.launcher.remote"])
-            try:
-                proc = subprocess.Popen(
-                    [*die_with_parent_prefix(), *self._options.argv(self._by_name[host], command)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                raise ElasticPSError(f"could not start ssh to {host}: {exc}") from exc
-            handle = SshProcess(proc, host)
-            handle.write_request(request)  # first: before the pinger sees the session
-            self._live[self._next_id] = _Live(kind, host, handle)
-            self._next_id += 1
-            self.placements.append((kind, host))
+            handle = self._open(host, kind, request)
+        log.info("started %s on %s (ssh pid %d)", kind, host, handle.pid)
+        return handle
+
+    def run_on(
+        self, host: str, args: Sequence[str], env: Mapping[str, str], *, module: str
+    ) -> SshProcess:
+        """Run ``python -m module args`` on ``host`` itself, outside placement (an etcd member).
+
+        Args:
+            host: a host of the host file.
+            args: the module's arguments.
+            env: the environment; only :data:`FORWARDED_ENV` variables travel.
+            module: one of :data:`elasticps.launcher.remote.MODULES`.
+
+        Raises:
+            ElasticPSError: ssh cannot be started.
+        """
+        request = self._request(args, env, module=module)
+        with self._lock:
+            handle = self._open(host, module.rsplit(".", 1)[-1], request)
+        log.info("started %s on %s (ssh pid %d)", module, host, handle.pid)
+        return handle
+
+    def host_up(self, name: str) -> bool:
+        """Whether host ``name`` may take roles now (a suspect host is probed first)."""
+        with self._lock:
+            self._prune()
+            return self._is_up(name)
+
+    def _open(self, host: str, kind: str, request: str) -> SshProcess:
+        """Start one session on ``host`` and send it ``request`` (the lock is held)."""
+        command = shlex.join([self._options.python(), "-m", "elasticps.launcher.remote"])
+        try:
+            proc = subprocess.Popen(
+                [*die_with_parent_prefix(), *self._options.argv(self._by_name[host], command)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ElasticPSError(f"could not start ssh to {host}: {exc}") from exc
+        handle = SshProcess(proc, host)
+        handle.write_request(request)  # first: before the pinger sees the session
+        self._live[self._next_id] = _Live(kind, host, handle)
+        self._next_id += 1
+        self.placements.append((kind, host))
         if self._pinger is None:
             self._pinger = threading.Thread(target=self._ping, name="ssh-ping", daemon=True)
             self._pinger.start()
-        log.info("started %s on %s (ssh pid %d)", kind, host, handle.pid)
         return handle
 
     def _ping(self) -> None:
@@ -507,8 +564,9 @@ class SshSpawner:
         self._prune()
         up = [h for h in self._hosts if self._is_up(h.name)]
         up_names = {h.name for h in up}
+        # etcd members (run_on) take no slot: they are placed by hand, and light.
         placed = {f"{live.kind}-{i}": live.host for i, live in self._live.items()
-                  if live.host in up_names}  # fmt: skip
+                  if live.host in up_names and live.kind in ("ps", "trainer")}  # fmt: skip
         try:
             return place(up, [f"{kind}-new"], placed)[f"{kind}-new"]
         except ConfigError as exc:
@@ -516,7 +574,7 @@ class SshSpawner:
             if kind == "ps" and allowed:
                 load = {h.name: 0 for h in allowed}
                 for live in self._live.values():
-                    if live.host in load:
+                    if live.host in load and live.kind in ("ps", "trainer"):
                         load[live.host] += 1
                 host = min(allowed, key=lambda h: load[h.name] - h.slots).name
                 log.warning("no host has a free slot for a PS: it shares %s", host)
@@ -561,7 +619,9 @@ class SshSpawner:
 
     # --- the request ------------------------------------------------------------
 
-    def _request(self, args: Sequence[str], env: Mapping[str, str]) -> str:
+    def _request(
+        self, args: Sequence[str], env: Mapping[str, str], module: str = "elasticps"
+    ) -> str:
         files: dict[str, str] = {}
 
         def copy(path: str) -> str:
@@ -582,6 +642,7 @@ class SshSpawner:
         return json.dumps(
             {
                 "run": out,
+                "module": module,
                 "env": forwarded,
                 "files": files,
                 "cwd": os.getcwd(),
