@@ -1286,7 +1286,7 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
     submit.add_argument("--image-pull-policy", default="IfNotPresent",
                         choices=["Always", "IfNotPresent", "Never"])  # fmt: skip
 
-    scale = sub.choices["scale"]  # engineer E's subcommand; --backend kubernetes added here
+    scale = sub.choices["scale"]  # defined with the local commands; --backend kubernetes here
     scale.add_argument("--backend", choices=["local", "kubernetes"], default="local",
                        help="kubernetes: patch the job's <job>-scale ConfigMap")  # fmt: skip
     add_cluster(scale)

@@ -1141,6 +1141,10 @@ class JobRequest:
             no shared volume; the pods read their credentials from the
             standard places (their environment, or the role of their service
             account or node).
+
+    Raises:
+        ConfigError: a bad job name, trainer range, PS count, etcd endpoint
+            or replica count, no data, or credentials in ``checkpoint_dir``.
     """
 
     job: str
