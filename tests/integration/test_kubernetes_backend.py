@@ -492,6 +492,65 @@ def test_submit_with_an_existing_etcd_starts_no_etcd_and_status_lists_the_pods(
     assert "--backend kubernetes" in capsys.readouterr().err
 
 
+def test_the_in_cluster_hook_runs_the_manager_and_records_the_end_for_status(
+    *,
+    kube: FakeKubeServer,
+    kubeconfig: Path,
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    job_name: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The master's real ``on_active`` hook, its in-cluster credentials pointed at the fake: its
+    pods are owned by the master's Deployment, and the job's end in etcd reaches ``status``."""
+    from kubernetes import config as kube_config
+
+    from elasticps.launcher.kubernetes import in_cluster_manager
+
+    submit(kubeconfig, tmp_path)
+    monkeypatch.setattr(
+        kube_config,
+        "load_incluster_config",
+        lambda: client.Configuration.set_default(client.Configuration(host=kube.url)),
+    )
+    hook = in_cluster_manager(
+        JOB,
+        ManagerConfig(min_trainers=2, max_trainers=2, backoff_base_s=0.1, backoff_cap_s=0.2,
+                      tick_s=0.05),
+        ps=1,
+        config=KubernetesConfig(namespace=NS, image="registry.example/elasticps:1"),
+        state_poll_s=0.1,
+    )  # fmt: skip
+    deployment = kube.objects("deployments", NS)[0]["metadata"]["uid"]
+    cluster = ["--backend", "kubernetes", "--namespace", NS, "--kubeconfig", str(kubeconfig)]
+    try:
+        with JobStore(etcd_server.endpoint, job_name) as store:
+            stop = hook(store)
+            try:
+                wait_for(lambda: len(running(kube, TRAINERS)) == 2, "2 trainers")
+                wait_for(lambda: len(running(kube, "elasticps/role=ps")) == 1, "1 PS")
+                assert store.ps_desired() == 1
+                for pod in kube.objects("pods", NS, f"{job_selector(JOB)},{TRAINERS}"):
+                    refs = pod["metadata"]["ownerReferences"]
+                    assert [(r["kind"], r["uid"]) for r in refs] == [("Deployment", deployment)]
+                assert main(["status", JOB, *cluster, "--json"]) == 0
+                assert json.loads(capsys.readouterr().out)["state"] == "running"
+                store.set_job_state("finished")  # as the master does after the last pass
+
+                def status() -> str:
+                    assert main(["status", JOB, *cluster, "--json"]) == 0
+                    return str(json.loads(capsys.readouterr().out)["state"])
+
+                wait_for(lambda: status() == "finished", "status: finished")
+                assert main(["list", *cluster, "--json"]) == 0
+                assert json.loads(capsys.readouterr().out)["state"] == "finished"
+            finally:
+                stop()
+    finally:
+        client.Configuration.set_default(None)
+
+
 def test_the_listener_relists_after_410_gone_and_reports_deletions_it_missed(
     kube: FakeKubeServer, api: client.CoreV1Api
 ) -> None:

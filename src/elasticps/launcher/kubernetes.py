@@ -57,7 +57,7 @@ from elasticps.config import (
     PodResources,
     check_kubernetes_job_name,
 )
-from elasticps.errors import ConfigError, KubernetesError, UnschedulableError
+from elasticps.errors import ConfigError, ElasticPSError, KubernetesError, UnschedulableError
 from elasticps.launcher.backend import Cancel, Role, WorkerEvent, WorkerSpec
 from elasticps.launcher.pod_events import (
     LABEL_APP,
@@ -102,6 +102,7 @@ __all__ = [
     "model_configmap",
     "pod_name",
     "ps_specs",
+    "record_job_state",
     "scale_configmap",
     "set_wanted_trainers",
     "state_configmap",
@@ -1034,6 +1035,8 @@ def in_cluster_manager(
     manager_config: ManagerConfig,
     ps: int,
     config: KubernetesConfig,
+    *,
+    state_poll_s: float = 2.0,
 ) -> Callable[[JobStore], Callable[[], None]]:
     """The master's ``on_active`` hook: run the worker manager in the master pod.
 
@@ -1044,7 +1047,10 @@ def in_cluster_manager(
     unset, reads the wanted trainer count from ``<job>-scale``, and trainer
     progress from the task ledger when ``stuck_after_s`` is set. When the
     policy fails the job, writes so in the ``<job>-state`` ConfigMap
-    (:func:`mark_job_failed`) and in etcd.
+    (:func:`mark_job_failed`) and in etcd; when the master finishes the
+    job's last pass (the job state in etcd, read every ``state_poll_s``
+    seconds), writes ``finished`` there (:func:`record_job_state`), so that
+    ``status`` and ``list``, which cannot reach etcd, read it.
 
     Returns:
         The hook: called with the job's store once the master serves; it
@@ -1068,11 +1074,14 @@ def in_cluster_manager(
         progress = LedgerProgress(store) if manager_config.stuck_after_s is not None else None
         desired = ConfigMapDesiredCount(backend.api, config.namespace, job)
 
+        ended = threading.Event()  # failed or finished: recorded once, failure first
+
         def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
             if isinstance(action, FailJob):
                 # Nothing more is created; the job's state says why it stopped:
-                # in etcd for the roles, on the master pod for status and list.
+                # in etcd for the roles, in <job>-state for status and list.
                 log.error("job %s fails: %s", job, action.message)
+                ended.set()
                 store.set_job_state("failed")
                 try:
                     mark_job_failed(backend.api, config.namespace, job, action.message)
@@ -1089,6 +1098,19 @@ def in_cluster_manager(
             on_decision=on_decision,
         )
         manager.start()
+        stopping = threading.Event()
+
+        def watch_finished() -> None:
+            while not stopping.wait(state_poll_s) and not ended.is_set():
+                try:
+                    finished = store.job_state() == "finished"
+                    if finished and not ended.is_set():
+                        record_job_state(backend.api, config.namespace, job, "finished")
+                        ended.set()
+                except ElasticPSError as exc:
+                    log.warning("could not record whether job %s finished: %s", job, exc)
+
+        threading.Thread(target=watch_finished, name="job-finished", daemon=True).start()
         log.info(
             "worker manager of job %s: %d PS, trainers %d..%d, namespace %s",
             job,
@@ -1099,6 +1121,7 @@ def in_cluster_manager(
         )
 
         def stop() -> None:
+            stopping.set()
             manager.stop()
             backend.close()
 
@@ -1338,26 +1361,26 @@ def state_configmap(job: str, namespace: str, state: str, failure: str = "") -> 
     )
 
 
-def mark_job_failed(api: Any, namespace: str, job: str, message: str) -> None:
-    """Record that the supervision policy failed the job, in the ConfigMap ``<job>-state``.
+def record_job_state(api: Any, namespace: str, job: str, state: str, failure: str = "") -> None:
+    """Write the job's state into the ConfigMap ``<job>-state`` (created if missing).
 
     The record outlives any pod (a master re-created on another node keeps
     it); ``elasticps status`` and ``elasticps list`` read it
-    (:func:`job_state`). The master keeps running, so its logs stay readable.
+    (:func:`job_state`).
 
     Args:
         api: a ``CoreV1Api``.
         namespace: the job's namespace.
         job: the job name.
-        message: the one-line reason (cut to :data:`MAX_FAILURE_CHARS`).
+        state: ``failed`` or ``finished``.
+        failure: why it failed, one line (cut to :data:`MAX_FAILURE_CHARS`).
 
     Raises:
         KubernetesError: the API refused the write.
     """
     from kubernetes.client import ApiException
 
-    failure = " ".join(message.split())[:MAX_FAILURE_CHARS]
-    body = state_configmap(job, namespace, "failed", failure)
+    body = state_configmap(job, namespace, state, " ".join(failure.split())[:MAX_FAILURE_CHARS])
     try:
         try:
             api.create_namespaced_config_map(namespace, body)
@@ -1366,7 +1389,24 @@ def mark_job_failed(api: Any, namespace: str, job: str, message: str) -> None:
                 raise
             api.patch_namespaced_config_map(f"{job}-state", namespace, {"data": body.data})
     except _request_errors() as exc:
-        raise _api_error(exc, f"marking job {job} failed") from exc
+        raise _api_error(exc, f"recording job {job} {state}") from exc
+
+
+def mark_job_failed(api: Any, namespace: str, job: str, message: str) -> None:
+    """Record that the supervision policy failed the job (:func:`record_job_state`).
+
+    The master keeps running, so its logs stay readable.
+
+    Args:
+        api: a ``CoreV1Api``.
+        namespace: the job's namespace.
+        job: the job name.
+        message: the one-line reason.
+
+    Raises:
+        KubernetesError: the API refused the write.
+    """
+    record_job_state(api, namespace, job, "failed", message)
 
 
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
@@ -1384,8 +1424,9 @@ def job_state(
 ) -> tuple[str, str]:
     """A job's state, and why it failed (or ``""``).
 
-    ``failed`` once :func:`mark_job_failed` wrote ``record`` (the ConfigMap
-    ``<job>-state``, API JSON); else from the master pods (API JSON): the
+    ``failed`` or ``finished`` as :func:`record_job_state` wrote ``record``
+    (the ConfigMap ``<job>-state``, API JSON); else from the master pods
+    (API JSON): the
     best of their phases, ``running`` before ``starting`` (``Pending``, or no
     master pod yet, as while a lost master is re-created), ``finished``
     (``Succeeded``) and ``failed`` (``Failed`` or unknown).
@@ -1393,6 +1434,8 @@ def job_state(
     data = (record or {}).get("data") or {}
     if data.get(STATE_KEY) == "failed":
         return "failed", str(data.get(FAILURE_KEY, ""))
+    if data.get(STATE_KEY) == "finished":
+        return "finished", ""
     states = [
         _PHASE_STATES.get((m.get("status") or {}).get("phase", "Pending"), "failed")
         for m in masters
