@@ -112,7 +112,7 @@ def test_etcd_is_a_statefulset_with_its_data_on_claims_and_a_headless_peer_servi
     assert flags["--initial-cluster"] == ",".join(
         f"j-etcd-{i}=http://j-etcd-{i}.j-etcd-peer.ml.svc:2380" for i in range(3)
     )
-    assert flags["--name"] == "$(ETCD_NAME)"
+    assert flags["--name"] == "$(POD_NAME)"
     assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     peer = objects[("Service", "j-etcd-peer")]["spec"]
     assert peer["clusterIP"] == "None" and peer["publishNotReadyAddresses"] is True

@@ -462,14 +462,16 @@ def etcd_statefulset(
         f"{job}-etcd-{i}=http://{etcd_peer_host(job, i, ns)}:{ETCD_PEER_PORT}"
         for i in range(replicas)
     )
-    me = f"$(ETCD_NAME).{job}-etcd-peer.{ns}.svc"  # the kubelet expands $(ETCD_NAME)
+    # The kubelet expands $(POD_NAME). Not ETCD_NAME: etcd reads ETCD_* variables as its
+    # flags, and refuses to start when one is also given on the command line.
+    me = f"$(POD_NAME).{job}-etcd-peer.{ns}.svc"
     container = client.V1Container(
         name="etcd",
         image=config.etcd_image,
         image_pull_policy=config.image_pull_policy,
         command=[
             "etcd",
-            "--name=$(ETCD_NAME)",
+            "--name=$(POD_NAME)",
             "--data-dir=/var/lib/etcd/data",
             f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
             f"--advertise-client-urls=http://{me}:{ETCD_PORT}",
@@ -479,7 +481,7 @@ def etcd_statefulset(
             f"--initial-cluster-token={job}-etcd",
             "--initial-cluster-state=new",  # ignored once the data dir holds a member
         ],
-        env=[_field_env("ETCD_NAME", "metadata.name")],
+        env=[_field_env("POD_NAME", "metadata.name")],
         ports=[
             client.V1ContainerPort(name="client", container_port=ETCD_PORT),
             client.V1ContainerPort(name="peer", container_port=ETCD_PEER_PORT),
