@@ -29,6 +29,7 @@ pytest.importorskip("kubernetes")
 from elasticps.config import KubernetesConfig
 from elasticps.coord.etcd_server import etcd_binary
 from elasticps.coord.store import JobStore
+from elasticps.errors import CoordinationError
 from elasticps.launcher.kubernetes import (
     ETCD_PEER_PORT,
     ETCD_PORT,
@@ -108,14 +109,24 @@ def test_three_members_from_the_statefulset_keep_serving_while_one_is_lost(
 ) -> None:
     ports, procs = members["ports"], members["procs"]
     for ordinal, (client, _) in ports.items():
-        wait_for(lambda c=client: healthy(c), f"etcd member {ordinal} healthy", timeout_s=30)
+        wait_for(lambda c=client: healthy(c), f"etcd member {ordinal} healthy", timeout_s=60)
     with JobStore(f"{LOOPBACK}:{ports[0][0]}", "k8s-etcd") as store:
         store.set_job_state("before")
-    # A lost node: member 1 dies at once.
+    # A lost node: member 1 dies at once (perhaps the leader: the others elect a new one).
     procs[1].send_signal(signal.SIGKILL)
     procs[1].wait(10)
-    with JobStore(f"{LOOPBACK}:{ports[2][0]}", "k8s-etcd") as store:
-        store.set_job_state("after")  # two of three: a quorum
+    for ordinal in (0, 2):
+        wait_for(lambda o=ordinal: healthy(ports[o][0]), f"member {ordinal} has a leader")
+
+    def write_after() -> bool:
+        try:
+            with JobStore(f"{LOOPBACK}:{ports[2][0]}", "k8s-etcd") as store:
+                store.set_job_state("after")  # two of three: a quorum
+        except CoordinationError:
+            return False  # an election under way
+        return True
+
+    wait_for(write_after, "a write with two members of three", timeout_s=30)
     # The StatefulSet re-creates the member on its claim: same command, same data directory.
     members["start"](1)
     wait_for(lambda: healthy(ports[1][0]), "etcd member 1 healthy again", timeout_s=30)

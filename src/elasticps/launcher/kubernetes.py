@@ -807,7 +807,7 @@ class KubernetesBackend:
             raise _api_error(exc, f"deleting pod {pod}") from exc
 
     def list(self) -> list[WorkerEvent]:
-        """The state of every worker pod of the job (PS, trainers, and the master).
+        """The state of every worker pod of the job (PS and trainers; not etcd or the masters).
 
         Raises:
             KubernetesError: the API failed.
