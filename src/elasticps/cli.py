@@ -80,6 +80,7 @@ from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLAC
 from elasticps.storage import Location, is_url, path_or_url
 
 if TYPE_CHECKING:
+    from elasticps.config import KubernetesConfig
     from elasticps.launcher.scratch import JobScratch
     from elasticps.launcher.ssh import JobHosts
 
@@ -1302,9 +1303,32 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
     submit.add_argument("--stuck-after-s", type=float, default=None)
     submit.add_argument("--lease-ttl-s", type=float, default=5.0)
     submit.add_argument(
-        "--etcd-endpoints",
+        "--etcd",
         default=None,
-        help="an existing etcd host:port (default: one etcd pod for the job)",
+        metavar="URL",
+        help="an existing etcd, host:port or http://host:port, as seen from the pods "
+        "(default: the job's own etcd StatefulSet, its data on PersistentVolumeClaims)",
+    )
+    submit.add_argument(
+        "--etcd-endpoints", dest="etcd", action=_DeprecatedFlag, new="--etcd",
+        help=argparse.SUPPRESS,
+    )  # fmt: skip
+    submit.add_argument(
+        "--etcd-replicas",
+        type=int,
+        default=1,
+        help="members of the job's own etcd: 1, or 3 to keep it serving while a node is lost",
+    )
+    submit.add_argument(
+        "--etcd-storage",
+        default="1Gi",
+        help="the PersistentVolumeClaim size of each etcd member (default: %(default)s)",
+    )
+    submit.add_argument(
+        "--standby-masters",
+        type=int,
+        default=0,
+        help="extra master pods that wait on the master lock and take over at once",
     )
     submit.add_argument(
         "--volume-claim", default=None, help="PersistentVolumeClaim mounted at /data in every pod"
@@ -1314,7 +1338,7 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
     submit.add_argument("--image-pull-policy", default="IfNotPresent",
                         choices=["Always", "IfNotPresent", "Never"])  # fmt: skip
 
-    scale = sub.choices["scale"]  # engineer E's subcommand; --backend kubernetes added here
+    scale = sub.choices["scale"]  # defined with the local commands; --backend kubernetes here
     scale.add_argument("--backend", choices=["local", "kubernetes"], default="local",
                        help="kubernetes: patch the job's <job>-scale ConfigMap")  # fmt: skip
     add_cluster(scale)
@@ -1365,10 +1389,9 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--advertise-address": "the pods reach etcd and the master by their Services",
     "--etcd-replicas": "it places etcd members on --hosts hosts",
     "--no-progress": "submit shows no progress bar",
-    "--etcd-port": "use --etcd-endpoints, or the job's own etcd pod",
-    "--max-restarts": "Kubernetes restarts the master and etcd pods, and the master's worker "
-    "manager the parameter servers",
-    "--standby-masters": "the master pod is restarted in place",
+    "--etcd-port": "use --etcd URL, or the job's own etcd StatefulSet",
+    "--max-restarts": "the master's Deployment and etcd's StatefulSet re-create their pods, "
+    "and the master's worker manager the parameter servers, without a limit",
     "--standby-ps": "the worker manager re-creates a lost parameter server",
     "--eval-each-pass": "a submitted job is evaluated with elasticps evaluate on its checkpoint",
     "--test-data": "a submitted job is evaluated with elasticps evaluate on its checkpoint",
@@ -1449,14 +1472,26 @@ def submit_role_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def submit_master_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The task options of a submitted job, as the master's flags: every option of
+    ``_add_task_flags`` but ``--master-port`` (the master pod's port is fixed)."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    _add_task_flags(scratch)
+    argv: list[str] = []
+    for action in scratch._actions:
+        if action.option_strings and action.dest != "master_port":
+            argv += [action.option_strings[0], str(getattr(args, action.dest))]
+    return tuple(argv)
+
+
 def _check_submittable(args: argparse.Namespace) -> None:
     """Refuse, by name, what a submitted job cannot do, before anything is created.
 
     Raises:
         ConfigError: ``--data`` names a Kafka stream, an option's value is
-            invalid (the optimizer, its schedule, sparse eviction), or
-            ``--master-port`` is set (the master pod serves on its Service's
-            port).
+            invalid (the optimizer, its schedule, sparse eviction),
+            ``--etcd-replicas`` comes with ``--etcd``, or ``--master-port`` is
+            set (the master pod serves on its Service's port).
     """
     from elasticps.config import check_sparse_eviction
 
@@ -1465,6 +1500,11 @@ def _check_submittable(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"elasticps submit: --data {streams[0]}: a Kafka stream cannot be submitted to "
             "Kubernetes; run it with elasticps train, or give Parquet files as seen in the pods"
+        )
+    if args.etcd and args.etcd_replicas != 1:
+        raise ConfigError(
+            "elasticps submit: --etcd-replicas is for the job's own etcd; with --etcd URL the "
+            "job uses that etcd as it is"
         )
     if args.master_port:
         raise ConfigError(
@@ -1490,12 +1530,6 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot read the model file {args.model}: {exc}") from None
     env = submit_role_env(args)
-    master_args = (
-        "--epochs", str(args.epochs),
-        "--records-per-task", str(args.records_per_task),
-        "--task-timeout-s", str(args.task_timeout_s),
-        "--max-task-timeouts", str(args.max_task_timeouts),
-    )  # fmt: skip
     request = JobRequest(
         job=job,
         model_source=model_source,
@@ -1504,9 +1538,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         initial_trainers=rng["trainers"],
         ps=args.ps,
         data=tuple(args.data),
-        master_args=master_args,
+        master_args=submit_master_args(args),
         env=env,
-        etcd_endpoint=args.etcd_endpoints.split(",")[0] if args.etcd_endpoints else None,
+        etcd_endpoint=args.etcd or None,
+        etcd_replicas=args.etcd_replicas,
+        etcd_storage=args.etcd_storage,
+        standby_masters=args.standby_masters,
         stuck_after_s=args.stuck_after_s,
         checkpoint_dir=args.checkpoint_dir,
     )
@@ -1585,7 +1622,7 @@ def _kubernetes_manager(args: argparse.Namespace) -> Any:
     """The master's ``on_active`` hook for ``--backend kubernetes``, else None."""
     if getattr(args, "backend", "none") != "kubernetes":
         return None
-    from elasticps.config import KubernetesConfig, ManagerConfig, check_kubernetes_job_name
+    from elasticps.config import ManagerConfig, check_kubernetes_job_name
     from elasticps.extras import require_extra
     from elasticps.launcher.kubernetes import in_cluster_manager
 
@@ -1600,14 +1637,21 @@ def _kubernetes_manager(args: argparse.Namespace) -> Any:
         max_trainers=rng.get("max_trainers", rng["trainers"]),
         stuck_after_s=stuck,
     )
-    config = KubernetesConfig(
+    config = manager_kubernetes_config(args)
+    return in_cluster_manager(check_kubernetes_job_name(args.job), manager_config, args.ps, config)
+
+
+def manager_kubernetes_config(args: argparse.Namespace) -> KubernetesConfig:
+    """What the worker pods of ``elasticps master --backend kubernetes`` look like."""
+    from elasticps.config import KubernetesConfig
+
+    return KubernetesConfig(
         namespace=args.namespace,
         image=args.image,
         etcd_endpoint=args.etcd or "",
         volume_claim=args.volume_claim or None,
         image_pull_policy=args.image_pull_policy,
     )
-    return in_cluster_manager(check_kubernetes_job_name(args.job), manager_config, args.ps, config)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

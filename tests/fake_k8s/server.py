@@ -1,10 +1,11 @@
-"""A fake Kubernetes API server: pods, services and configmaps on 127.0.0.1.
+"""A fake Kubernetes API server: pods, services, configmaps, claims and two controllers.
 
 It is *not* Kubernetes. It keeps just enough of the API's behaviour for the
 elasticps Kubernetes backend to be tested with the official ``kubernetes``
 client, on loopback, in milliseconds:
 
-- REST paths ``/api/v1/namespaces/{ns}/{pods|services|configmaps}[/{name}]``:
+- REST paths ``/api/v1/namespaces/{ns}/{pods|services|configmaps|persistentvolumeclaims}
+  [/{name}]`` (and ``/apis/apps/v1/...`` for the controllers below):
   create (POST), get, list, replace (PUT), patch (PATCH, JSON merge patch
   for objects, JSON patch for lists), delete and delete-collection, with
   ``labelSelector`` (equality-based: ``a=b``, ``a==b``, ``a!=b``, ``a``,
@@ -34,6 +35,29 @@ selector is deleted or finishes, or the limit is raised or removed).
 ``ResourceQuota`` on pod count. :meth:`finish`, :meth:`preempt` and
 :meth:`evict` play the kubelet and the scheduler.
 
+Controllers (a test fake, far simpler than the real ones, and synchronous:
+they run inside the request that changed something, before it answers):
+
+- ``/apis/apps/v1/namespaces/{ns}/{deployments|statefulsets}`` are stored
+  like the core kinds. After every change, :meth:`FakeKubeServer._reconcile`
+  gives each StatefulSet and Deployment ``spec.replicas`` pods made from its
+  ``spec.template`` (counting only the pods it owns that match its
+  ``selector.matchLabels``), owned by it (``ownerReferences``, so the garbage
+  collector above deletes them with it). A StatefulSet's pods are
+  ``<name>-<ordinal>``, each with the PersistentVolumeClaims of its
+  ``volumeClaimTemplates`` (``<claim>-<name>-<ordinal>``, created once and
+  kept across pods, owned by the StatefulSet when its
+  ``persistentVolumeClaimRetentionPolicy.whenDeleted`` is ``Delete``); a
+  missing ordinal is re-created only once no pod of that name exists, the
+  real controller's at-most-one rule. A Deployment's pods are
+  ``<name>-<random>`` (no ReplicaSet in between); pods being deleted do not
+  count, so a replacement starts at once, as with a real ReplicaSet.
+  Scaling down deletes the highest ordinals, or the newest pods.
+- :meth:`lose_node` plays a node that stopped answering: its pod is marked
+  for deletion (``deletionTimestamp`` in the past, condition ``Ready=False``
+  reason ``NodeLost``) but stays, since no kubelet confirms; only a delete
+  with ``gracePeriodSeconds=0`` (``kubectl delete --force``) removes it.
+
 Nothing is validated beyond what the tests need (no schema, no admission).
 
 Usage::
@@ -45,6 +69,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -66,7 +91,25 @@ KINDS = {
     "pods": ("Pod", "PodList"),
     "services": ("Service", "ServiceList"),
     "configmaps": ("ConfigMap", "ConfigMapList"),
+    "persistentvolumeclaims": ("PersistentVolumeClaim", "PersistentVolumeClaimList"),
+    "deployments": ("Deployment", "DeploymentList"),
+    "statefulsets": ("StatefulSet", "StatefulSetList"),
 }
+#: REST resource name -> the API path prefix (group/version) that serves it.
+GROUPS = {
+    "pods": "api/v1",
+    "services": "api/v1",
+    "configmaps": "api/v1",
+    "persistentvolumeclaims": "api/v1",
+    "deployments": "apis/apps/v1",
+    "statefulsets": "apis/apps/v1",
+}
+CONTROLLERS = ("statefulsets", "deployments")
+
+
+def _api_version(resource: str) -> str:
+    return GROUPS[resource].removeprefix("api/").removeprefix("apis/")
+
 
 _TERMINAL = ("Succeeded", "Failed")
 
@@ -84,13 +127,18 @@ _DISCOVERY: dict[str, Obj] = {
         "apiVersion": "v1",
         "groups": [
             {
+                "name": "apps",
+                "versions": [{"groupVersion": "apps/v1", "version": "v1"}],
+                "preferredVersion": {"groupVersion": "apps/v1", "version": "v1"},
+            },
+            {
                 "name": "rbac.authorization.k8s.io",
                 "versions": [{"groupVersion": "rbac.authorization.k8s.io/v1", "version": "v1"}],
                 "preferredVersion": {
                     "groupVersion": "rbac.authorization.k8s.io/v1",
                     "version": "v1",
                 },
-            }
+            },
         ],
     },
     "/api/v1": {
@@ -105,6 +153,22 @@ _DISCOVERY: dict[str, Obj] = {
                 "verbs": _VERBS,
             }
             for resource, (kind, _) in [*KINDS.items(), ("serviceaccounts", ("ServiceAccount", ""))]
+            if GROUPS.get(resource, "api/v1") == "api/v1"
+        ],
+    },
+    "/apis/apps/v1": {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "apps/v1",
+        "resources": [
+            {
+                "name": n,
+                "singularName": KINDS[n][0].lower(),
+                "namespaced": True,
+                "kind": KINDS[n][0],
+                "verbs": _VERBS,
+            }
+            for n in CONTROLLERS
         ],
     },
     # Served for kubectl's discovery only (no REST paths): the RBAC manifests.
@@ -248,6 +312,7 @@ class _State:
     pod_quota: int | None = None
     logs: dict[tuple[str, str], str] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
+    lost: set[tuple[str, str]] = field(default_factory=set)  # pods on lost nodes
     closed: bool = False
 
 
@@ -358,6 +423,7 @@ class FakeKubeServer:
         """
         with self._s.cond:
             self._delete("pods", namespace, name)
+            self._reconcile()
             self._s.compacted_rv = self._s.rv
             self._s.events.clear()
             return self._s.rv
@@ -422,6 +488,7 @@ class FakeKubeServer:
             )
             self._modified("pods", pod)
             self._delete("pods", namespace, name)
+            self._reconcile()
 
     def evict(self, namespace: str, name: str) -> None:
         """Evict a pod as the kubelet does under node pressure: ``Failed``, reason ``Evicted``."""
@@ -433,6 +500,29 @@ class FakeKubeServer:
             pod["status"]["message"] = "The node was low on resource: memory."
             self._modified("pods", pod)
             self._schedule_pending()
+
+    def lose_node(self, namespace: str, name: str, evicted_s_ago: float = 600.0) -> None:
+        """The node of pod ``name`` stops answering: the pod is evicted but never goes.
+
+        As the node lifecycle controller does once the node's ``unreachable``
+        taint outlasts the pod's toleration: the pod is marked for deletion
+        (``deletionTimestamp`` = eviction time + its grace period, here
+        ``evicted_s_ago`` seconds back) with ``Ready=False``, reason
+        ``NodeLost``. No kubelet confirms the deletion, so the pod stays until
+        deleted with ``gracePeriodSeconds=0``. Controllers see it as deleted.
+        """
+        with self._s.cond:
+            pod = self._get("pods", namespace, name)
+            grace = int(pod["spec"].get("terminationGracePeriodSeconds", 30))
+            when = datetime.datetime.now(datetime.UTC) - datetime.timedelta(
+                seconds=evicted_s_ago - grace
+            )
+            pod["metadata"]["deletionTimestamp"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+            pod["metadata"]["deletionGracePeriodSeconds"] = grace
+            self._set_condition(pod, "Ready", "False", "NodeLost", "Node is not ready")
+            self._s.lost.add((namespace, name))
+            self._modified("pods", pod)
+            self._reconcile()
 
     def set_log(self, namespace: str, name: str, text: str) -> None:
         """The text ``/pods/{name}/log`` returns."""
@@ -478,7 +568,7 @@ class FakeKubeServer:
                     f"requested: pods=1, used: pods={used}, limited: pods={self._s.pod_quota}",
                 )
         body["kind"] = kind
-        body["apiVersion"] = "v1"
+        body["apiVersion"] = _api_version(resource)
         meta.update(
             name=name,
             namespace=namespace,
@@ -595,8 +685,11 @@ class FakeKubeServer:
         conds.append(new)
         return True
 
-    def _delete(self, resource: str, namespace: str, name: str) -> Obj:
+    def _delete(self, resource: str, namespace: str, name: str, *, force: bool = False) -> Obj:
         obj = self._get(resource, namespace, name)
+        if resource == "pods" and (namespace, name) in self._s.lost and not force:
+            return obj  # no kubelet confirms: it stays, marked for deletion
+        self._s.lost.discard((namespace, name))
         if resource == "pods" and "deletionTimestamp" not in obj["metadata"]:
             # Graceful deletion: the pod is marked, its containers stop, then it goes.
             obj["metadata"]["deletionTimestamp"] = _now()
@@ -616,6 +709,95 @@ class FakeKubeServer:
             self._schedule_pending()
         return obj
 
+    # --- the controllers (callers hold the lock) ---------------------------------------
+
+    def _reconcile(self) -> None:
+        """Give every StatefulSet and Deployment its ``spec.replicas`` pods (see the module doc)."""
+        for (res, ns, name), ctrl in list(self._s.objects.items()):
+            if res in CONTROLLERS and (res, ns, name) in self._s.objects:
+                # A quota refusal: the real controller records an event and retries later.
+                with contextlib.suppress(ApiError):
+                    self._reconcile_one(res, ns, name, ctrl)
+
+    def _reconcile_one(self, resource: str, namespace: str, name: str, ctrl: Obj) -> None:
+        spec = ctrl.get("spec") or {}
+        replicas = int(spec.get("replicas", 1))
+        uid = ctrl["metadata"]["uid"]
+        selector = [
+            (key, "=", value)
+            for key, value in ((spec.get("selector") or {}).get("matchLabels") or {}).items()
+        ]
+        owner = {
+            "apiVersion": ctrl["apiVersion"], "kind": ctrl["kind"], "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True,
+        }  # fmt: skip
+        owned = sorted(
+            (
+                o
+                for (r, ns, _), o in self._s.objects.items()
+                if r == "pods"
+                and ns == namespace
+                and _matches(o["metadata"].get("labels") or {}, selector)  # its own pods only
+                and any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences") or [])
+            ),
+            key=lambda o: int(o["metadata"]["resourceVersion"]),
+        )
+        if resource == "statefulsets":
+            for ordinal in range(replicas):
+                pod_name = f"{name}-{ordinal}"
+                if ("pods", namespace, pod_name) not in self._s.objects:
+                    self._create("pods", namespace, self._stateful_pod(ctrl, owner, ordinal))
+            for pod in owned:
+                ordinal = int(pod["metadata"]["name"].rsplit("-", 1)[1])
+                if ordinal >= replicas and "deletionTimestamp" not in pod["metadata"]:
+                    self._delete("pods", namespace, pod["metadata"]["name"])
+            return
+        live = [o for o in owned if "deletionTimestamp" not in o["metadata"]]
+        for _ in range(replicas - len(live)):
+            self._create("pods", namespace, self._template_pod(ctrl, owner, f"{name}-"))
+        for pod in live[replicas:][::-1]:
+            self._delete("pods", namespace, pod["metadata"]["name"])
+
+    @staticmethod
+    def _template_pod(ctrl: Obj, owner: Obj, generate_name: str) -> Obj:
+        template = copy.deepcopy(ctrl["spec"]["template"])
+        meta = template.get("metadata") or {}
+        return {
+            "metadata": {
+                "generateName": generate_name,
+                "labels": dict(meta.get("labels") or {}),
+                "annotations": dict(meta.get("annotations") or {}),
+                "ownerReferences": [owner],
+            },
+            "spec": template["spec"],
+        }
+
+    def _stateful_pod(self, ctrl: Obj, owner: Obj, ordinal: int) -> Obj:
+        """The pod ``<name>-<ordinal>`` of a StatefulSet, with its claims (created if missing)."""
+        name, namespace = ctrl["metadata"]["name"], ctrl["metadata"]["namespace"]
+        pod = self._template_pod(ctrl, owner, "")
+        pod["metadata"].pop("generateName")
+        pod["metadata"]["name"] = f"{name}-{ordinal}"
+        pod["spec"]["hostname"] = f"{name}-{ordinal}"
+        pod["spec"]["subdomain"] = ctrl["spec"].get("serviceName", "")
+        retention = ctrl["spec"].get("persistentVolumeClaimRetentionPolicy") or {}
+        volumes = pod["spec"].setdefault("volumes", [])
+        for template in ctrl["spec"].get("volumeClaimTemplates") or []:
+            claim = f"{template['metadata']['name']}-{name}-{ordinal}"
+            if ("persistentvolumeclaims", namespace, claim) not in self._s.objects:
+                body = copy.deepcopy(template)
+                body["metadata"] = {
+                    "name": claim,
+                    "labels": dict(template["metadata"].get("labels") or {}),
+                }
+                if retention.get("whenDeleted") == "Delete":
+                    body["metadata"]["ownerReferences"] = [owner]
+                body["status"] = {"phase": "Bound"}
+                self._create("persistentvolumeclaims", namespace, body)
+            source = {"claimName": claim}
+            volumes.append({"name": template["metadata"]["name"], "persistentVolumeClaim": source})
+        return pod
+
     def _list(self, resource: str, namespace: str, reqs: list[Requirement]) -> list[Obj]:
         return [
             obj
@@ -631,78 +813,83 @@ class FakeKubeServer:
         self, method: str, path: str, query: Mapping[str, str], body: Any
     ) -> tuple[int, Obj | str]:
         """Serve one non-watch request; returns (HTTP status, JSON object or text)."""
-        parts = [p for p in path.split("/") if p]
         if method == "GET" and path.rstrip("/") in _DISCOVERY:
             return 200, _DISCOVERY[path.rstrip("/")]
-        if len(parts) < 5 or parts[:3] != ["api", "v1", "namespaces"] or parts[4] not in KINDS:
-            raise ApiError(
-                404, "NotFound", f"the server could not find the requested resource {path}"
-            )
-        namespace, resource = parts[3], parts[4]
-        name = parts[5] if len(parts) > 5 else None
-        sub = parts[6] if len(parts) > 6 else None
-        reqs = parse_selector(query.get("labelSelector", ""))
-        kind, list_kind = KINDS[resource]
         with self._s.cond:
             self._s.requests.append((method, path))
-            if name is None:
-                if method == "GET":
-                    items = [copy.deepcopy(o) for o in self._list(resource, namespace, reqs)]
-                    return 200, {
-                        "kind": list_kind,
-                        "apiVersion": "v1",
-                        "metadata": {"resourceVersion": str(self._s.rv)},
-                        "items": items,
-                    }
-                if method == "POST":
-                    if not isinstance(body, dict):
-                        raise ApiError(400, "BadRequest", "the body must be an object")
-                    return 201, copy.deepcopy(self._create(resource, namespace, body))
-                if method == "DELETE":
-                    gone = [
-                        copy.deepcopy(self._delete(resource, namespace, o["metadata"]["name"]))
-                        for o in list(self._list(resource, namespace, reqs))
-                        if (resource, namespace, o["metadata"]["name"]) in self._s.objects
-                    ]
-                    return 200, {
-                        "kind": list_kind,
-                        "apiVersion": "v1",
-                        "metadata": {"resourceVersion": str(self._s.rv)},
-                        "items": gone,
-                    }
-            elif sub == "log" and resource == "pods" and method == "GET":
-                self._get(resource, namespace, name)
-                return 200, self._s.logs.get((namespace, name), "")
-            elif sub is None:
-                if method == "GET":
-                    return 200, copy.deepcopy(self._get(resource, namespace, name))
-                if method == "DELETE":
-                    return 200, copy.deepcopy(self._delete(resource, namespace, name))
-                if method in ("PUT", "PATCH"):
-                    obj = self._get(resource, namespace, name)
-                    if method == "PUT":
-                        new = copy.deepcopy(body)
-                    elif isinstance(body, list):
-                        new = _json_patch(obj, body)
-                    else:
-                        new = _merge_patch(obj, body)
-                    # Identity fields are the server's.
-                    for key in ("name", "namespace", "uid", "creationTimestamp"):
-                        new.setdefault("metadata", {})[key] = obj["metadata"][key]
-                    new["kind"], new["apiVersion"] = kind, "v1"
-                    if resource == "pods":
-                        new["status"] = obj["status"]
-                    self._s.objects[(resource, namespace, name)] = new
-                    self._modified(resource, new)
-                    return 200, copy.deepcopy(new)
+            code, payload = self._handle(method, path, query, body)
+            if method in ("POST", "PUT", "PATCH", "DELETE"):
+                self._reconcile()  # the controllers act before the answer (see the module doc)
+            return code, payload
+
+    def _handle(
+        self, method: str, path: str, query: Mapping[str, str], body: Any
+    ) -> tuple[int, Obj | str]:
+        namespace, resource, name, sub = _route(path)
+        reqs = parse_selector(query.get("labelSelector", ""))
+        kind, list_kind = KINDS[resource]
+        api_version = _api_version(resource)
+        grace = query.get("gracePeriodSeconds")
+        if grace is None and isinstance(body, dict):
+            grace = body.get("gracePeriodSeconds")
+        force = grace is not None and int(grace) == 0
+        if name is None:
+            if method == "GET":
+                items = [copy.deepcopy(o) for o in self._list(resource, namespace, reqs)]
+                return 200, {
+                    "kind": list_kind,
+                    "apiVersion": api_version,
+                    "metadata": {"resourceVersion": str(self._s.rv)},
+                    "items": items,
+                }
+            if method == "POST":
+                if not isinstance(body, dict):
+                    raise ApiError(400, "BadRequest", "the body must be an object")
+                return 201, copy.deepcopy(self._create(resource, namespace, body))
+            if method == "DELETE":
+                gone = [
+                    copy.deepcopy(self._delete(resource, namespace, o["metadata"]["name"]))
+                    for o in list(self._list(resource, namespace, reqs))
+                    if (resource, namespace, o["metadata"]["name"]) in self._s.objects
+                ]
+                return 200, {
+                    "kind": list_kind,
+                    "apiVersion": api_version,
+                    "metadata": {"resourceVersion": str(self._s.rv)},
+                    "items": gone,
+                }
+        elif sub == "log" and resource == "pods" and method == "GET":
+            self._get(resource, namespace, name)
+            return 200, self._s.logs.get((namespace, name), "")
+        elif sub is None:
+            if method == "GET":
+                return 200, copy.deepcopy(self._get(resource, namespace, name))
+            if method == "DELETE":
+                return 200, copy.deepcopy(self._delete(resource, namespace, name, force=force))
+            if method in ("PUT", "PATCH"):
+                obj = self._get(resource, namespace, name)
+                if method == "PUT":
+                    new = copy.deepcopy(body)
+                elif isinstance(body, list):
+                    new = _json_patch(obj, body)
+                else:
+                    new = _merge_patch(obj, body)
+                # Identity fields are the server's.
+                for key in ("name", "namespace", "uid", "creationTimestamp"):
+                    new.setdefault("metadata", {})[key] = obj["metadata"][key]
+                new["kind"], new["apiVersion"] = kind, api_version
+                if resource == "pods":
+                    new["status"] = obj["status"]
+                self._s.objects[(resource, namespace, name)] = new
+                self._modified(resource, new)
+                return 200, copy.deepcopy(new)
         raise ApiError(405, "MethodNotAllowed", f"{method} {path} is not supported")
 
     def watch(self, path: str, query: Mapping[str, str]) -> Iterator[Obj]:
         """The events of a ``?watch=true`` request, ending after ``timeoutSeconds``."""
-        parts = [p for p in path.split("/") if p]
-        if len(parts) != 5 or parts[:3] != ["api", "v1", "namespaces"] or parts[4] not in KINDS:
+        namespace, resource, name, _ = _route(path)
+        if name is not None:
             raise ApiError(404, "NotFound", f"cannot watch {path}")
-        namespace, resource = parts[3], parts[4]
         reqs = parse_selector(query.get("labelSelector", ""))
         timeout_s = float(query.get("timeoutSeconds", "30"))
         rv_text = query.get("resourceVersion", "")
@@ -758,6 +945,30 @@ class FakeKubeServer:
             seen = newest
             for _, etype, obj in batch:
                 yield {"type": etype, "object": copy.deepcopy(obj)}
+
+
+def _route(path: str) -> tuple[str, str, str | None, str | None]:
+    """``(namespace, resource, name, subresource)`` of a namespaced REST path.
+
+    Raises:
+        ApiError: 404 for any other path.
+    """
+    parts = [p for p in path.split("/") if p]
+    group = 2 if parts[:1] == ["api"] else 3
+    if (
+        len(parts) < group + 3
+        or parts[group] != "namespaces"
+        or parts[group + 2] not in KINDS
+        or GROUPS[parts[group + 2]] != "/".join(parts[:group])
+    ):
+        raise ApiError(404, "NotFound", f"the server could not find the requested resource {path}")
+    rest = parts[group + 3 :]
+    return (
+        parts[group + 1],
+        parts[group + 2],
+        rest[0] if rest else None,
+        rest[1] if len(rest) > 1 else None,
+    )
 
 
 class _Handler(BaseHTTPRequestHandler):

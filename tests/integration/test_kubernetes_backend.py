@@ -39,10 +39,10 @@ from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerStat
 from elasticps.launcher.kubernetes import (
     ConfigMapDesiredCount,
     KubernetesBackend,
-    OwnerRef,
     build_manager,
     job_selector,
     mark_job_failed,
+    master_owner,
     set_wanted_trainers,
 )
 from elasticps.launcher.manager import WorkerManager
@@ -57,6 +57,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 NS = "ml"
 JOB = "kjob"
 TRAINERS = "elasticps/role=trainer"
+MASTERS = "elasticps/role=master"
 # Fast backoff: delays 0.1-0.2, 0.2-0.3, 0.4-0.5, 0.8-0.9, then 1.2 s.
 BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 1.2
@@ -134,21 +135,40 @@ class Job:
         return self.kube.objects("pods", NS, sel)
 
     def running(self, selector: str = TRAINERS) -> list[str]:
-        return sorted(
-            p["metadata"]["name"]
-            for p in self.pods(selector)
-            if p["status"]["phase"] == "Running" and "deletionTimestamp" not in p["metadata"]
-        )
+        return running(self.kube, selector)
+
+    def uid(self, pod: str) -> str | None:
+        found = self.kube.pod(NS, pod)
+        return None if found is None else str(found["metadata"]["uid"])
+
+
+def running(kube: FakeKubeServer, selector: str) -> list[str]:
+    """The job's running pods matching ``selector``, not being deleted, by name."""
+    return sorted(
+        p["metadata"]["name"]
+        for p in kube.objects("pods", NS, f"{job_selector(JOB)},{selector}")
+        if p["status"]["phase"] == "Running" and "deletionTimestamp" not in p["metadata"]
+    )
+
+
+def master_pod(kube: FakeKubeServer) -> str:
+    """The name of the job's (one) running master pod, made by its Deployment."""
+    (name,) = running(kube, MASTERS)
+    return name
 
 
 @pytest.fixture
 def job(
-    kube: FakeKubeServer, api: client.CoreV1Api, kubeconfig: Path, tmp_path: Path
+    request: pytest.FixtureRequest,
+    kube: FakeKubeServer,
+    api: client.CoreV1Api,
+    kubeconfig: Path,
+    tmp_path: Path,
 ) -> Iterator[Job]:
-    submit(kubeconfig, tmp_path)
-    master = kube.pod(NS, f"{JOB}-master-0")
-    assert master is not None
-    owner = OwnerRef(master["metadata"]["name"], master["metadata"]["uid"])
+    """A submitted job (more submit flags: indirect parametrization) and its worker manager."""
+    submit(kubeconfig, tmp_path, *getattr(request, "param", ()))
+    owner = master_owner(api.api_client, NS, JOB)  # as the master's in-cluster manager does
+    assert owner is not None
     backend = KubernetesBackend(
         NS, JOB, "registry.example/elasticps:1", api.api_client, owner, watch_timeout_s=5
     )
@@ -185,10 +205,11 @@ def test_a_job_submitted_with_trainers_2_to_4_reaches_4_trainer_pods_owned_by_th
     for pod in job.pods():
         if pod["metadata"]["labels"]["elasticps/role"] in ("ps", "trainer"):
             refs = pod["metadata"]["ownerReferences"]
-            assert [(r["kind"], r["uid"]) for r in refs] == [("Pod", job.master_uid)]
-    # Deleting the master deletes its workers (the garbage collector), not etcd.
+            assert [(r["kind"], r["uid"]) for r in refs] == [("Deployment", job.master_uid)]
+    # Deleting the master's Deployment deletes its workers (the garbage collector), not etcd.
     job.manager.stop()
-    job.api.delete_namespaced_pod(f"{JOB}-master-0", NS)
+    apps = client.AppsV1Api(job.api.api_client)
+    apps.delete_namespaced_deployment(f"{JOB}-master", NS)
     assert {p["metadata"]["labels"]["elasticps/role"] for p in job.pods()} == {"etcd"}
 
 
@@ -280,14 +301,15 @@ def test_a_job_the_policy_fails_reads_failed_in_status_and_list(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A trainer's user error (exit 2) fails the job: the master pod says so, and keeps running."""
+    """A trainer's user error (exit 2) fails the job: status and list say so, even after the
+    master pod is lost and re-created; the master keeps running."""
     submit(kubeconfig, tmp_path)
-    master = f"{JOB}-master-0"
+    master = master_pod(kube)
     backend = KubernetesBackend(NS, JOB, "registry.example/elasticps:1", api.api_client, None)
 
     def on_decision(event: WorkerEvent, action: object) -> None:
-        if isinstance(action, FailJob):
-            mark_job_failed(api, NS, master, action.message)
+        if isinstance(action, FailJob):  # as the in-cluster manager's hook does
+            mark_job_failed(api, NS, JOB, action.message)
 
     manager = build_manager(
         backend,
@@ -309,23 +331,78 @@ def test_a_job_the_policy_fails_reads_failed_in_status_and_list(
         kube.finish(NS, victim, exit_code=2, reason="Error")
 
         def marked() -> bool:
-            pod = kube.pod(NS, master)
-            return pod is not None and "elasticps/state" in pod["metadata"].get("labels", {})
+            return bool(kube.objects("configmaps", NS, f"{job_selector(JOB)},elasticps/role=state"))
 
-        wait_for(marked, "the master pod marked failed")
+        wait_for(marked, "the job's failure recorded")
     finally:
         manager.stop()
         backend.close()
     assert kube.pod(NS, master)["status"]["phase"] == "Running"  # type: ignore[index]
-    assert main(["status", JOB, *cluster, "--json"]) == 0
-    status = json.loads(capsys.readouterr().out)
-    assert status["state"] == "failed" and status["failure"], status
-    assert main(["status", JOB, *cluster]) == 0
-    assert (
-        capsys.readouterr().out.splitlines()[0].startswith(f"job {JOB} (namespace {NS}): failed (")
-    )
-    assert main(["list", *cluster, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["state"] == "failed"
+
+    def check_failed() -> None:
+        assert main(["status", JOB, *cluster, "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["state"] == "failed" and "user error" in status["failure"], status
+        assert main(["status", JOB, *cluster]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert first.startswith(f"job {JOB} (namespace {NS}): failed ("), first
+        assert main(["list", *cluster, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["state"] == "failed"
+
+    check_failed()
+    # The record is not on the master pod: a master re-created elsewhere keeps it.
+    kube.lose_node(NS, master)
+    wait_for(lambda: running(kube, MASTERS) not in ([], [master]), "a new master pod")
+    check_failed()
+
+
+@pytest.mark.parametrize("job", [("--etcd-replicas", "3")], indirect=True)
+def test_each_roles_pod_lost_with_its_node_is_re_created_by_what_the_objects_declare(
+    job: Job,
+) -> None:
+    """A lost node takes one pod of each role: etcd's StatefulSet, the masters' Deployment and
+    the worker manager bring each back, and etcd's data stays on its claims."""
+    kube = job.kube
+    etcd = [f"{JOB}-etcd-{i}" for i in range(3)]
+    wait_for(lambda: job.running("elasticps/role=etcd") == etcd, "3 etcd members")
+    wait_for(lambda: len(job.running("elasticps/role=ps")) == 2, "2 PS")
+
+    def claims_of(pod: str) -> list[str]:
+        volumes = (kube.pod(NS, pod) or {"spec": {}})["spec"].get("volumes") or []
+        return [v["persistentVolumeClaim"]["claimName"] for v in volumes if "claimName" in str(v)]
+
+    claims = {c["metadata"]["name"] for c in kube.objects("persistentvolumeclaims", NS)}
+    assert claims == {f"data-{name}" for name in etcd}
+    assert [claims_of(name) for name in etcd] == [[f"data-{name}"] for name in etcd]
+
+    # etcd: the StatefulSet re-creates a member only once its old pod is gone (at most one
+    # pod per name), which a lost node's pod is not until the API removes it by force.
+    old_etcd = job.uid(etcd[1])
+    kube.lose_node(NS, etcd[1])
+    assert job.uid(etcd[1]) == old_etcd and etcd[1] not in job.running("elasticps/role=etcd")
+    job.api.delete_namespaced_pod(etcd[1], NS, grace_period_seconds=0)  # PodGC, or --force
+    wait_for(lambda: job.uid(etcd[1]) not in (None, old_etcd), "etcd-1 re-created")
+    assert claims_of(etcd[1]) == [f"data-{etcd[1]}"]  # the same data
+
+    # The master: its Deployment starts another pod at once; the workers stay (their owner
+    # is the Deployment, not the lost pod).
+    master = master_pod(kube)
+    workers = {name: job.uid(name) for name in job.running()}
+    kube.lose_node(NS, master)
+    wait_for(lambda: running(kube, MASTERS) not in ([], [master]), "a new master pod")
+    assert {name: job.uid(name) for name in workers} == workers
+
+    # A PS: the worker manager re-creates it under its name; the old pod, stuck terminating
+    # past its grace period on the lost node, is deleted by force to free the name.
+    old_ps = job.uid(f"{JOB}-ps-0")
+    kube.lose_node(NS, f"{JOB}-ps-0")
+    wait_for(lambda: job.uid(f"{JOB}-ps-0") not in (None, old_ps), "ps-0 re-created")
+    wait_for(lambda: f"{JOB}-ps-0" in job.running("elasticps/role=ps"), "ps-0 running")
+
+    # A trainer: replaced by a new one (a new index) on another node.
+    victim = job.running()[0]
+    kube.lose_node(NS, victim)
+    wait_for(lambda: len(job.running()) == 4 and victim not in job.running(), "a new trainer")
 
 
 def test_a_stuck_trainer_is_replaced(job: Job) -> None:
@@ -359,25 +436,31 @@ def test_delete_leaves_nothing_with_the_jobs_labels(
     job.manager.stop()  # the master's manager dies with the master pod
     assert main(["delete", JOB, "--namespace", NS, "--kubeconfig", str(kubeconfig)]) == 0
     printed = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert printed["deleted"]["services"] == 2 and printed["deleted"]["configmaps"] == 3
+    deleted = printed["deleted"]
+    assert (deleted["deployments"], deleted["statefulsets"]) == (1, 1), deleted
+    assert (deleted["services"], deleted["configmaps"]) == (3, 3), deleted
     selector = f"elasticps/job={JOB}"
-    for resource in ("pods", "services", "configmaps"):
-        assert job.kube.objects(resource, NS, selector) == []
+    for resource in (
+        "pods", "services", "configmaps", "deployments", "statefulsets", "persistentvolumeclaims",
+    ):  # fmt: skip
+        assert job.kube.objects(resource, NS, selector) == [], resource
 
 
-def test_submit_with_etcd_endpoints_starts_no_etcd_and_status_lists_the_pods(
+def test_submit_with_an_existing_etcd_starts_no_etcd_and_status_lists_the_pods(
     kube: FakeKubeServer,
     kubeconfig: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    result = submit(kubeconfig, tmp_path, "--etcd-endpoints", "etcd.infra:2379")
+    result = submit(kubeconfig, tmp_path, "--etcd", "etcd.infra:2379")
     assert result["etcd"] == "etcd.infra:2379"
-    assert "pod/kjob-etcd" not in result["created"]
+    assert not [name for name in result["created"] if "etcd" in name], result
+    assert kube.objects("statefulsets", NS) == []
     env = kube.objects("configmaps", NS, "elasticps/role=env")[0]["data"]
     assert env["ELASTICPS_ETCD"] == "etcd.infra:2379"
     assert env["ELASTICPS_MODE"] == "async"
-    master = kube.pod(NS, f"{JOB}-master-0")
+    master_name = master_pod(kube)
+    master = kube.pod(NS, master_name)
     assert master is not None
     command = master["spec"]["containers"][0]["command"]
     assert command[:6] == ["elasticps", "master", "--backend", "kubernetes", "--trainers", "2:4"]
@@ -391,15 +474,15 @@ def test_submit_with_etcd_endpoints_starts_no_etcd_and_status_lists_the_pods(
     assert main(["status", JOB, *cluster, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["wanted_trainers"] == 4
-    assert [(p["name"], p["state"]) for p in status["pods"]] == [(f"{JOB}-master-0", "running")]
-    kube.set_log(NS, f"{JOB}-master-0", "hello\nworld\n")
+    assert [(p["name"], p["state"]) for p in status["pods"]] == [(master_name, "running")]
+    kube.set_log(NS, master_name, "hello\nworld\n")
     assert main(["logs", JOB, *cluster]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"[{JOB}-master-0] {s}" for s in ("hello", "world")
+        f"[{master_name}] {s}" for s in ("hello", "world")
     ]
     assert main(["logs", JOB, *cluster, "-f"]) == 0  # the fake's log stream ends at once
     assert capsys.readouterr().out.splitlines() == [
-        f"[{JOB}-master-0] {s}" for s in ("hello", "world")
+        f"[{master_name}] {s}" for s in ("hello", "world")
     ]
     assert main(["list", *cluster, "--json"]) == 0
     (listed,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -407,6 +490,65 @@ def test_submit_with_etcd_endpoints_starts_no_etcd_and_status_lists_the_pods(
     # Without --backend kubernetes, the name is looked up among local runs.
     assert main(["status", JOB]) == 2
     assert "--backend kubernetes" in capsys.readouterr().err
+
+
+def test_the_in_cluster_hook_runs_the_manager_and_records_the_end_for_status(
+    *,
+    kube: FakeKubeServer,
+    kubeconfig: Path,
+    tmp_path: Path,
+    etcd_server: EtcdServer,
+    job_name: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The master's real ``on_active`` hook, its in-cluster credentials pointed at the fake: its
+    pods are owned by the master's Deployment, and the job's end in etcd reaches ``status``."""
+    from kubernetes import config as kube_config
+
+    from elasticps.launcher.kubernetes import in_cluster_manager
+
+    submit(kubeconfig, tmp_path)
+    monkeypatch.setattr(
+        kube_config,
+        "load_incluster_config",
+        lambda: client.Configuration.set_default(client.Configuration(host=kube.url)),
+    )
+    hook = in_cluster_manager(
+        JOB,
+        ManagerConfig(min_trainers=2, max_trainers=2, backoff_base_s=0.1, backoff_cap_s=0.2,
+                      tick_s=0.05),
+        ps=1,
+        config=KubernetesConfig(namespace=NS, image="registry.example/elasticps:1"),
+        state_poll_s=0.1,
+    )  # fmt: skip
+    deployment = kube.objects("deployments", NS)[0]["metadata"]["uid"]
+    cluster = ["--backend", "kubernetes", "--namespace", NS, "--kubeconfig", str(kubeconfig)]
+    try:
+        with JobStore(etcd_server.endpoint, job_name) as store:
+            stop = hook(store)
+            try:
+                wait_for(lambda: len(running(kube, TRAINERS)) == 2, "2 trainers")
+                wait_for(lambda: len(running(kube, "elasticps/role=ps")) == 1, "1 PS")
+                assert store.ps_desired() == 1
+                for pod in kube.objects("pods", NS, f"{job_selector(JOB)},{TRAINERS}"):
+                    refs = pod["metadata"]["ownerReferences"]
+                    assert [(r["kind"], r["uid"]) for r in refs] == [("Deployment", deployment)]
+                assert main(["status", JOB, *cluster, "--json"]) == 0
+                assert json.loads(capsys.readouterr().out)["state"] == "running"
+                store.set_job_state("finished")  # as the master does after the last pass
+
+                def status() -> str:
+                    assert main(["status", JOB, *cluster, "--json"]) == 0
+                    return str(json.loads(capsys.readouterr().out)["state"])
+
+                wait_for(lambda: status() == "finished", "status: finished")
+                assert main(["list", *cluster, "--json"]) == 0
+                assert json.loads(capsys.readouterr().out)["state"] == "finished"
+            finally:
+                stop()
+    finally:
+        client.Configuration.set_default(None)
 
 
 def test_the_listener_relists_after_410_gone_and_reports_deletions_it_missed(

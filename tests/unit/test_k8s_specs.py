@@ -2,7 +2,8 @@
 
 Every object goes through the official client's serializer and deserializer
 (``sanitize_for_serialization`` -> JSON -> ``ApiClient().deserialize`` into
-``V1Pod``/``V1Service``/``V1ConfigMap``) and must come back identical. When
+``V1Pod``/``V1Deployment``/``V1StatefulSet``/``V1Service``/``V1ConfigMap``)
+and must come back identical. When
 ``kubectl`` is installed, ``kubectl create --dry-run=client -o yaml`` must
 accept them too (it needs an API server for discovery: the fake one).
 """
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 CONFIG = KubernetesConfig(namespace="ml", image="elasticps:1", volume_claim="data")
-OWNER = OwnerRef("j-master-0", "5f0c6a1e-0000-4000-8000-000000000001")
+OWNER = OwnerRef("j-master", "5f0c6a1e-0000-4000-8000-000000000001")
 REQUEST = JobRequest(
     job="j",
     model_source="class Model: ...\n",
@@ -64,16 +65,80 @@ def round_trip(obj: Any) -> dict[str, Any]:
     return dict(payload)
 
 
-def all_pods() -> list[dict[str, Any]]:
-    pods = [round_trip(o) for o in job_objects(REQUEST, CONFIG) if o.kind == "Pod"]
-    for spec in (WorkerSpec(Role.PS, 1), WorkerSpec(Role.TRAINER, 12, ("--trainer-id", "12"))):
-        pods.append(round_trip(worker_pod("j", spec, CONFIG, OWNER)))
+def template_pods(objects: list[Any]) -> list[dict[str, Any]]:
+    """The pods the controllers among ``objects`` make: their templates, named ``<name>-0``."""
+    pods = []
+    for obj in objects:
+        if obj.kind in ("Deployment", "StatefulSet"):
+            controller = round_trip(obj)
+            template = controller["spec"]["template"]
+            meta = {**template["metadata"], "name": f"{controller['metadata']['name']}-0"}
+            pods.append({"kind": "Pod", "metadata": meta, "spec": template["spec"]})
     return pods
+
+
+def all_pods(request: JobRequest = REQUEST, config: KubernetesConfig = CONFIG) -> list[Any]:
+    pods = template_pods(job_objects(request, config))
+    for spec in (WorkerSpec(Role.PS, 1), WorkerSpec(Role.TRAINER, 12, ("--trainer-id", "12"))):
+        pods.append(round_trip(worker_pod("j", spec, config, OWNER)))
+    return pods
+
+
+def by_name(objects: list[Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o.kind, o.metadata.name): round_trip(o) for o in objects}
 
 
 def test_every_object_survives_the_clients_model_classes() -> None:
     kinds = [round_trip(o)["kind"] for o in job_objects(REQUEST, CONFIG)]
-    assert kinds == ["ConfigMap"] * 3 + ["Pod", "Service", "Pod", "Service"]
+    assert kinds == ["ConfigMap"] * 3 + [
+        "Service", "Service", "StatefulSet", "Service", "Deployment",
+    ]  # fmt: skip
+
+
+def test_etcd_is_a_statefulset_with_its_data_on_claims_and_a_headless_peer_service() -> None:
+    request = JobRequest(**{**REQUEST.__dict__, "etcd_replicas": 3, "etcd_storage": "5Gi"})
+    objects = by_name(job_objects(request, CONFIG))
+    etcd = objects[("StatefulSet", "j-etcd")]["spec"]
+    assert etcd["replicas"] == 3 and etcd["podManagementPolicy"] == "Parallel"
+    assert etcd["serviceName"] == "j-etcd-peer"
+    (claim,) = etcd["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"]["resources"]["requests"] == {"storage": "5Gi"}
+    assert etcd["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
+    container = etcd["template"]["spec"]["containers"][0]
+    assert {"name": "data", "mountPath": "/var/lib/etcd"} in container["volumeMounts"]
+    assert "volumes" not in etcd["template"]["spec"]  # no emptyDir: the claim is the data
+    flags = dict(f.split("=", 1) for f in container["command"][1:])
+    assert flags["--initial-cluster"] == ",".join(
+        f"j-etcd-{i}=http://j-etcd-{i}.j-etcd-peer.ml.svc:2380" for i in range(3)
+    )
+    assert flags["--name"] == "$(POD_NAME)"
+    assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    peer = objects[("Service", "j-etcd-peer")]["spec"]
+    assert peer["clusterIP"] == "None" and peer["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in peer["ports"]} == {2379, 2380}
+    assert objects[("Service", "j-etcd")]["spec"]["ports"][0]["port"] == 2379
+    with pytest.raises(ConfigError, match="1, 3, 5 or 7"):
+        JobRequest(**{**REQUEST.__dict__, "etcd_replicas": 2})
+
+
+def test_with_an_existing_etcd_no_etcd_objects_are_made() -> None:
+    request = JobRequest(**{**REQUEST.__dict__, "etcd_endpoint": "http://etcd.infra:2379"})
+    objects = by_name(job_objects(request, CONFIG))
+    assert not [key for key in objects if "etcd" in key[1]]
+    assert objects[("ConfigMap", "j-env")]["data"]["ELASTICPS_ETCD"] == "http://etcd.infra:2379"
+    with pytest.raises(ConfigError):
+        JobRequest(**{**REQUEST.__dict__, "etcd_endpoint": "https://etcd.infra:2379"})
+
+
+def test_the_masters_are_a_deployment_of_one_plus_the_standbys() -> None:
+    request = JobRequest(**{**REQUEST.__dict__, "standby_masters": 2})
+    master = by_name(job_objects(request, CONFIG))[("Deployment", "j-master")]
+    assert master["spec"]["replicas"] == 3
+    assert master["spec"]["strategy"] == {"type": "Recreate"}
+    labels = {"app": "elasticps", "elasticps/job": "j", "elasticps/role": "master"}
+    assert master["spec"]["selector"]["matchLabels"] == labels
+    assert master["spec"]["template"]["metadata"]["labels"] == labels  # no index: not a worker
 
 
 def test_every_container_has_cpu_and_memory_requests_and_limits() -> None:
@@ -95,7 +160,7 @@ def test_readiness_probes_master_grpc_health_ps_tcp_trainers_none() -> None:
     assert probes["trainer"] is None
 
 
-def test_worker_pods_are_owned_by_the_master_and_never_restart_in_place() -> None:
+def test_worker_pods_are_owned_by_the_master_deployment_and_never_restart_in_place() -> None:
     pod = round_trip(worker_pod("j", WorkerSpec(Role.TRAINER, 3), CONFIG, OWNER))
     meta = pod["metadata"]
     assert meta["name"] == "j-trainer-3" and DNS_LABEL.match(meta["name"])
@@ -107,8 +172,8 @@ def test_worker_pods_are_owned_by_the_master_and_never_restart_in_place() -> Non
     }
     assert meta["ownerReferences"] == [
         {
-            "apiVersion": "v1",
-            "kind": "Pod",
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
             "name": OWNER.name,
             "uid": OWNER.uid,
             "controller": True,
@@ -127,11 +192,10 @@ def test_worker_pods_are_owned_by_the_master_and_never_restart_in_place() -> Non
 
 
 def test_the_master_runs_the_kubernetes_worker_manager_under_its_service_account() -> None:
-    master = next(
-        round_trip(o) for o in job_objects(REQUEST, CONFIG) if o.metadata.name == "j-master-0"
-    )
+    (master,) = [p for p in template_pods(job_objects(REQUEST, CONFIG))
+                 if p["metadata"]["name"] == "j-master-0"]  # fmt: skip
     assert master["spec"]["serviceAccountName"] == "elasticps"
-    assert master["spec"]["restartPolicy"] == "OnFailure"
+    assert master["spec"]["restartPolicy"] == "Always"  # a Deployment's pods
     assert "ownerReferences" not in master["metadata"]
     command = master["spec"]["containers"][0]["command"]
     assert command[:8] == ["elasticps", "master", "--backend", "kubernetes",
@@ -210,10 +274,13 @@ def test_the_example_job_is_what_submit_dry_run_generates() -> None:
 def test_the_rbac_manifest_grants_the_manager_what_it_uses() -> None:
     docs = {d["kind"]: d for d in _documents(DEPLOY / "rbac.yaml")}
     assert set(docs) == {"ServiceAccount", "Role", "RoleBinding"}
-    rules = {r["resources"][0]: set(r["verbs"]) for r in docs["Role"]["rules"]}
+    rules = {res: set(r["verbs"]) for r in docs["Role"]["rules"] for res in r["resources"]}
     assert {"create", "delete", "list", "watch", "get"} <= rules["pods"]
     assert {"get", "patch", "create"} <= rules["configmaps"]
     assert {"create", "delete", "list"} <= rules["services"]
+    assert {"get", "create", "delete", "list"} <= rules["deployments"]  # the owner, submit
+    assert {"create", "delete", "list"} <= rules["statefulsets"]
+    assert {"list", "delete"} <= rules["persistentvolumeclaims"]
     assert docs["RoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
 
 
@@ -314,7 +381,7 @@ def test_a_job_on_object_storage_needs_no_volume() -> None:
         checkpoint_dir="s3://bucket/checkpoints/j",
     )
     objects = [round_trip(o) for o in job_objects(request, config)]
-    pods = [o for o in objects if o["kind"] == "Pod"]
+    pods = template_pods(job_objects(request, config))
     pods += [
         round_trip(worker_pod("j", WorkerSpec(role, 0), config, OWNER))
         for role in (Role.PS, Role.TRAINER)
@@ -343,3 +410,15 @@ def test_a_checkpoint_url_with_credentials_is_refused() -> None:
             data=("s3://b/d",),
             checkpoint_dir="s3://KEY:SECRET@bucket/x",
         )
+
+
+def test_a_terminating_pod_is_taken_as_lost_only_well_past_its_grace_period() -> None:
+    import datetime
+
+    from elasticps.launcher.kubernetes import FORCE_DELETE_AFTER_S, deletion_overdue
+
+    end = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    later = end + datetime.timedelta(seconds=FORCE_DELETE_AFTER_S)
+    assert not deletion_overdue(end, end - datetime.timedelta(seconds=5))  # still in its grace
+    assert not deletion_overdue(end, later)
+    assert deletion_overdue(end, later + datetime.timedelta(seconds=1))

@@ -53,6 +53,7 @@ PUBLIC_MODULES = (
     "elasticps.tables",
     "elasticps.buffers",
     "elasticps.evaluate",
+    "elasticps.launcher.kubernetes",
 )
 # Modules checked for docstrings only, not yet for their "Raises:" sections:
 # the config dataclasses raise ConfigError from __post_init__ without saying

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ yaml = pytest.importorskip("yaml")
 pytest.importorskip("kubernetes")
 
 from elasticps import cli  # noqa: E402
+from elasticps.launcher.kubernetes import to_manifests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # The oldest Kubernetes release still supported upstream when this was written, and the
@@ -46,7 +48,9 @@ def dry_run(*extra: str) -> list[dict[str, Any]]:
 def test_dry_run_objects_pass_the_kubernetes_schemas(version: str) -> None:
     objects = dry_run()
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds.count("Pod") == 2  # etcd and the master; the master creates the workers
+    # etcd and the masters under controllers; the active master creates the workers.
+    assert "Pod" not in kinds
+    assert kinds.count("StatefulSet") == 1 and kinds.count("Deployment") == 1
     assert {"ConfigMap", "Service"} <= set(kinds)
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
@@ -54,10 +58,10 @@ def test_dry_run_objects_pass_the_kubernetes_schemas(version: str) -> None:
 
 
 def test_an_invalid_object_is_caught() -> None:
-    pod = next(obj for obj in dry_run() if obj["kind"] == "Pod")
-    pod["spec"]["containers"][0]["imagePullPolicy"] = 7
+    master = next(obj for obj in dry_run() if obj["kind"] == "Deployment")
+    master["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = 7
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(pod, VERSIONS[-1], strict=True)
+        kubernetes_validate.validate(master, VERSIONS[-1], strict=True)
 
 
 def test_elastic_range_starts_at_max_in_the_scale_config_map() -> None:
@@ -124,24 +128,61 @@ def sample(action: argparse.Action) -> list[str]:
     return ["somewhere"]
 
 
-def carried(objects: list[dict[str, Any]], flag: str, value: str) -> bool:
-    """Whether the objects hold ``flag``'s ``value``: a pod variable or a master flag."""
-    env = next(o for o in objects if o["metadata"]["name"].endswith("-env"))["data"]
-    if env.get(cli.env_name(flag)) == value:
-        return True
-    for obj in objects:
-        if obj["kind"] != "Pod":
-            continue
-        command = obj["spec"]["containers"][0]["command"]
-        if any(command[i : i + 2] == [flag, value] for i in range(len(command) - 1)):
-            return True
-    return False
+DOWNWARD = {"status.podIP": "10.244.0.7", "metadata.name": "pod", "metadata.uid": "u",
+            "metadata.namespace": "default"}  # fmt: skip
+
+
+def _parse_pod(
+    container: dict[str, Any], env_map: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> argparse.Namespace:
+    """``elasticps <role> ...`` of a container, parsed with the environment the pod gets."""
+    with monkeypatch.context() as m:
+        for key in [k for k in os.environ if k.startswith("ELASTICPS_")]:
+            m.delenv(key)
+        for key, value in env_map.items():
+            m.setenv(key, value)
+        for var in container.get("env") or []:  # env wins over envFrom, as in Kubernetes
+            value = var.get("value") or DOWNWARD[var["valueFrom"]["fieldRef"]["fieldPath"]]
+            m.setenv(var["name"], value)
+        return cli.parse_args(container["command"][1:])
+
+
+def role_args(
+    objects: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> dict[str, argparse.Namespace]:
+    """What each role of the job parses: the master from its Deployment's template, and a PS
+    and a trainer as the master's worker manager would create their pods."""
+    from elasticps.launcher.kubernetes import ps_specs, trainer_spec, worker_pod
+
+    env_map = next(o for o in objects if o["metadata"]["name"].endswith("-env"))["data"]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    master = _parse_pod(
+        deployment["spec"]["template"]["spec"]["containers"][0], env_map, monkeypatch
+    )
+    config = cli.manager_kubernetes_config(master)
+    parsed = {"master": master}
+    for role, spec in (("ps", ps_specs(1)[0]), ("trainer", trainer_spec(5))):
+        pod = to_manifests([worker_pod(master.job, spec, config)])[0]
+        parsed[role] = _parse_pod(pod["spec"]["containers"][0], env_map, monkeypatch)
+    return parsed
+
+
+def _same(expected: object, got: object) -> bool:
+    if isinstance(got, list) and not isinstance(expected, list):
+        got = got[0] if len(got) == 1 else got  # master --data takes several
+    if isinstance(expected, Path) or isinstance(got, Path):
+        return str(expected) == str(got)
+    return expected == got or str(expected) == str(got)
 
 
 @pytest.mark.parametrize("action", train_options(), ids=lambda a: a.option_strings[0])
-def test_every_train_option_is_carried_into_the_pods_or_refused_by_name(
-    action: argparse.Action, capsys: pytest.CaptureFixture[str]
+def test_every_train_option_reaches_the_roles_in_the_pods_or_is_refused_by_name(
+    action: argparse.Action,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Every option of ``train``, now and added later: submit refuses it by name, or the roles
+    parse its value from the objects submit renders (their command lines and environment)."""
     flag = action.option_strings[0]
     values = sample(action)
     refused = flag in cli.NOT_SUBMITTABLE or flag == "--master-port"
@@ -154,16 +195,28 @@ def test_every_train_option_is_carried_into_the_pods_or_refused_by_name(
         return
     objects = dry_run(*argv_extra)
     value = values[0] if values else ""
-    if flag == "--model":
-        model = next(o for o in objects if o["metadata"]["name"].endswith("-model"))
-        assert model["data"]["model.py"] == Path(value).read_text()
-    elif flag == "--job":
+    named = {o["metadata"]["name"]: o for o in objects}
+    if flag == "--model":  # the pods read the file from the <job>-model ConfigMap
+        assert named["mnist-model"]["data"]["model.py"] == Path(value).read_text()
+        return
+    if flag == "--job":
         assert all(o["metadata"]["name"].startswith(f"{value}-") for o in objects)
-    elif flag == "--initial-trainers":
-        scale = next(o for o in objects if o["metadata"]["name"].endswith("-scale"))
-        assert scale["data"]["trainers"] == value
-    else:
-        assert carried(objects, flag, value), (flag, value)
+    elif flag == "--initial-trainers":  # the wanted count, which the master's manager reads
+        assert named["mnist-scale"]["data"]["trainers"] == value
+        return
+    elif flag == "--standby-masters":
+        assert named["mnist-master"]["spec"]["replicas"] == 1 + int(value)
+        return
+    expected = getattr(cli.parse_args(["train", "--model", "m.py", "--data", "/d", *argv_extra]),
+                       action.dest)  # fmt: skip
+    if flag == "--model-args":
+        from elasticps.config import model_args_text, parse_model_args
+
+        expected = model_args_text(parse_model_args(str(expected)))
+    roles = role_args(objects, monkeypatch)
+    reached = {role: getattr(ns, action.dest) for role, ns in roles.items() if action.dest in ns}
+    assert reached, f"{flag}: no role takes it"
+    assert any(_same(expected, got) for got in reached.values()), (flag, expected, reached)
 
 
 def test_a_kafka_stream_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,9 +2,10 @@
 
 Two layers:
 
-- Pure builders (:func:`worker_pod`, :func:`master_service`,
-  :func:`etcd_pod`, :func:`model_configmap`...) return the client's model
-  objects (``V1Pod``, ``V1Service``, ``V1ConfigMap``), so the generated specs
+- Pure builders (:func:`worker_pod`, :func:`master_deployment`,
+  :func:`etcd_statefulset`, :func:`master_service`, :func:`model_configmap`...)
+  return the client's model objects (``V1Pod``, ``V1Deployment``,
+  ``V1StatefulSet``, ``V1Service``, ``V1ConfigMap``), so the generated specs
   are checked against the API's schema in unit tests, without a cluster.
 - :class:`KubernetesBackend` implements
   :class:`~elasticps.launcher.backend.Backend` with ``CoreV1Api``: create,
@@ -13,9 +14,14 @@ Two layers:
 
 Every object of a job carries the labels ``app=elasticps``,
 ``elasticps/job=<job>`` and ``elasticps/role=<role>`` (pods of workers also
-``elasticps/index=<i>``), so ``elasticps delete JOB`` selects them all. Worker
-pods (PS, trainers) have an owner reference to the master pod: deleting the
-master deletes them (the garbage collector).
+``elasticps/index=<i>``), so ``elasticps delete JOB`` selects them all.
+
+What re-creates each pod when its node is lost: the etcd members are a
+StatefulSet (data on PersistentVolumeClaims), the masters a Deployment, and
+the PS and trainer pods the worker manager of the active master. Worker
+pods have an owner reference to the master's Deployment (not to a master
+pod, which a lost node takes with it): deleting the Deployment deletes them
+(the garbage collector), replacing a master pod does not.
 
 Pods get their settings from the environment: the job-wide ``ELASTICPS_*``
 variables come from the ConfigMap ``<job>-env`` (``envFrom``), the pod's own
@@ -41,7 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +57,7 @@ from elasticps.config import (
     PodResources,
     check_kubernetes_job_name,
 )
-from elasticps.errors import ConfigError, KubernetesError, UnschedulableError
+from elasticps.errors import ConfigError, ElasticPSError, KubernetesError, UnschedulableError
 from elasticps.launcher.backend import Cancel, Role, WorkerEvent, WorkerSpec
 from elasticps.launcher.pod_events import (
     LABEL_APP,
@@ -65,6 +71,7 @@ from elasticps.launcher.pod_events import (
 )
 
 __all__ = [
+    "ETCD_PEER_PORT",
     "ETCD_PORT",
     "MASTER_PORT",
     "MAX_CONFIGMAP_BYTES",
@@ -77,8 +84,9 @@ __all__ = [
     "build_manager",
     "delete_job",
     "env_configmap",
-    "etcd_pod",
+    "etcd_peer_service",
     "etcd_service",
+    "etcd_statefulset",
     "in_cluster_manager",
     "job_labels",
     "job_logs",
@@ -88,13 +96,16 @@ __all__ = [
     "job_status",
     "manifests_yaml",
     "mark_job_failed",
-    "master_pod",
+    "master_deployment",
+    "master_owner",
     "master_service",
     "model_configmap",
     "pod_name",
     "ps_specs",
+    "record_job_state",
     "scale_configmap",
     "set_wanted_trainers",
+    "state_configmap",
     "submit_job",
     "to_manifests",
     "trainer_spec",
@@ -133,12 +144,15 @@ MAX_CONFIGMAP_BYTES = 1024 * 1024
 """The API server's limit on a ConfigMap's data, bytes (etcd's request size)."""
 SCALE_KEY = "trainers"
 """The key of the wanted trainer count in the ``<job>-scale`` ConfigMap."""
-LABEL_STATE = "elasticps/state"
-"""A label of the master pod: ``failed`` once the supervision policy failed the job."""
-ANNOTATION_FAILURE = "elasticps/failure"
-"""An annotation of the master pod: why the policy failed the job (one line)."""
+ETCD_PEER_PORT = 2380
+"""The job's etcd peer port (between the members of a StatefulSet of three)."""
+STATE_KEY = "state"
+"""The key of the job's state in the ``<job>-state`` ConfigMap: ``failed`` once the
+supervision policy failed the job."""
+FAILURE_KEY = "failure"
+"""The key of why the policy failed the job (one line) in the ``<job>-state`` ConfigMap."""
 MAX_FAILURE_CHARS = 1024
-"""Longest failure message kept in :data:`ANNOTATION_FAILURE`, characters."""
+"""Longest failure message kept under :data:`FAILURE_KEY`, characters."""
 
 
 def pod_name(job: str, worker: str) -> str:
@@ -163,19 +177,19 @@ def job_selector(job: str, role: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class OwnerRef:
-    """The object that owns a job's worker pods (the master pod).
+    """The object that owns a job's worker pods (the master's Deployment).
 
     Attributes:
         name: its name.
-        uid: its uid (``metadata.uid``; in the pod, ``ELASTICPS_POD_UID``).
+        uid: its uid (``metadata.uid``).
         kind: its kind.
         api_version: its API version.
     """
 
     name: str
     uid: str
-    kind: str = "Pod"
-    api_version: str = "v1"
+    kind: str = "Deployment"
+    api_version: str = "apps/v1"
 
     def to_model(self) -> Any:
         """The ``V1OwnerReference``; ``blockOwnerDeletion`` for foreground deletion."""
@@ -256,31 +270,13 @@ def _volumes(job: str, config: KubernetesConfig) -> tuple[list[Any], list[Any]]:
     return volumes, mounts
 
 
-def worker_pod(
-    job: str, spec: WorkerSpec, config: KubernetesConfig, owner: OwnerRef | None = None
-) -> Any:
-    """The pod of one worker (or of the master), as a ``V1Pod``.
-
-    The container runs ``elasticps <role> <spec.args...>`` with the job's
-    ``ELASTICPS_*`` environment (``envFrom`` the ``<job>-env`` ConfigMap),
-    ``spec.env`` on top. Master pods restart on failure in place (so their
-    uid, which owns the workers, stays); PS and trainer pods never restart:
-    the worker manager replaces them.
-
-    Args:
-        job: the job name (a DNS label).
-        spec: the worker.
-        config: image, namespace, resources.
-        owner: the owner of the pod (the master pod), or None.
-
-    Returns:
-        A ``kubernetes.client.V1Pod``.
-    """
+def _container(job: str, spec: WorkerSpec, config: KubernetesConfig) -> Any:
+    """The container of a role: ``elasticps <role> <spec.args...>``, its ports and probe."""
     from kubernetes import client
 
     role = spec.role
     resources = {Role.MASTER: config.master, Role.PS: config.ps, Role.TRAINER: config.trainer}
-    volumes, mounts = _volumes(job, config)
+    _, mounts = _volumes(job, config)
     ports: list[Any] = []
     probe = None
     if role is Role.MASTER:
@@ -298,7 +294,7 @@ def worker_pod(
             initial_delay_seconds=2,
             period_seconds=5,
         )
-    container = client.V1Container(
+    return client.V1Container(
         name=role.value,
         image=config.image,
         image_pull_policy=config.image_pull_policy,
@@ -314,28 +310,101 @@ def worker_pod(
         resources=_resources(resources[role]),
         volume_mounts=mounts,
     )
+
+
+def worker_pod(
+    job: str, spec: WorkerSpec, config: KubernetesConfig, owner: OwnerRef | None = None
+) -> Any:
+    """The pod of one PS or trainer, as a ``V1Pod`` (the worker manager creates it).
+
+    The container runs ``elasticps <role> <spec.args...>`` with the job's
+    ``ELASTICPS_*`` environment (``envFrom`` the ``<job>-env`` ConfigMap),
+    ``spec.env`` on top. Worker pods never restart in place
+    (``restartPolicy: Never``): the worker manager replaces them, on any node.
+
+    Args:
+        job: the job name (a DNS label).
+        spec: the worker.
+        config: image, namespace, resources.
+        owner: the owner of the pod (the master's Deployment), or None.
+
+    Returns:
+        A ``kubernetes.client.V1Pod``.
+    """
+    from kubernetes import client
+
+    volumes, _ = _volumes(job, config)
     return client.V1Pod(
         api_version="v1",
         kind="Pod",
         metadata=client.V1ObjectMeta(
             name=pod_name(job, spec.name),
             namespace=config.namespace,
-            labels=job_labels(job, role.value, spec.index),
+            labels=job_labels(job, spec.role.value, spec.index),
             owner_references=[owner.to_model()] if owner is not None else None,
         ),
         spec=client.V1PodSpec(
-            containers=[container],
-            restart_policy="OnFailure" if role is Role.MASTER else "Never",
-            service_account_name=config.service_account if role is Role.MASTER else None,
+            containers=[_container(job, spec, config)],
+            restart_policy="Never",
             volumes=volumes,
             termination_grace_period_seconds=10,
         ),
     )
 
 
-def master_pod(job: str, args: tuple[str, ...], config: KubernetesConfig) -> Any:
-    """The master pod: ``elasticps master <args>`` under the job's ServiceAccount."""
-    return worker_pod(job, WorkerSpec(Role.MASTER, 0, args), config)
+def master_deployment(
+    job: str, args: tuple[str, ...], config: KubernetesConfig, replicas: int = 1
+) -> Any:
+    """The master's Deployment ``<job>-master``: ``replicas`` pods of ``elasticps master <args>``.
+
+    A Deployment, so that a master pod lost with its node is re-created on
+    another one. More than one replica are standby masters: each waits on the
+    master lock in etcd, which fences every ledger write, and only the active
+    one is ready (its gRPC health), so the ``<job>-master`` Service routes to
+    it alone. The active master runs the worker manager (under the job's
+    ServiceAccount); the PS and trainer pods it creates are owned by this
+    Deployment, so they outlive a master pod and go with the Deployment.
+
+    Args:
+        job: the job name (a DNS label).
+        args: the master's flags.
+        config: image, namespace, resources, ServiceAccount.
+        replicas: masters, >= 1 (1 + standby masters).
+
+    Raises:
+        ConfigError: ``replicas`` < 1.
+    """
+    from kubernetes import client
+
+    if replicas < 1:
+        raise ConfigError(f"the master needs at least one replica, got {replicas}")
+    spec = WorkerSpec(Role.MASTER, 0, args)
+    labels = job_labels(job, Role.MASTER.value)
+    volumes, _ = _volumes(job, config)
+    template = client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels=labels),
+        spec=client.V1PodSpec(
+            containers=[_container(job, spec, config)],
+            restart_policy="Always",
+            service_account_name=config.service_account,
+            volumes=volumes,
+            termination_grace_period_seconds=10,
+        ),
+    )
+    return client.V1Deployment(
+        api_version="apps/v1",
+        kind="Deployment",
+        metadata=client.V1ObjectMeta(
+            name=f"{job}-master", namespace=config.namespace, labels=labels
+        ),
+        spec=client.V1DeploymentSpec(
+            replicas=replicas,
+            selector=client.V1LabelSelector(match_labels=labels),
+            template=template,
+            # The old master goes before the new one starts: no two masters from a rollout.
+            strategy=client.V1DeploymentStrategy(type="Recreate"),
+        ),
+    )
 
 
 def master_service(job: str, config: KubernetesConfig) -> Any:
@@ -355,23 +424,68 @@ def master_service(job: str, config: KubernetesConfig) -> Any:
     )
 
 
-def etcd_pod(job: str, config: KubernetesConfig) -> Any:
-    """A single-member etcd for the job (data in an ``emptyDir``), restarted in place."""
+def etcd_peer_host(job: str, member: int, namespace: str) -> str:
+    """The DNS name of etcd member ``member`` (its pod in the headless peer Service)."""
+    return f"{job}-etcd-{member}.{job}-etcd-peer.{namespace}.svc"
+
+
+def etcd_statefulset(
+    job: str, config: KubernetesConfig, replicas: int = 1, storage: str = "1Gi"
+) -> Any:
+    """The job's etcd: a StatefulSet ``<job>-etcd`` of ``replicas`` members, data on PVCs.
+
+    Each member keeps its data on its own PersistentVolumeClaim
+    (``data-<job>-etcd-<i>``, from ``volumeClaimTemplates``, in the
+    namespace's default StorageClass), so a member re-created on another node
+    finds its data again (where the storage can follow it across nodes).
+    With three members, etcd keeps its quorum while one node is lost. The
+    members find each other through the headless Service ``<job>-etcd-peer``
+    (:func:`etcd_peer_service`); ``podManagementPolicy: Parallel`` starts them
+    together, as a new cluster must.
+
+    Args:
+        job: the job name.
+        config: namespace, etcd image, pull policy.
+        replicas: members: 1, 3, 5 or 7.
+        storage: each member's claim size (a Kubernetes quantity, e.g. ``1Gi``).
+
+    Raises:
+        ConfigError: ``replicas`` is not an odd number in 1..7.
+    """
     from kubernetes import client
 
-    url = f"http://0.0.0.0:{ETCD_PORT}"
+    if replicas not in (1, 3, 5, 7):
+        raise ConfigError(f"--etcd-replicas must be 1, 3, 5 or 7, got {replicas}")
+    ns = config.namespace
+    labels = job_labels(job, "etcd")
+    cluster = ",".join(
+        f"{job}-etcd-{i}=http://{etcd_peer_host(job, i, ns)}:{ETCD_PEER_PORT}"
+        for i in range(replicas)
+    )
+    # The kubelet expands $(POD_NAME). Not ETCD_NAME: etcd reads ETCD_* variables as its
+    # flags, and refuses to start when one is also given on the command line.
+    me = f"$(POD_NAME).{job}-etcd-peer.{ns}.svc"
     container = client.V1Container(
         name="etcd",
         image=config.etcd_image,
         image_pull_policy=config.image_pull_policy,
         command=[
             "etcd",
-            "--name=etcd0",
-            "--data-dir=/var/lib/etcd",
-            f"--listen-client-urls={url}",
-            f"--advertise-client-urls=http://{job}-etcd:{ETCD_PORT}",
+            "--name=$(POD_NAME)",
+            "--data-dir=/var/lib/etcd/data",
+            f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
+            f"--advertise-client-urls=http://{me}:{ETCD_PORT}",
+            f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
+            f"--initial-advertise-peer-urls=http://{me}:{ETCD_PEER_PORT}",
+            f"--initial-cluster={cluster}",
+            f"--initial-cluster-token={job}-etcd",
+            "--initial-cluster-state=new",  # ignored once the data dir holds a member
         ],
-        ports=[client.V1ContainerPort(name="client", container_port=ETCD_PORT)],
+        env=[_field_env("POD_NAME", "metadata.name")],
+        ports=[
+            client.V1ContainerPort(name="client", container_port=ETCD_PORT),
+            client.V1ContainerPort(name="peer", container_port=ETCD_PEER_PORT),
+        ],
         readiness_probe=client.V1Probe(
             http_get=client.V1HTTPGetAction(path="/health", port=ETCD_PORT),
             initial_delay_seconds=1,
@@ -380,22 +494,71 @@ def etcd_pod(job: str, config: KubernetesConfig) -> Any:
         resources=_resources(PodResources("100m", "1", "256Mi", "1Gi")),
         volume_mounts=[client.V1VolumeMount(name="data", mount_path="/var/lib/etcd")],
     )
-    return client.V1Pod(
+    claim = client.V1PersistentVolumeClaim(
         api_version="v1",
-        kind="Pod",
-        metadata=client.V1ObjectMeta(
-            name=f"{job}-etcd", namespace=config.namespace, labels=job_labels(job, "etcd")
+        kind="PersistentVolumeClaim",
+        metadata=client.V1ObjectMeta(name="data", labels=labels),
+        spec=client.V1PersistentVolumeClaimSpec(
+            access_modes=["ReadWriteOnce"],
+            resources=client.V1VolumeResourceRequirements(requests={"storage": storage}),
         ),
-        spec=client.V1PodSpec(
-            containers=[container],
-            restart_policy="Always",
-            volumes=[client.V1Volume(name="data", empty_dir=client.V1EmptyDirVolumeSource())],
+    )
+    return client.V1StatefulSet(
+        api_version="apps/v1",
+        kind="StatefulSet",
+        metadata=client.V1ObjectMeta(name=f"{job}-etcd", namespace=ns, labels=labels),
+        spec=client.V1StatefulSetSpec(
+            replicas=replicas,
+            service_name=f"{job}-etcd-peer",
+            pod_management_policy="Parallel",
+            selector=client.V1LabelSelector(match_labels=labels),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels=labels),
+                spec=client.V1PodSpec(
+                    containers=[container],
+                    restart_policy="Always",
+                    termination_grace_period_seconds=10,
+                ),
+            ),
+            volume_claim_templates=[claim],
+            # The claims go with the job (elasticps delete), not with a lost pod.
+            persistent_volume_claim_retention_policy=(
+                client.V1StatefulSetPersistentVolumeClaimRetentionPolicy(
+                    when_deleted="Delete", when_scaled="Retain"
+                )
+            ),
+        ),
+    )
+
+
+def etcd_peer_service(job: str, config: KubernetesConfig) -> Any:
+    """The headless Service ``<job>-etcd-peer`` that names each etcd member in DNS.
+
+    ``publishNotReadyAddresses``: members must resolve each other before
+    they are ready (a member is ready only once the cluster has a leader).
+    """
+    from kubernetes import client
+
+    return client.V1Service(
+        api_version="v1",
+        kind="Service",
+        metadata=client.V1ObjectMeta(
+            name=f"{job}-etcd-peer", namespace=config.namespace, labels=job_labels(job, "etcd")
+        ),
+        spec=client.V1ServiceSpec(
+            cluster_ip="None",
+            publish_not_ready_addresses=True,
+            selector=job_labels(job, "etcd"),
+            ports=[
+                client.V1ServicePort(name="client", port=ETCD_PORT, target_port=ETCD_PORT),
+                client.V1ServicePort(name="peer", port=ETCD_PEER_PORT, target_port=ETCD_PEER_PORT),
+            ],
         ),
     )
 
 
 def etcd_service(job: str, config: KubernetesConfig) -> Any:
-    """The etcd Service, ``<job>-etcd:2379``."""
+    """The etcd client Service, ``<job>-etcd:2379``, routing to the ready members."""
     from kubernetes import client
 
     return client.V1Service(
@@ -491,6 +654,22 @@ def _request_errors() -> tuple[type[Exception], ...]:
     return (ApiException, HTTPError, OSError)
 
 
+FORCE_DELETE_AFTER_S = 30.0
+"""How long past its ``deletionTimestamp`` a terminating pod that blocks a PS's name may
+stay before it is deleted with grace period 0 (its node is taken as lost), seconds."""
+
+
+def deletion_overdue(deletion_timestamp: Any, now: Any) -> bool:
+    """Whether a pod's graceful deletion is :data:`FORCE_DELETE_AFTER_S` overdue.
+
+    Args:
+        deletion_timestamp: the pod's ``metadata.deletionTimestamp``, an aware
+            ``datetime`` (the end of its grace period).
+        now: the current time, an aware ``datetime`` (UTC).
+    """
+    return bool((now - deletion_timestamp).total_seconds() > FORCE_DELETE_AFTER_S)
+
+
 class KubernetesBackend:
     """A :class:`~elasticps.launcher.backend.Backend` whose workers are pods.
 
@@ -572,18 +751,37 @@ class KubernetesBackend:
         log.info("created pod %s", name)
 
     def _remove_finished(self, pod: str) -> None:
-        """Delete pod ``pod`` if it has finished (Succeeded/Failed), to free its name.
+        """Delete pod ``pod`` if it has finished, or its node never confirmed its deletion.
 
-        A replaced PS reuses its name; its old pod, if it exited rather than
-        being deleted, stays in the API (with its logs) until removed.
+        A replaced PS reuses its name. Its old pod, if it exited rather than
+        being deleted, stays in the API (with its logs) until removed: it is
+        deleted. If it was being deleted but is still there
+        :data:`FORCE_DELETE_AFTER_S` past its ``deletionTimestamp`` (the end
+        of its grace period), its node is not answering (a lost node): it is
+        deleted at once (grace period 0), as ``kubectl delete pod --force``
+        does, so that the replacement can run on another node. A PS that
+        comes back on that node is fenced by the epoch of its slot in etcd.
         """
+        import datetime
+
         from kubernetes.client import ApiException
 
         try:
-            phase = self.api.read_namespaced_pod(pod, self.namespace).status.phase
+            found = self.api.read_namespaced_pod(pod, self.namespace)
+            phase = found.status.phase if found.status else None
+            deleting = found.metadata.deletion_timestamp
+            now = datetime.datetime.now(datetime.UTC)
             if phase in ("Succeeded", "Failed"):
                 log.info("deleting finished pod %s (%s) to reuse its name", pod, phase)
                 self.api.delete_namespaced_pod(pod, self.namespace)
+            elif deleting is not None and deletion_overdue(deleting, now):
+                log.warning(
+                    "pod %s is still terminating %.0f s after its grace period (its node is "
+                    "lost?): deleting it with grace period 0",
+                    pod,
+                    (now - deleting).total_seconds(),
+                )
+                self.api.delete_namespaced_pod(pod, self.namespace, grace_period_seconds=0)
         except ApiException as exc:
             if exc.status != 404:
                 log.warning("could not remove finished pod %s: %s", pod, _describe(exc))
@@ -609,7 +807,7 @@ class KubernetesBackend:
             raise _api_error(exc, f"deleting pod {pod}") from exc
 
     def list(self) -> list[WorkerEvent]:
-        """The state of every worker pod of the job (PS, trainers, and the master).
+        """The state of every worker pod of the job (PS and trainers; not etcd or the masters).
 
         Raises:
             KubernetesError: the API failed.
@@ -809,19 +1007,52 @@ def build_manager(
     )
 
 
+def master_owner(api_client: Any, namespace: str, job: str) -> OwnerRef | None:
+    """The master's Deployment ``<job>-master`` as the owner of worker pods, or None.
+
+    None (with a warning) when there is no such Deployment (a master started
+    by hand): the worker pods then have no owner.
+
+    Raises:
+        KubernetesError: the API failed (other than 404).
+    """
+    from kubernetes import client
+    from kubernetes.client import ApiException
+
+    name = f"{job}-master"
+    try:
+        deployment: Any = client.AppsV1Api(api_client).read_namespaced_deployment(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            log.warning("no deployment %s: the worker pods get no owner", name)
+            return None
+        raise _api_error(exc, f"reading deployment {name}") from exc
+    except _request_errors() as exc:
+        raise _api_error(exc, f"reading deployment {name}") from exc
+    return OwnerRef(name, str(deployment.metadata.uid))
+
+
 def in_cluster_manager(
     job: str,
     manager_config: ManagerConfig,
     ps: int,
     config: KubernetesConfig,
+    *,
+    state_poll_s: float = 2.0,
 ) -> Callable[[JobStore], Callable[[], None]]:
     """The master's ``on_active`` hook: run the worker manager in the master pod.
 
-    Uses the pod's ServiceAccount (``load_incluster_config``), and the pod's
-    own name and uid (``ELASTICPS_POD_NAME``, ``ELASTICPS_POD_UID``, from the
-    downward API) as the owner of the worker pods. Sets ``ps_desired`` in
-    etcd if unset, reads the wanted trainer count from ``<job>-scale``, and
-    trainer progress from the task ledger when ``stuck_after_s`` is set.
+    Uses the pod's ServiceAccount (``load_incluster_config``), and the
+    master's Deployment ``<job>-master`` as the owner of the worker pods (so
+    that they outlive this pod: a master re-created elsewhere, or a standby
+    taking over, finds them and goes on). Sets ``ps_desired`` in etcd if
+    unset, reads the wanted trainer count from ``<job>-scale``, and trainer
+    progress from the task ledger when ``stuck_after_s`` is set. When the
+    policy fails the job, writes so in the ``<job>-state`` ConfigMap
+    (:func:`mark_job_failed`) and in etcd; when the master finishes the
+    job's last pass (the job state in etcd, read every ``state_poll_s``
+    seconds), writes ``finished`` there (:func:`record_job_state`), so that
+    ``status`` and ``list``, which cannot reach etcd, read it.
 
     Returns:
         The hook: called with the job's store once the master serves; it
@@ -829,8 +1060,6 @@ def in_cluster_manager(
     """
 
     def on_active(store: JobStore) -> Callable[[], None]:
-        import os
-
         from kubernetes import client
         from kubernetes import config as kube_config
 
@@ -838,8 +1067,7 @@ def in_cluster_manager(
 
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
         api_client = client.ApiClient()
-        name, uid = os.environ.get("ELASTICPS_POD_NAME"), os.environ.get("ELASTICPS_POD_UID")
-        owner = OwnerRef(name, uid) if name and uid else None
+        owner = master_owner(api_client, config.namespace, job)
         backend = KubernetesBackend(
             config.namespace, job, config.image, api_client, owner, config=config
         )
@@ -848,17 +1076,19 @@ def in_cluster_manager(
         progress = LedgerProgress(store) if manager_config.stuck_after_s is not None else None
         desired = ConfigMapDesiredCount(backend.api, config.namespace, job)
 
+        ended = threading.Event()  # failed or finished: recorded once, failure first
+
         def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
             if isinstance(action, FailJob):
                 # Nothing more is created; the job's state says why it stopped:
-                # in etcd for the roles, on the master pod for status and list.
+                # in etcd for the roles, in <job>-state for status and list.
                 log.error("job %s fails: %s", job, action.message)
+                ended.set()
                 store.set_job_state("failed")
-                if name:
-                    try:
-                        mark_job_failed(backend.api, config.namespace, name, action.message)
-                    except KubernetesError as exc:
-                        log.error("could not mark the master pod failed: %s", exc)
+                try:
+                    mark_job_failed(backend.api, config.namespace, job, action.message)
+                except KubernetesError as exc:
+                    log.error("could not record the job's failure: %s", exc)
 
         manager = build_manager(
             backend,
@@ -870,6 +1100,19 @@ def in_cluster_manager(
             on_decision=on_decision,
         )
         manager.start()
+        stopping = threading.Event()
+
+        def watch_finished() -> None:
+            while not stopping.wait(state_poll_s) and not ended.is_set():
+                try:
+                    finished = store.job_state() == "finished"
+                    if finished and not ended.is_set():
+                        record_job_state(backend.api, config.namespace, job, "finished")
+                        ended.set()
+                except ElasticPSError as exc:
+                    log.warning("could not record whether job %s finished: %s", job, exc)
+
+        threading.Thread(target=watch_finished, name="job-finished", daemon=True).start()
         log.info(
             "worker manager of job %s: %d PS, trainers %d..%d, namespace %s",
             job,
@@ -880,6 +1123,7 @@ def in_cluster_manager(
         )
 
         def stop() -> None:
+            stopping.set()
             manager.stop()
             backend.close()
 
@@ -907,7 +1151,13 @@ class JobRequest:
             which need no volume.
         master_args: more ``elasticps master`` flags (epochs, task sizes...).
         env: job-wide ``ELASTICPS_*`` variables (mode, optimizer, batch size...).
-        etcd_endpoint: an existing etcd ``host:port``; None starts one pod.
+        etcd_endpoint: an existing etcd (``host:port`` or ``http://host:port``);
+            None: the job's own etcd StatefulSet.
+        etcd_replicas: members of the job's own etcd: 1, 3, 5 or 7.
+        etcd_storage: each etcd member's PersistentVolumeClaim size (a
+            Kubernetes quantity such as ``1Gi``).
+        standby_masters: masters beside the active one, waiting on the master
+            lock (the master Deployment has ``1 + standby_masters`` replicas).
         stuck_after_s: replace trainers without progress for this long, seconds.
         checkpoint_dir: where the parameter servers keep their shard
             checkpoints: a storage URL, or a path inside the pods; empty: on
@@ -916,6 +1166,10 @@ class JobRequest:
             no shared volume; the pods read their credentials from the
             standard places (their environment, or the role of their service
             account or node).
+
+    Raises:
+        ConfigError: a bad job name, trainer range, PS count, etcd endpoint
+            or replica count, no data, or credentials in ``checkpoint_dir``.
     """
 
     job: str
@@ -928,6 +1182,9 @@ class JobRequest:
     master_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     etcd_endpoint: str | None = None
+    etcd_replicas: int = 1
+    etcd_storage: str = "1Gi"
+    standby_masters: int = 0
     stuck_after_s: float | None = None
     checkpoint_dir: str = ""
 
@@ -944,23 +1201,40 @@ class JobRequest:
             raise ConfigError(f"--ps must be >= 1, got {self.ps}")
         if not self.data:
             raise ConfigError("--data needs at least one Parquet path (as seen in the pods)")
+        if self.etcd_endpoint is not None:
+            from elasticps.coord.etcd_server import parse_endpoint
+
+            parse_endpoint(self.etcd_endpoint)
+        if self.etcd_replicas not in (1, 3, 5, 7):
+            raise ConfigError(f"--etcd-replicas must be 1, 3, 5 or 7, got {self.etcd_replicas}")
+        if not self.etcd_storage.strip():
+            raise ConfigError("--etcd-storage must be a quantity such as 1Gi")
+        if self.standby_masters < 0:
+            raise ConfigError(f"--standby-masters must be >= 0, got {self.standby_masters}")
+
+    @property
+    def etcd(self) -> str:
+        """The etcd endpoint the pods use: the given one, or the job's etcd Service."""
+        return self.etcd_endpoint or f"{self.job}-etcd:{ETCD_PORT}"
 
 
 def job_objects(request: JobRequest, config: KubernetesConfig) -> list[Any]:
     """The objects ``elasticps submit`` creates, in creation order (client model objects).
 
-    The ConfigMaps (model, job-wide environment, wanted trainer count), the
-    etcd pod and Service (unless ``request.etcd_endpoint``), then the master
-    pod and Service. The master pod creates the PS and trainer pods itself.
+    The ConfigMaps (model, job-wide environment, wanted trainer count); the
+    job's etcd (unless ``request.etcd_endpoint``): its headless peer Service,
+    its client Service and its StatefulSet, with the data on
+    PersistentVolumeClaims; then the master's Service and Deployment. The
+    active master creates the PS and trainer pods itself (its worker
+    manager), owned by its Deployment.
 
     Raises:
         ConfigError: the model file is too large for a ConfigMap.
     """
     job = request.job
-    etcd = request.etcd_endpoint or f"{job}-etcd:{ETCD_PORT}"
     env = {
         "ELASTICPS_JOB": job,
-        "ELASTICPS_ETCD": etcd,
+        "ELASTICPS_ETCD": request.etcd,
         "ELASTICPS_MODEL": MODEL_PATH,
         "ELASTICPS_PS": str(request.ps),
         **dict(request.env),
@@ -988,8 +1262,15 @@ def job_objects(request: JobRequest, config: KubernetesConfig) -> list[Any]:
         scale_configmap(job, request.initial_trainers, config),
     ]
     if request.etcd_endpoint is None:
-        objects += [etcd_pod(job, config), etcd_service(job, config)]
-    objects += [master_pod(job, tuple(master_args), config), master_service(job, config)]
+        objects += [
+            etcd_peer_service(job, config),
+            etcd_service(job, config),
+            etcd_statefulset(job, config, request.etcd_replicas, request.etcd_storage),
+        ]
+    objects += [
+        master_service(job, config),
+        master_deployment(job, tuple(master_args), config, 1 + request.standby_masters),
+    ]
     return objects
 
 
@@ -1016,11 +1297,19 @@ def manifests_yaml(objects: list[Any]) -> str:
     return yaml.dump_all(to_manifests(objects), Dumper=Dumper, sort_keys=False)
 
 
+def _apps(api: Any) -> Any:
+    """The ``AppsV1Api`` on the same connection as the ``CoreV1Api`` ``api``."""
+    from kubernetes import client
+
+    return client.AppsV1Api(api.api_client)
+
+
 def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[str, Any]:
     """Create the objects of :func:`job_objects` in the namespace; returns at once.
 
     Args:
-        api: a ``kubernetes.client.CoreV1Api``.
+        api: a ``kubernetes.client.CoreV1Api`` (Deployments and StatefulSets
+            go through an ``AppsV1Api`` on its connection).
         request: the job.
         config: namespace, image, resources.
 
@@ -1035,10 +1324,12 @@ def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[
     from kubernetes.client import ApiException
 
     ns = config.namespace
+    apps = _apps(api)
     create = {
         "ConfigMap": api.create_namespaced_config_map,
-        "Pod": api.create_namespaced_pod,
         "Service": api.create_namespaced_service,
+        "StatefulSet": apps.create_namespaced_stateful_set,
+        "Deployment": apps.create_namespaced_deployment,
     }
     created: list[str] = []
     for body in job_objects(request, config):
@@ -1055,36 +1346,69 @@ def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[
         except _request_errors() as exc:
             raise _api_error(exc, f"creating {kind} {name}") from exc
         created.append(f"{kind.lower()}/{name}")
-    etcd = request.etcd_endpoint or f"{request.job}-etcd:{ETCD_PORT}"
-    return {"job": request.job, "namespace": ns, "etcd": etcd, "created": created}
+    return {"job": request.job, "namespace": ns, "etcd": request.etcd, "created": created}
 
 
-def mark_job_failed(api: Any, namespace: str, master_pod: str, message: str) -> None:
-    """Record on the master pod that the supervision policy failed the job.
+def state_configmap(job: str, namespace: str, state: str, failure: str = "") -> Any:
+    """The ConfigMap ``<job>-state``: the job's state as the worker manager decided it."""
+    from kubernetes import client
 
-    The pod keeps running (its logs stay readable); ``elasticps status`` and
-    ``elasticps list`` read the label :data:`LABEL_STATE` and the annotation
-    :data:`ANNOTATION_FAILURE` (:func:`job_state`).
+    return client.V1ConfigMap(
+        api_version="v1",
+        kind="ConfigMap",
+        metadata=client.V1ObjectMeta(
+            name=f"{job}-state", namespace=namespace, labels=job_labels(job, "state")
+        ),
+        data={STATE_KEY: state, FAILURE_KEY: failure},
+    )
+
+
+def record_job_state(api: Any, namespace: str, job: str, state: str, failure: str = "") -> None:
+    """Write the job's state into the ConfigMap ``<job>-state`` (created if missing).
+
+    The record outlives any pod (a master re-created on another node keeps
+    it); ``elasticps status`` and ``elasticps list`` read it
+    (:func:`job_state`).
 
     Args:
         api: a ``CoreV1Api``.
         namespace: the job's namespace.
-        master_pod: the master pod's name.
-        message: the one-line reason (cut to :data:`MAX_FAILURE_CHARS`).
+        job: the job name.
+        state: ``failed`` or ``finished``.
+        failure: why it failed, one line (cut to :data:`MAX_FAILURE_CHARS`).
 
     Raises:
-        KubernetesError: the API refused the patch.
+        KubernetesError: the API refused the write.
     """
-    body = {
-        "metadata": {
-            "labels": {LABEL_STATE: "failed"},
-            "annotations": {ANNOTATION_FAILURE: " ".join(message.split())[:MAX_FAILURE_CHARS]},
-        }
-    }
+    from kubernetes.client import ApiException
+
+    body = state_configmap(job, namespace, state, " ".join(failure.split())[:MAX_FAILURE_CHARS])
     try:
-        api.patch_namespaced_pod(master_pod, namespace, body)
+        try:
+            api.create_namespaced_config_map(namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            api.patch_namespaced_config_map(f"{job}-state", namespace, {"data": body.data})
     except _request_errors() as exc:
-        raise _api_error(exc, f"marking pod {master_pod} failed") from exc
+        raise _api_error(exc, f"recording job {job} {state}") from exc
+
+
+def mark_job_failed(api: Any, namespace: str, job: str, message: str) -> None:
+    """Record that the supervision policy failed the job (:func:`record_job_state`).
+
+    The master keeps running, so its logs stay readable.
+
+    Args:
+        api: a ``CoreV1Api``.
+        namespace: the job's namespace.
+        job: the job name.
+        message: the one-line reason.
+
+    Raises:
+        KubernetesError: the API refused the write.
+    """
+    record_job_state(api, namespace, job, "failed", message)
 
 
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
@@ -1092,20 +1416,42 @@ def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
 
 
-def job_state(master: Mapping[str, Any] | None) -> tuple[str, str]:
-    """A job's state from its master pod (API JSON), and why it failed (or ``""``).
+_PHASE_STATES = {"Pending": "starting", "Running": "running", "Succeeded": "finished"}
+# The master pod that speaks for the job, when there are several (standbys, a replacement).
+_STATE_ORDER = ("running", "starting", "finished", "failed")
 
-    ``failed`` once :func:`mark_job_failed` marked the pod, or its phase is
-    ``Failed`` (or unknown); else ``starting`` (``Pending``, or no master pod
-    yet), ``running`` or ``finished`` (``Succeeded``).
+
+def job_state(
+    masters: Sequence[Mapping[str, Any]], record: Mapping[str, Any] | None = None
+) -> tuple[str, str]:
+    """A job's state, and why it failed (or ``""``).
+
+    ``failed`` or ``finished`` as :func:`record_job_state` wrote ``record``
+    (the ConfigMap ``<job>-state``, API JSON); else from the master pods
+    (API JSON): the
+    best of their phases, ``running`` before ``starting`` (``Pending``, or no
+    master pod yet, as while a lost master is re-created), ``finished``
+    (``Succeeded``) and ``failed`` (``Failed`` or unknown).
     """
-    if master is None:
+    data = (record or {}).get("data") or {}
+    if data.get(STATE_KEY) == "failed":
+        return "failed", str(data.get(FAILURE_KEY, ""))
+    if data.get(STATE_KEY) == "finished":
+        return "finished", ""
+    states = [
+        _PHASE_STATES.get((m.get("status") or {}).get("phase", "Pending"), "failed")
+        for m in masters
+        if not (m.get("metadata") or {}).get("deletionTimestamp")
+    ]
+    if not states:
         return "starting", ""
-    if _labels(master).get(LABEL_STATE) == "failed":
-        annotations = (master.get("metadata") or {}).get("annotations") or {}
-        return "failed", str(annotations.get(ANNOTATION_FAILURE, ""))
-    phase = (master.get("status") or {}).get("phase", "Pending")
-    return _JOB_STATES.get(phase, "failed"), ""
+    return min(states, key=_STATE_ORDER.index), ""
+
+
+def _list_json(list_call: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
+    resp = list_call(namespace, label_selector=selector, _preload_content=False)
+    items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
+    return items
 
 
 def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
@@ -1114,22 +1460,19 @@ def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
     Returns:
         ``{"job", "namespace", "state", "failure", "wanted_trainers", "pods":
         [{"name", "role", "phase", "state", "reason"}...]}``, pods sorted by
-        name; ``state`` and ``failure`` as :func:`job_state` reads them from
-        the master pod.
+        name; ``state`` and ``failure`` as :func:`job_state` reads them.
 
     Raises:
         KubernetesError: the API failed.
     """
     try:
-        resp = api.list_namespaced_pod(
-            namespace, label_selector=job_selector(job), _preload_content=False
-        )
-        items = json.loads(resp.data).get("items") or []
+        items = _list_json(api.list_namespaced_pod, namespace, job_selector(job))
+        records = _list_json(api.list_namespaced_config_map, namespace, job_selector(job, "state"))
     except _request_errors() as exc:
         raise _api_error(exc, "listing pods") from exc
     pods = []
     masters = [o for o in items if _labels(o).get(LABEL_ROLE) == "master"]
-    overall, failure = job_state(masters[0] if masters else None)
+    overall, failure = job_state(masters, records[0] if records else None)
     for obj in items:
         view = PodView.from_json(obj)
         state, reason = classify(view)
@@ -1182,7 +1525,11 @@ def job_logs(
 
 
 def delete_job(api: Any, namespace: str, job: str) -> dict[str, int]:
-    """Delete every pod, Service and ConfigMap labelled with the job.
+    """Delete every object labelled with the job: controllers, pods, Services, ConfigMaps, PVCs.
+
+    The master's Deployment goes first (its worker manager must not replace
+    the pods deleted next), then the etcd StatefulSet, the pods left, the
+    Services, the ConfigMaps and etcd's PersistentVolumeClaims.
 
     Returns:
         How many objects of each kind were deleted.
@@ -1190,28 +1537,34 @@ def delete_job(api: Any, namespace: str, job: str) -> dict[str, int]:
     Raises:
         KubernetesError: the API failed.
     """
+    from kubernetes.client import ApiException
+
     selector = job_selector(job)
+    apps = _apps(api)
+    kinds = (
+        ("deployments", apps.list_namespaced_deployment, apps.delete_namespaced_deployment),
+        ("statefulsets", apps.list_namespaced_stateful_set, apps.delete_namespaced_stateful_set),
+        ("pods", api.list_namespaced_pod, api.delete_namespaced_pod),
+        ("services", api.list_namespaced_service, api.delete_namespaced_service),
+        ("configmaps", api.list_namespaced_config_map, api.delete_namespaced_config_map),
+        (
+            "persistentvolumeclaims",
+            api.list_namespaced_persistent_volume_claim,
+            api.delete_namespaced_persistent_volume_claim,
+        ),
+    )
     counts: dict[str, int] = {}
     try:
-        # The master first: its worker manager must not replace the pods deleted next.
-        masters = api.list_namespaced_pod(namespace, label_selector=job_selector(job, "master"))
-        for pod in masters.items:
-            api.delete_namespaced_pod(pod.metadata.name, namespace)
-        pods = api.list_namespaced_pod(namespace, label_selector=selector).items
-        for pod in pods:
-            api.delete_namespaced_pod(pod.metadata.name, namespace)
-        counts["pods"] = len(masters.items) + len(pods)
-        services = api.list_namespaced_service(namespace, label_selector=selector).items
-        for svc in services:
-            api.delete_namespaced_service(svc.metadata.name, namespace)
-        counts["services"] = len(services)
-        cms = api.list_namespaced_config_map(namespace, label_selector=selector).items
-        for cm in cms:
-            api.delete_namespaced_config_map(cm.metadata.name, namespace)
-        counts["configmaps"] = len(cms)
+        for kind, list_call, delete_call in kinds:
+            counts[kind] = 0
+            for obj in list_call(namespace, label_selector=selector).items:
+                try:
+                    delete_call(obj.metadata.name, namespace, propagation_policy="Foreground")
+                    counts[kind] += 1
+                except ApiException as exc:
+                    if exc.status != 404:  # deleted meanwhile (the garbage collector)
+                        raise
     except _request_errors() as exc:
-        if getattr(exc, "status", None) == 404:  # deleted meanwhile (garbage collector)
-            return delete_job(api, namespace, job)
         raise _api_error(exc, f"deleting job {job}") from exc
     return counts
 
@@ -1276,44 +1629,63 @@ def follow_job_logs(
             emit(*item)
 
 
-_JOB_STATES = {"Pending": "starting", "Running": "running", "Succeeded": "finished"}
-
-
 def list_jobs(api: Any, namespace: str) -> list[dict[str, Any]]:
-    """The elasticps jobs of a namespace, one row per job, by their pods' labels.
+    """The elasticps jobs of a namespace, one row per job, by their objects' labels.
+
+    A job is known by its ConfigMaps (``submit`` creates them first) and its
+    pods.
 
     Returns:
         ``[{"job", "state", "pass", "accuracy", "started", "pods"}...]`` sorted
-        by start: ``state`` from the master pod (:func:`job_state`:
-        ``starting``, ``running``, ``finished``, ``failed``), ``started`` its
-        creation time;
+        by start: ``state`` as :func:`job_state` reads it (``starting``,
+        ``running``, ``finished``, ``failed``), ``started`` the creation time
+        of the job's ``<job>-env`` ConfigMap (else of its oldest pod);
         ``pass`` and ``accuracy`` are not known from outside the cluster
         (None), ``pods`` is the number of pods.
 
     Raises:
         KubernetesError: the API failed.
     """
+    selector = f"{LABEL_APP}={APP}"
     try:
-        resp = api.list_namespaced_pod(
-            namespace, label_selector=f"{LABEL_APP}={APP}", _preload_content=False
-        )
-        items = json.loads(resp.data).get("items") or []
+        items = _list_json(api.list_namespaced_pod, namespace, selector)
+        maps = _list_json(api.list_namespaced_config_map, namespace, selector)
     except _request_errors() as exc:
         raise _api_error(exc, "listing pods") from exc
+    masters: dict[str, list[dict[str, Any]]] = {}
+    records: dict[str, dict[str, Any]] = {}
     jobs: dict[str, dict[str, Any]] = {}
-    for obj in items:
-        metadata = obj.get("metadata") or {}
-        labels = metadata.get("labels") or {}
-        job = labels.get(LABEL_JOB)
-        if not job:
-            continue
-        row = jobs.setdefault(
+    started_by_env: set[str] = set()
+
+    def row(job: str) -> dict[str, Any]:
+        return jobs.setdefault(
             job,
             {"job": job, "state": "starting", "pass": None, "accuracy": None,
              "started": "", "pods": 0},
         )  # fmt: skip
-        row["pods"] += 1
+
+    for obj in maps:
+        labels, created = _labels(obj), (obj.get("metadata") or {}).get("creationTimestamp", "")
+        job = labels.get(LABEL_JOB)
+        if not job:
+            continue
+        if labels.get(LABEL_ROLE) == "state":
+            records[job] = obj
+        elif labels.get(LABEL_ROLE) == "env":
+            row(job)["started"] = created
+            started_by_env.add(job)
+    for obj in items:
+        labels = _labels(obj)
+        job = labels.get(LABEL_JOB)
+        if not job:
+            continue
+        entry = row(job)
+        entry["pods"] += 1
+        created = (obj.get("metadata") or {}).get("creationTimestamp", "")
+        if job not in started_by_env:
+            entry["started"] = min(filter(None, (entry["started"], created)), default="")
         if labels.get(LABEL_ROLE) == "master":
-            row["state"], _ = job_state(obj)
-            row["started"] = metadata.get("creationTimestamp", "")
+            masters.setdefault(job, []).append(obj)
+    for job, entry in jobs.items():
+        entry["state"], _ = job_state(masters.get(job, []), records.get(job))
     return sorted(jobs.values(), key=lambda r: (r["started"], r["job"]))
