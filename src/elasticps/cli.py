@@ -461,7 +461,6 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument(
         "--etcd-replicas",
         type=int,
-        choices=(1, 3),
         default=1,
         help="with --hosts: 3 runs etcd as three members on the first three hosts, so that "
         "losing one host loses nothing (default 1: one etcd on this machine)",
@@ -1317,7 +1316,8 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
         "--etcd-replicas",
         type=int,
         default=1,
-        help="members of the job's own etcd: 1, or 3 to keep it serving while a node is lost",
+        help="members of the job's own etcd StatefulSet: 1, or 3 (5, 7) to keep it serving "
+        "while a node is lost",
     )
     submit.add_argument(
         "--etcd-storage",
@@ -1387,7 +1387,6 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--ssh-config": "Kubernetes places the pods on its nodes",
     "--remote-python": "the pods run the image's Python",
     "--advertise-address": "the pods reach etcd and the master by their Services",
-    "--etcd-replicas": "it places etcd members on --hosts hosts",
     "--no-progress": "submit shows no progress bar",
     "--etcd-port": "use --etcd URL, or the job's own etcd StatefulSet",
     "--max-restarts": "the master's Deployment and etcd's StatefulSet re-create their pods, "

@@ -97,6 +97,7 @@ SAMPLES: dict[str, list[str]] = {
     "--data": ["/data/other/train.parquet"],
     "--chaos": ["kill:ps@1s"],
     "--until-time": ["0"],
+    "--etcd-replicas": ["3"],
 }
 SKIPPED = {"-h", "--help"}
 MINIMAL = [
@@ -206,6 +207,9 @@ def test_every_train_option_reaches_the_roles_in_the_pods_or_is_refused_by_name(
         return
     elif flag == "--standby-masters":
         assert named["mnist-master"]["spec"]["replicas"] == 1 + int(value)
+        return
+    elif flag == "--etcd-replicas":  # members of etcd's StatefulSet
+        assert named["mnist-etcd"]["spec"]["replicas"] == int(value)
         return
     expected = getattr(cli.parse_args(["train", "--model", "m.py", "--data", "/d", *argv_extra]),
                        action.dest)  # fmt: skip
