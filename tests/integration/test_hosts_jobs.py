@@ -167,7 +167,7 @@ def assert_exact(out: Path, stdout: str, epochs: int) -> None:
 def test_a_dead_host_costs_no_update(
     hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    epochs = 200
+    epochs = 100
     out = tmp_path / "run"
     proc = start_job([*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
     victim = first_ps_host(out)
@@ -185,7 +185,7 @@ def test_a_dead_host_costs_no_update(
 def test_a_host_cut_off_past_its_lease_is_fenced_when_it_returns(
     hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    epochs = 200
+    epochs = 100
     out = tmp_path / "run"
     proc = start_job([*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
     victim = first_ps_host(out)
