@@ -55,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from elasticps.testing import kill_leftovers, wait_for
+from elasticps.testing import kill_leftovers, wait_for_shard_checkpoint
 from elasticps.testing.audit import check_run, train_args, write_dataset
 from elasticps.testing.hosts import NamespaceHosts, unavailable
 
@@ -120,16 +120,6 @@ def main_job(
     )
 
 
-def wait_for_checkpoint(out: Path) -> None:
-    """Wait until the job in ``out`` has written its first shard checkpoint."""
-    wait_for(
-        lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
-        "a shard checkpoint",
-        timeout_s=120,
-        interval_s=0.05,
-    )
-
-
 def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> None:
     audit = work / "audit"
     if not audit.exists():
@@ -143,7 +133,7 @@ def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> 
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        wait_for_checkpoint(out)
+        wait_for_shard_checkpoint(out)
         log = (out / "logs" / "launcher.log").read_text()
         victim = re.findall(r"started ps on (h\d+)", log)[0]
         killed_at = time.time()
@@ -199,7 +189,7 @@ def soak(
     done: list[dict[str, object]] = []
     started = time.monotonic()
     try:
-        wait_for_checkpoint(out)
+        wait_for_shard_checkpoint(out)
         for _ in range(faults):
             time.sleep(rng.uniform(8, 15))
             if proc.poll() is not None:

@@ -10,6 +10,8 @@ are reached at its address on the hosts' bridge. Checked:
   host's death (every process of it SIGKILLed and its link set down) and a
   link cut for longer than the lease: exit 0, every counter exact, and the
   PS cut off is fenced (it loses its lease and exits) when its link is back;
+- with ``--etcd-replicas 3``, the death of the host that runs the etcd leader
+  costs no update either (the other two members keep a quorum);
 - the preflight names a path a host cannot read, before anything starts.
 
 Skipped where network namespaces cannot be made (no root or CAP_NET_ADMIN, or
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticps.testing import kill_leftovers, wait_for
+from elasticps.coord.client import connect
+from elasticps.testing import kill_leftovers, wait_for, wait_for_shard_checkpoint
 from elasticps.testing.audit import check_run, train_args, write_dataset
 from elasticps.testing.hosts import NamespaceHosts, unavailable
 
@@ -133,12 +136,7 @@ def start_job(args: list[str], out: Path) -> subprocess.Popen[str]:
 
 def first_ps_host(out: Path) -> str:
     """The host of the first PS, once the job has checkpointed a shard."""
-    wait_for(
-        lambda: any((out / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
-        "a first shard checkpoint",
-        timeout_s=120,
-        interval_s=0.1,
-    )
+    wait_for_shard_checkpoint(out)
     return next(h for kind, h in placements(out) if kind == "ps")
 
 
@@ -235,12 +233,75 @@ def served(out: Path, address: str) -> tuple[int, float]:
     return int(epoch), when
 
 
-def _is_role(pid: int) -> bool:
+def _cmdline(pid: int) -> list[bytes]:
+    """The arguments of process ``pid`` (empty once it is gone)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return False
+        return []
+
+
+def _is_role(pid: int) -> bool:
+    cmdline = _cmdline(pid)
     return b"elasticps" in cmdline or b"elasticps.launcher.remote" in cmdline
+
+
+def _leader_host(endpoints: str, hosts: NamespaceHosts) -> str | None:
+    """The test host whose etcd member leads, or None while there is no leader."""
+    try:
+        client = connect(endpoints, timeout_s=3.0)
+    except Exception:
+        return None
+    try:
+        leader = client.status().leader
+        url = leader.client_urls[0] if leader is not None else ""
+    except Exception:
+        return None
+    finally:
+        client.close()
+    return next((n for n, h in hosts.hosts.items() if f"//{h.address}:" in url), None)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_losing_the_etcd_leader_host_costs_no_update(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """``--etcd-replicas 3``: the host of the etcd leader dies; the other two members keep a
+    quorum and every client of the job fails over to them."""
+    epochs = 100
+    out = tmp_path / "run"
+    args = [*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)]
+    proc = start_job([*args, "--etcd-replicas", "3"], out)
+    try:
+        wait_for_shard_checkpoint(out)
+        endpoints = json.loads((out / "run.json").read_text())["etcd"]
+        assert endpoints.count(",") == 2, endpoints  # three members
+        found: list[str] = []
+        wait_for(
+            lambda: bool(found.append(_leader_host(endpoints, hosts) or "") or found[-1]),
+            "an etcd leader",
+            timeout_s=30,
+        )
+        victim = found[-1]
+        hosts.cut_link(victim)
+        assert hosts.kill_host(victim)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        kill_leftovers(out / "pids.json")
+        raise
+    stdout, _ = finish(proc, out)
+    assert_exact(out, stdout, epochs)
+    # The members were stopped, and their data removed, on the hosts left.
+    for name in hosts.hosts:
+        if name != victim:
+            wait_for(
+                lambda name=name: (
+                    not any(b"etcd" in b" ".join(_cmdline(pid)) for pid in hosts.pids(name))
+                ),
+                f"no etcd member left on {name}",
+                timeout_s=30,
+            )
 
 
 def test_the_preflight_names_what_a_host_cannot_read(

@@ -45,6 +45,24 @@ def wait_for(
         time.sleep(interval_s)
 
 
+def wait_for_shard_checkpoint(output: Path, timeout_s: float = 120.0) -> None:
+    """Wait until the local job writing to ``output`` has saved its first PS shard checkpoint.
+
+    Args:
+        output: the job's ``--output``.
+        timeout_s: deadline, seconds.
+
+    Raises:
+        AssertionError: no shard checkpoint appeared within ``timeout_s``.
+    """
+    wait_for(
+        lambda: any((output / "ps-checkpoints").glob("ps-*/shard-*.safetensors")),
+        "a first shard checkpoint",
+        timeout_s=timeout_s,
+        interval_s=0.05,
+    )
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, every thread) process ``pid`` has used so far.
 
