@@ -82,7 +82,7 @@ from elasticps.storage import Location, is_url, path_or_url
 if TYPE_CHECKING:
     from elasticps.config import KubernetesConfig
     from elasticps.launcher.scratch import JobScratch
-    from elasticps.launcher.ssh import JobHosts
+    from elasticps.launcher.ssh import JobHosts, SshSpawner
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -915,14 +915,12 @@ def _hosts_etcd(
     config: JobConfig,
     scratch: JobScratch,
     hosts: JobHosts,
-    spawner: object,
+    spawner: SshSpawner,
     addresses: dict[str, str],
 ) -> JobScratch:
     """``scratch`` with the job's etcd as three members on the first three hosts."""
     from elasticps.launcher.etcd_hosts import HostsEtcd
-    from elasticps.launcher.ssh import SshSpawner
 
-    assert isinstance(spawner, SshSpawner)
     etcd = HostsEtcd(
         spawner,
         [h.name for h in hosts.hosts],
@@ -964,9 +962,10 @@ def _train_locally(
 
         spawner: Spawner = local
         if hosts is not None:
-            spawner = hosts.spawner(local)
+            ssh = hosts.spawner(local)
             if etcd_addresses is not None:
-                scratch = _hosts_etcd(config, scratch, hosts, spawner, etcd_addresses)
+                scratch = _hosts_etcd(config, scratch, hosts, ssh, etcd_addresses)
+            spawner = ssh
         launcher = LocalLauncher(config, spawner=spawner, files=files, scratch=scratch)
         with sigterm_as_interrupt():
             try:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from elasticps.coord.client import connect
+from elasticps.coord.client import ETCD_ERRORS, connect
 from elasticps.errors import ConfigError, CoordinationError, ElasticPSError
 from elasticps.launcher.ssh import SshProcess, SshSpawner
 
@@ -162,7 +162,7 @@ class HostsEtcd:
                     return
                 finally:
                     client.close()
-            except Exception as exc:  # pyetcd and gRPC errors, CoordinationError
+            except (CoordinationError, *ETCD_ERRORS) as exc:
                 last = " ".join(str(exc).split())[:200]
                 time.sleep(0.2)
         raise CoordinationError(
@@ -185,11 +185,11 @@ class HostsEtcd:
         """
         self._stopping.set()
         with self._lock:
-            procs = [(m, m.proc) for m in self._members if m.proc is not None]
-        for _, proc in procs:
+            procs = [m.proc for m in self._members if m.proc is not None]
+        for proc in procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for _, proc in procs:
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

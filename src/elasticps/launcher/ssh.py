@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DOWN_RETRY_S",
     "FORWARDED_ENV",
+    "HOST_ROLES",
     "JobHosts",
     "SshOptions",
     "SshProcess",
@@ -77,6 +78,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+HOST_ROLES = ("ps", "trainer")
+"""The roles placed on the hosts by slots; the others run here (the master) or are
+placed by hand and take no slot (:meth:`SshSpawner.run_on`, an etcd member)."""
 
 DOWN_RETRY_S = 30.0
 """Seconds a host that failed its probe is left out of placement before it is probed again."""
@@ -487,7 +492,7 @@ class SshSpawner:
             ElasticPSError: no host is up for a PS, or ssh cannot be started.
         """
         kind = args[0] if args else ""
-        if kind not in ("ps", "trainer"):
+        if kind not in HOST_ROLES:
             local_env = dict(env)
             local_env["ELASTICPS_HOST"] = self._advertise
             return self._local.start(args, local_env)
@@ -564,9 +569,8 @@ class SshSpawner:
         self._prune()
         up = [h for h in self._hosts if self._is_up(h.name)]
         up_names = {h.name for h in up}
-        # etcd members (run_on) take no slot: they are placed by hand, and light.
         placed = {f"{live.kind}-{i}": live.host for i, live in self._live.items()
-                  if live.host in up_names and live.kind in ("ps", "trainer")}  # fmt: skip
+                  if live.host in up_names and live.kind in HOST_ROLES}  # fmt: skip
         try:
             return place(up, [f"{kind}-new"], placed)[f"{kind}-new"]
         except ConfigError as exc:
@@ -574,7 +578,7 @@ class SshSpawner:
             if kind == "ps" and allowed:
                 load = {h.name: 0 for h in allowed}
                 for live in self._live.values():
-                    if live.host in load and live.kind in ("ps", "trainer"):
+                    if live.host in load and live.kind in HOST_ROLES:
                         load[live.host] += 1
                 host = min(allowed, key=lambda h: load[h.name] - h.slots).name
                 log.warning("no host has a free slot for a PS: it shares %s", host)
