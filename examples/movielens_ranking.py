@@ -26,8 +26,8 @@ movielens`` (each user's newest 20 % of ratings as the test set), reaches a
 sparse path in one process (``--backend sparse``: elasticps tables with lazy
 Adam, ``torch.optim.Adam`` for the MLP) reaches 0.785-0.786 with the same
 seeds: lazy Adam moves a row only when its id is in the batch, where dense
-Adam keeps moving every row with its momentum. Measured 2026-11-25 on the
-project's 2-core machine, about 15 s a run. Run:
+Adam keeps moving every row with its momentum. Measured 2026-11-25 on a
+2-core machine, about 15 s a run. Run:
 
     .venv/bin/elasticps data movielens --output data/movielens
     .venv/bin/python examples/movielens_ranking.py --data data/movielens --backend torch

@@ -261,7 +261,7 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         choices=PLACEMENTS,
         default=_env("placement", DEFAULT_PLACEMENT),
         help="where whole parameters go: balanced (largest first onto the PS with the "
-        "fewest bytes; the default) or hash (CRC-32 of the name, as earlier releases did); "
+        "fewest bytes; the default) or hash (CRC-32 of the name); "
         "every process of a job must use the same",
     )
     p.add_argument("--seed", type=int, default=int(str(_env("seed", 0))))
@@ -1773,7 +1773,7 @@ def run() -> None:
 
     Runs :func:`main`, then ends the process with its status without tearing
     down the interpreter: with torch imported, that teardown takes 0.5 s on
-    this project's 2-core machine, paid at the end of every job by the
+    a 2-core machine, paid at the end of every job by the
     launcher and every exec'ed role process. By the time :func:`main`
     returns, every command has stopped its processes, closed its files and
     joined its threads; logging and the standard streams are flushed here.

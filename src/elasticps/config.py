@@ -498,7 +498,7 @@ class TrainerConfig:
         big_array_bound: parameters with more elements are always sliced over
             all PS (``balanced`` placement may slice smaller ones too).
         placement: ``balanced`` (bytes spread evenly over the PS) or ``hash``
-            (the placement of earlier releases); see :mod:`elasticps.placement`.
+            (a parameter's PS by CRC-32 of its name); see :mod:`elasticps.placement`.
         seed: seed for the initial parameters (equal on every trainer).
         threads: torch intra-op threads.
         connect_timeout_s: seconds to wait for the PS and the master to appear.

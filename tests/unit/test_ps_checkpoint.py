@@ -8,7 +8,7 @@ parameters, so the pieces, offsets and slices are the ones trainers send.
 from __future__ import annotations
 
 import json
-import time
+import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -247,14 +247,35 @@ def test_shard_file_without_layout_or_fingerprint_is_rejected(tmp_path: Path, mi
 # --- periodic checkpoints ------------------------------------------------------------------
 
 
+class PollCounter:
+    """The checkpointer's ``get_shard``, counting its calls (one per poll of its thread)."""
+
+    def __init__(self, shard: ParameterShard) -> None:
+        self._shard = shard
+        self._calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> ParameterShard:
+        with self._lock:
+            self._calls += 1
+        return self._shard
+
+    def wait_for_more(self, polls: int) -> None:
+        """Wait (10 s at most) until the thread has polled ``polls`` more times."""
+        with self._lock:
+            target = self._calls + polls
+        wait_for(lambda: self._calls >= target)
+
+
 def test_checkpointer_saves_once_the_version_moved_far_enough(tmp_path: Path) -> None:
     (shard,) = shards_for(1, named_values())
     files = ShardFiles(tmp_path, 0, epoch=5)
-    checkpointer = ShardCheckpointer(files, lambda: shard, every_s=3600.0, every_versions=3)
+    polls = PollCounter(shard)
+    checkpointer = ShardCheckpointer(files, polls, every_s=3600.0, every_versions=3)
     checkpointer.start()
     try:
         train([shard], 2)
-        time.sleep(0.2)  # several polls: 2 versions are not enough
+        polls.wait_for_more(4)  # several polls: 2 versions are not enough
         assert files.durable_versions() == []
         train([shard], 1)
         wait_for(lambda: checkpointer.saved_version == 3)
@@ -268,11 +289,12 @@ def test_checkpointer_saves_on_time_only_when_the_version_moved(tmp_path: Path) 
     (shard,) = shards_for(1, named_values())
     train([shard], 1)
     files = ShardFiles(tmp_path, 0, epoch=5)
-    checkpointer = ShardCheckpointer(files, lambda: shard, every_s=0.05, saved_version=0)
+    polls = PollCounter(shard)
+    checkpointer = ShardCheckpointer(files, polls, every_s=0.05, saved_version=0)
     checkpointer.start()
     try:
         wait_for(lambda: checkpointer.saved_version == 1)
-        time.sleep(0.3)  # several periods without a step: nothing to write
+        polls.wait_for_more(4)  # several periods without a step: nothing to write
         assert files.durable_versions() == [1]
     finally:
         checkpointer.stop()
@@ -282,9 +304,10 @@ def test_checkpointer_never_writes_once_writing_is_not_allowed(tmp_path: Path) -
     (shard,) = shards_for(1, named_values())
     train([shard], 2)
     files = ShardFiles(tmp_path, 0, epoch=5, may_write=lambda: False)
-    checkpointer = ShardCheckpointer(files, lambda: shard, every_s=0.01, every_versions=1)
+    polls = PollCounter(shard)
+    checkpointer = ShardCheckpointer(files, polls, every_s=0.01, every_versions=1)
     checkpointer.start()
-    time.sleep(0.2)
+    polls.wait_for_more(4)
     checkpointer.stop()
 
     assert checkpointer.save_now() is None
