@@ -33,7 +33,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 # gRPC's fork handlers are not needed (children are exec'ed at once) and are noisy.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -89,6 +89,10 @@ EXIT_FAILURE = 1
 
 # Commands run as a job's role processes; they log to ELASTICPS_LOG_FILE when it is set.
 _ROLE_COMMANDS = frozenset({"master", "ps", "trainer"})
+
+
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The choices of ``--log-level`` (names of :mod:`logging`'s levels)."""
 
 
 def _env(flag: str, default: object) -> object:
@@ -221,7 +225,7 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         type=Path,
         required=_env("model", None) is None,
         default=_env("model", None),
-        help="the model file (see README)",
+        help="the model file (see docs/model-contract.md)",
     )
     p.add_argument(
         "--model-class",
@@ -358,8 +362,19 @@ def _wall_time(text: str | float) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for docs and tests)."""
-    parser = _Parser(prog="elasticps", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default=_env("log-level", "INFO"))
+    parser = _Parser(
+        prog="elasticps",
+        description="Elastic, fault-tolerant parameter-server training for PyTorch. User "
+        "commands: data, train, evaluate, submit and the job commands; role commands, run by "
+        "a launcher: master, ps, trainer.",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=_env("log-level", "INFO"),
+        help="the level of this command's log lines (default: %(default)s, or ELASTICPS_LOG_LEVEL)",
+    )
     parser.add_argument("--version", action="version", version=f"elasticps {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 

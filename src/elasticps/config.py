@@ -486,7 +486,7 @@ class TrainerConfig:
 
     Attributes:
         trainer_id: unique non-negative integer id of the trainer in the job.
-        model_path: the user's model file (see the README's model-file contract).
+        model_path: the user's model file (see docs/model-contract.md).
         model_class: name of the ``torch.nn.Module`` class in it.
         model_args: the class's constructor keyword arguments, a JSON object
             (``--model-args``); empty for none.
@@ -878,7 +878,7 @@ def _check_port(port: int, flag: str) -> None:
         raise ConfigError(f"{flag} must be in 0..65535, got {port}")
 
 
-# --- Kubernetes (engineer D) ------------------------------------------------------
+# --- Kubernetes -----------------------------------------------------------------
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 

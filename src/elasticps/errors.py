@@ -50,7 +50,7 @@ class DataError(UserError):
 
 
 class ModelContractError(UserError):
-    """A model file does not follow the contract documented in the README."""
+    """A model file does not follow the contract of docs/model-contract.md."""
 
 
 class MissingExtraError(UserError):

@@ -9,12 +9,12 @@ handles with the :class:`subprocess.Popen` methods the launchers use
 
 Why fork: a role process started as ``python -m elasticps <role>`` spends about
 1.8 s of CPU importing torch before it does anything. A local job starts its
-parameter servers and trainers at once, so on this project's 2-core machine
+parameter servers and trainers at once, so on a 2-core machine
 those imports queue behind each other: 3.7 s from spawning the role processes
 to the first task of a 2-trainer, 2-PS job. A :class:`ForkServer` pays the
 import once, in a process started before the launcher validates its inputs
 (so the two imports run side by side), and forks every role process from it.
-Measured figures are in the README's performance section.
+Measured figures are in benchmarks/README.md.
 
 This is the pattern of ``multiprocessing``'s forkserver with
 ``set_forkserver_preload`` (and of Android's zygote), written out because the

@@ -12,7 +12,7 @@ update, ``torch._fused_adam_``/``torch._fused_adamw_`` and
 ``torch.optim.Adagrad(fused=True)`` do), but not through
 ``torch.optim.Optimizer``: its constructor, ``step``, ``state_dict`` and
 ``load_state_dict`` import ``torch._dynamo`` on first use, which costs 1.8 s
-of CPU on this project's 2-core machine, paid by every parameter server at
+of CPU on a 2-core machine, paid by every parameter server at
 every start and restart, on the cores the trainers share. The results are
 bit-identical to ``torch.optim`` (``tests/unit/test_rules.py``), and the state
 has ``torch.optim``'s names (``step``, ``exp_avg``, ``exp_avg_sq``,

@@ -477,7 +477,7 @@ class Trainer:
 
         Every trainer builds the model under the same seed, so this is the
         same on all of them, and a shard that lost its state restarts from
-        exactly the job's starting point (see the README's exactly-once section).
+        exactly the job's starting point (see docs/fault-tolerance.md).
         """
         model = self.spec.instantiate(self.config.seed)
         fresh = bind_flat_buffers(

@@ -139,7 +139,7 @@ header, whose body is empty. A trainer writes the gradient region only
 before sending a PUSH and reads the parameter region only after its reply,
 so the two sides never touch a region at the same time. Nothing else moves
 through the shared memory: HELLO, INIT_VALUES, PULL, rows and 16-bit
-gradients travel in bodies as before. Measured in ``benchmarks/README.md``
+gradients travel in frame bodies. Measured in ``benchmarks/README.md``
 ("shared memory").
 
 Requests and replies
