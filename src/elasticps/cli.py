@@ -514,8 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--chaos",
         default="",
-        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s", or '
-        'random kills "random:every=0.75-2.25s,roles=trainer+ps+master+standby+etcd,seed=1"',
+        help='fault injection, e.g. "kill:trainer@20s,kill:ps@40%%,kill:master@60s" (also '
+        "pause:ps-0@40%%:6s, lose:ps-0@50%%, damage:ps-0@50%%, drop:ps-0@50%%:2; see "
+        "docs/fault-tolerance.md), or random kills "
+        '"random:every=0.75-2.25s,roles=trainer+ps+master+standby+etcd,seed=1"',
     )
     train.add_argument(
         "--checkpoint-every-s",

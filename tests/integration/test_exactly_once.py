@@ -244,3 +244,35 @@ def test_a_shard_lost_with_its_checkpoints_is_reported_not_hidden(
     assert audit.short == RECORDS // 2
     assert audit.updates_lost == (RECORDS // 2) * len(lost_passes)
     assert audit.over == 0
+
+
+@pytest.mark.parametrize(("mode", "spoil"), [("sync", "damage"), ("async", "drop:2")])
+def test_a_spoiled_newest_checkpoint_is_named_and_its_cost_reported(
+    audit_dir: Path, tmp_path: Path, mode: str, spoil: str
+) -> None:
+    """PS 0 is SIGKILLed, then its newest checkpoint file damaged (64 bytes flipped)
+    or its two newest deleted. The restarted server skips what it cannot read and
+    says so in ``run.json`` (``checkpoint_restores``); whatever the older file it
+    falls back to lacks, the job's verdict agrees with the counters."""
+    action, _, count = spoil.partition(":")
+    when = f"{action}:ps-0@50%" + (f":{count}" if count else "")
+    record, audit = run_audit(audit_dir, tmp_path / "run", mode, chaos=when)
+    (event,) = record["chaos"]  # type: ignore[misc]
+    spoiled = event["files"]
+    assert len(spoiled) == int(count or 1), event
+    # Both servers' first starts, then PS 0's restart.
+    restores = record["checkpoint_restores"]
+    assert isinstance(restores, list) and len(restores) == 3, restores
+    restore = restores[-1]
+    assert restore["ps"] == 0 and restore["epoch"] > restores[0]["epoch"]
+    assert restore["restored_from"] not in spoiled
+    if action == "damage":
+        (skipped,) = restore["skipped"]
+        assert spoiled[0] in skipped and "CRC-32" in skipped, skipped
+    # The verdict is the counters' (an older file may predate a pass's seal).
+    assert record["exactly_once"] is audit.exactly_once, (record, audit.as_dict())
+    assert audit.over == 0
+    # A record lost on PS 0 is an update lost where its counter lives on PS 0.
+    lost = int(str(record["records_lost"]))
+    assert (lost == 0) == (audit.updates_lost == 0)
+    assert audit.updates_lost <= lost

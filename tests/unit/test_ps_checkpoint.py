@@ -673,3 +673,38 @@ def test_sync_shards_with_different_version_counts_but_no_open_step_stay_as_they
 )
 def test_shards_already_aligned_or_async_do_not_catch_up(freezes: list[dict[str, object]]) -> None:
     assert shards_mid_step(freezes) == []
+
+
+@pytest.mark.parametrize("how", ["damage", "drop"])
+def test_spoiling_the_newest_files_makes_a_restart_fall_back_and_say_why(
+    tmp_path: Path, how: str
+) -> None:
+    (shard,) = shards_for(1, named_values())
+    old = ShardFiles(tmp_path, 0, epoch=7)
+    for _ in range(3):
+        old.save(*shard.state())
+        train([shard], 1)
+    spoiled = ShardFiles(tmp_path, 0, epoch=0).spoil_newest(2, how)
+    assert spoiled == [old.path_of(2).name, old.path_of(1).name]
+
+    new = ShardFiles(tmp_path, 0, epoch=9)
+    found = new.restore()
+    assert found is not None and found[1]["version"] == 0
+    assert new.restored_from == old.path_of(0).name
+    if how == "damage":
+        # Small files: the flipped bytes fall in the header here, not the body.
+        skipped = new.skipped_files()
+        assert len(skipped) == 2
+        assert all(name in line for name, line in zip(spoiled, skipped, strict=True))
+    else:
+        assert new.skipped_files() == []
+        assert not old.path_of(2).exists()
+
+
+def test_spoil_newest_refuses_what_it_does_not_know(tmp_path: Path) -> None:
+    files = ShardFiles(tmp_path, 0, epoch=0)
+    with pytest.raises(ValueError, match="damage or drop"):
+        files.spoil_newest(1, "burn")
+    with pytest.raises(ValueError, match="count >= 1"):
+        files.spoil_newest(0, "drop")
+    assert files.spoil_newest(1, "drop") == []  # no file: nothing to spoil

@@ -126,6 +126,24 @@ class Keys:
         return f"{self.ps_prefix}{index}"
 
     @property
+    def restores_prefix(self) -> str:
+        """Prefix of the restore records: what each PS found in its checkpoint files."""
+        return self.root + "restores/"
+
+    def restore(self, index: int, epoch: int) -> str:
+        """Key of the restore record of parameter server ``index`` at slot epoch ``epoch``.
+
+        Written without a lease by the server as it starts, so that it outlives
+        the server; the launcher copies every one into ``run.json``.
+
+        Raises:
+            ConfigError: the index or the epoch is negative.
+        """
+        if index < 0 or epoch < 0:
+            raise ConfigError(f"restore record needs index, epoch >= 0, got {index}, {epoch}")
+        return f"{self.restores_prefix}ps-{index}-e{epoch:012d}"
+
+    @property
     def tasks_prefix(self) -> str:
         """Prefix of the task ledger, one key per task."""
         return self.root + "tasks/"

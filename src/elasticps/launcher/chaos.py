@@ -4,9 +4,14 @@ A schedule is a comma-separated list of ``kill:<target>@<when>`` and
 ``pause:<target>@<when>:<seconds>s`` (SIGSTOP, then SIGCONT that many seconds
 later: a process cut off from everything, as by a network partition or a
 long garbage-collection pause, which comes back after its lease expired),
-and ``lose:ps-<i>@<when>`` (SIGKILL that parameter server, then delete its
+``lose:ps-<i>@<when>`` (SIGKILL that parameter server, then delete its
 own checkpoint files once it is dead: a shard lost together with its
-checkpoints, which no recovery can undo; the job must say what was lost):
+checkpoints, which no recovery can undo; the job must say what was lost),
+and ``damage:ps-<i>@<when>[:<n>]`` / ``drop:ps-<i>@<when>[:<n>]`` (SIGKILL
+that parameter server, then flip 64 bytes in the middle of, or delete, its
+``n`` newest checkpoint files, 1 by default: bit rot or a torn write, or a
+checkpoint deleted or never finished; the restarted server falls back to an
+older one):
 
 - ``target``: ``trainer``, ``ps`` or ``master`` (one live process of that
   role: the highest-numbered trainer, the first PS, the *active* master),
@@ -40,8 +45,9 @@ from dataclasses import dataclass
 from elasticps.errors import ConfigError
 
 _ITEM = re.compile(
-    r"^(?P<action>kill|pause|lose):(?P<target>[a-z]+(?:-\d+)?)@(?P<value>\d+(?:\.\d+)?)(?P<unit>s|%)"
-    r"(?::(?P<duration>\d+(?:\.\d+)?)s)?$"
+    r"^(?P<action>kill|pause|lose|damage|drop):(?P<target>[a-z]+(?:-\d+)?)"
+    r"@(?P<value>\d+(?:\.\d+)?)(?P<unit>s|%)"
+    r"(?::(?P<duration>\d+(?:\.\d+)?)s|:(?P<count>[1-9]\d*))?$"
 )
 _ROLES = ("trainer", "ps", "master", "etcd")
 
@@ -54,9 +60,12 @@ class ChaosEvent:
         target: ``trainer``, ``trainer-1``, ``ps``, ``ps-0``, ``master`` or ``etcd``.
         at_s: seconds after training started, or None.
         at_fraction: fraction (0..1) of all task dispatches done, or None.
-        action: ``"kill"`` (SIGKILL), ``"pause"`` (SIGSTOP, SIGCONT later) or
-            ``"lose"`` (SIGKILL a PS, then delete its checkpoints).
+        action: ``"kill"`` (SIGKILL), ``"pause"`` (SIGSTOP, SIGCONT later),
+            ``"lose"`` (SIGKILL a PS, then delete its checkpoints), ``"damage"``
+            or ``"drop"`` (SIGKILL a PS, then damage or delete its ``count``
+            newest checkpoint files).
         duration_s: how long a pause lasts, seconds.
+        count: the files ``damage`` and ``drop`` spoil, >= 1.
     """
 
     target: str
@@ -64,6 +73,7 @@ class ChaosEvent:
     at_fraction: float | None = None
     action: str = "kill"
     duration_s: float = 0.0
+    count: int = 1
 
     @property
     def role(self) -> str:
@@ -218,17 +228,28 @@ def parse_chaos(spec: str) -> tuple[ChaosEvent, ...]:
         if not item:
             continue
         m = _ITEM.match(item)
-        if m is None or (m["action"] == "pause") != (m["duration"] is not None):
+        spoils = m is not None and m["action"] in ("damage", "drop")
+        if (
+            m is None
+            or (m["action"] == "pause") != (m["duration"] is not None)
+            or (m["count"] is not None and not spoils)
+        ):
             raise ConfigError(
                 f"--chaos item {item!r} is not of the form kill:<target>@<seconds>s, "
-                "kill:<target>@<percent>% or pause:<target>@<when>:<seconds>s"
+                "kill:<target>@<percent>%, pause:<target>@<when>:<seconds>s or "
+                "damage|drop:ps-<i>@<when>[:<files>]"
             )
         target, value, unit = m["target"], float(m["value"]), m["unit"]
         action = m["action"]
         duration = float(m["duration"]) if m["duration"] is not None else 0.0
+        count = int(m["count"]) if m["count"] is not None else 1
         role = target.split("-", 1)[0]
         if action == "lose" and role != "ps":
             raise ConfigError(f"--chaos item {item!r}: only a parameter server can be lost")
+        if spoils and not (role == "ps" and "-" in target):
+            raise ConfigError(
+                f"--chaos item {item!r}: {action} needs a parameter server by index (ps-<i>)"
+            )
         if role not in _ROLES or (role in ("master", "etcd") and "-" in target):
             raise ConfigError(
                 f"--chaos target {target!r} must be trainer, trainer-<i>, ps, ps-<i>, "
@@ -237,7 +258,7 @@ def parse_chaos(spec: str) -> tuple[ChaosEvent, ...]:
         if unit == "%":
             if value > 100:
                 raise ConfigError(f"--chaos item {item!r}: a percentage must be <= 100")
-            events.append(ChaosEvent(target, None, value / 100, action, duration))
+            events.append(ChaosEvent(target, None, value / 100, action, duration, count))
         else:
-            events.append(ChaosEvent(target, value, None, action, duration))
+            events.append(ChaosEvent(target, value, None, action, duration, count))
     return tuple(events)

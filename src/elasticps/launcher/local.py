@@ -144,6 +144,7 @@ from elasticps.master.client import MasterClient
 from elasticps.model_file import LazyModelError, ModelSpec, load_model_file
 from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
 from elasticps.preflight import check_resume_location
+from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.pserver.sparse import TableSpec
 from elasticps.sharing import state_aliases
 from elasticps.snapshot import (
@@ -281,6 +282,7 @@ class LocalLauncher:
         self._workdir: Path | None = None  # the job's temporary directory, while it runs
         self._etcd: EtcdProcess | None = None
         self._store: JobStore | None = None
+        self._restores: list[dict[str, object]] = []
         self._etcd_restarts = 0
         self._etcd_pid: int | None = None
         self._passes: list[dict[str, object]] = []
@@ -690,6 +692,7 @@ class LocalLauncher:
                     )
                     # Read through etcd restarts, in one snapshot of the ledger.
                     self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
+                    self._restores = read_restores(store)
                     return manifest
 
                 try:
@@ -1547,6 +1550,16 @@ class LocalLauncher:
             with contextlib.suppress(OSError):
                 lost.remove_tree()
             self._emit(f"[launcher] chaos: deleted {lost}")
+        elif event.action in ("damage", "drop"):
+            _wait_dead(pid, 5.0)
+            index = int(event.target.split("-", 1)[1])
+            files = ShardFiles(self.durable / "ps-checkpoints", index, epoch=0)
+            try:
+                record["files"] = files.spoil_newest(event.count, event.action)
+            except OSError as exc:
+                record["error"] = str(exc)
+            verb = "damaged" if event.action == "damage" else "deleted"
+            self._emit(f"[launcher] chaos: {verb} {record.get('files') or record.get('error')}")
 
     @staticmethod
     def _pid_in_key(store: JobStore, key: str) -> int | None:
@@ -1618,6 +1631,7 @@ class LocalLauncher:
             "bad_records": self.config.bad_records,
             "records_skipped": self._records_skipped,
             "checkpoint_health": self._health.summary(),
+            "checkpoint_restores": self._restores,
             "evaluation": result.evaluation,
             "metrics_failed": result.metrics_failed,
             "pids": result.pids,
@@ -1761,6 +1775,29 @@ def through_etcd_restarts(
         reraise=True,
     )
     return retrying(call)
+
+
+def read_restores(store: JobStore, *, retry_s: float = 60.0) -> list[dict[str, object]]:
+    """Every restore record of the job's parameter servers, oldest first.
+
+    Retried while etcd does not answer, for up to ``retry_s`` seconds (as
+    :func:`read_pass_audits`).
+
+    Each is ``{"ps", "epoch", "unix_s", "restored_from", "version",
+    "skipped"}``: the checkpoint file a server loaded as it started (None:
+    none was usable), the version it held, and a line per file it skipped
+    and why (a failed CRC-32, another run's file...). A server that found no
+    file (the job's first start, or every file gone) has a record too.
+
+    Raises:
+        CoordinationError: etcd did not answer for ``retry_s`` seconds.
+    """
+    records, _ = through_etcd_restarts(
+        lambda: store.get_prefix_json(store.keys.restores_prefix),
+        time.monotonic() + retry_s,
+        "reading the restore records",
+    )
+    return [records[k] for k in sorted(records, key=lambda k: (records[k].get("unix_s", 0), k))]
 
 
 def read_pass_audits(

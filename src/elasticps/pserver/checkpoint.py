@@ -512,6 +512,7 @@ class ShardFiles:
             OSError: the adopted copy cannot be written.
         """
         self._skipped: list[str] = []
+        self._restored_from: str | None = None
         for epoch, version, path in self._listing():
             if epoch >= self.epoch and self.epoch:
                 continue
@@ -535,12 +536,49 @@ class ShardFiles:
                         finally:
                             os.close(dir_fd)
 
+            self._restored_from = path.name
             return tensors, meta, list(self._skipped)
         return None
 
     def skipped_files(self) -> list[str]:
         """Why each file passed over by the last :meth:`restore` was skipped."""
         return list(getattr(self, "_skipped", []))
+
+    @property
+    def restored_from(self) -> str | None:
+        """The name of the file the last :meth:`restore` loaded (None: none, or not called)."""
+        return getattr(self, "_restored_from", None)
+
+    def spoil_newest(self, count: int, how: str) -> list[str]:
+        """Damage this slot's ``count`` newest checkpoint files, of any epoch (fault injection).
+
+        For tests and ``--chaos damage|drop``: call it only while no server
+        holds the slot. ``"damage"`` flips 64 bytes in the middle of each
+        file (the CRC-32 check then refuses it, as it would after bit rot or
+        a torn write); ``"drop"`` deletes the files (a checkpoint deleted,
+        or one that was never finished).
+
+        Returns:
+            The names of the files damaged or deleted, newest first.
+
+        Raises:
+            ValueError: ``how`` is neither ``"damage"`` nor ``"drop"``, or ``count`` < 1.
+            OSError: a file cannot be read, written or deleted.
+        """
+        if how not in ("damage", "drop") or count < 1:
+            raise ValueError(f"spoil_newest needs damage or drop and count >= 1, got {how} {count}")
+        spoiled = []
+        for _, _, path in self._listing()[:count]:
+            if how == "drop":
+                path.remove()
+            else:
+                data = bytearray(path.read_bytes())
+                middle = max(0, len(data) // 2 - 32)
+                for i in range(middle, min(len(data), middle + 64)):
+                    data[i] ^= 0xFF
+                path.write_atomic(bytes(data))
+            spoiled.append(path.name)
+        return spoiled
 
 
 def _adopt_tables(source: Path, target: Path) -> None:

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 
 import torch
 
@@ -117,6 +118,8 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
             )
             server.files = files
         saved_version = _restore(config, server, files)
+        if files is not None:
+            _publish_restore(store, files, index, epoch, saved_version)
         health_key = store.keys.root + f"health/ps-{index}"
 
         def publish(health: CheckpointHealth) -> None:
@@ -186,6 +189,32 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
             f"parameter server {server.shard_index}: the checkpoint at shutdown failed: "
             f"{final_error}"
         ) from final_error
+
+
+def _publish_restore(
+    store: JobStore, files: ShardFiles, index: int, epoch: int, version: int | None
+) -> None:
+    """Record which checkpoint file the server loaded, and which it skipped and why.
+
+    Written without a lease, so that it outlives the server: the launcher
+    copies every record into ``run.json`` (``checkpoint_restores``). A server
+    that found no file (a first start, or every file gone) records that too.
+    """
+    skipped = files.skipped_files()
+    try:
+        store.put_json(
+            store.keys.restore(index, epoch),
+            {
+                "ps": index,
+                "epoch": epoch,
+                "unix_s": round(time.time(), 3),
+                "restored_from": files.restored_from,
+                "version": version,
+                "skipped": skipped,
+            },
+        )
+    except ElasticPSError as exc:
+        log.warning("could not publish what the restore found: %s", exc)
 
 
 def _lease_valid(lease: KeptLease) -> bool:
