@@ -100,7 +100,26 @@ def _env(flag: str, default: object) -> object:
     return os.environ.get("ELASTICPS_" + flag.upper().replace("-", "_"), default)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with ``(default: X)`` after options whose help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, "", [], argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse's own errors are user errors: one line, exit 2.
         raise ConfigError(f"{self.prog}: {message}")
@@ -171,14 +190,29 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_mode(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["sync", "async"], default=_env("mode", "sync"))
+    p.add_argument(
+        "--mode",
+        choices=["sync", "async"],
+        default=_env("mode", "sync"),
+        help="sync: sync-SGD, one step of every trainer's gradients at a time; async: "
+        "async-SGD, each push applied as it comes (see docs/trade-offs.md)",
+    )
 
 
 def _add_optimizer(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=_env("optimizer", "adam"))
-    p.add_argument("--lr", type=float, default=float(str(_env("lr", 1e-3))))
-    p.add_argument("--momentum", type=float, default=float(str(_env("momentum", 0.9))))
-    p.add_argument("--weight-decay", type=float, default=float(str(_env("weight-decay", 0.0))))
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=_env("optimizer", "adam"),
+        help="the update rule each PS runs on its shard (torch: the --optimizer-class of "
+        "torch.optim)",
+    )
+    p.add_argument("--lr", type=float, default=float(str(_env("lr", 1e-3))),
+                   help="learning rate")  # fmt: skip
+    p.add_argument("--momentum", type=float, default=float(str(_env("momentum", 0.9))),
+                   help="momentum of --optimizer momentum")  # fmt: skip
+    p.add_argument("--weight-decay", type=float, default=float(str(_env("weight-decay", 0.0))),
+                   help="L2 weight decay added to every gradient")  # fmt: skip
     p.add_argument(
         "--optimizer-class",
         default=_env("optimizer-class", ""),
@@ -239,7 +273,8 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         "'{\"hidden\": 256}' (recorded with the checkpoints, so that evaluate and --resume "
         "rebuild the same model)",
     )
-    p.add_argument("--batch-size", type=int, default=int(str(_env("batch-size", 32))))
+    p.add_argument("--batch-size", type=int, default=int(str(_env("batch-size", 32))),
+                   help="rows per mini-batch, per trainer")  # fmt: skip
     p.add_argument(
         "--push-every",
         type=int,
@@ -268,7 +303,8 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
         "fewest bytes; the default) or hash (CRC-32 of the name); "
         "every process of a job must use the same",
     )
-    p.add_argument("--seed", type=int, default=int(str(_env("seed", 0))))
+    p.add_argument("--seed", type=int, default=int(str(_env("seed", 0))),
+                   help="seed of the initial parameters (the same on every trainer)")  # fmt: skip
     p.add_argument("--threads", type=int, default=int(str(_env("threads", 1))),
                    help="torch threads per trainer")  # fmt: skip
     p.add_argument(
@@ -304,7 +340,8 @@ def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_task_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--epochs", type=int, default=int(str(_env("epochs", 1))))
+    p.add_argument("--epochs", type=int, default=int(str(_env("epochs", 1))),
+                   help="passes over the training data")  # fmt: skip
     env_records = _env("records-per-task", None)
     p.add_argument(
         "--records-per-task",
@@ -313,9 +350,14 @@ def _add_task_flags(p: argparse.ArgumentParser) -> None:
         help="rows per task handed out by the master (default: 8 mini-batches of "
         "--batch-size, at least 512)",
     )
-    p.add_argument("--task-timeout-s", type=float, default=float(str(_env("task-timeout-s", 60.0))))
-    p.add_argument("--max-task-timeouts", type=int, default=int(str(_env("max-task-timeouts", 3))))
-    p.add_argument("--master-port", type=int, default=int(str(_env("master-port", 0))))
+    p.add_argument("--task-timeout-s", type=float, default=float(str(_env("task-timeout-s", 60.0))),
+                   help="seconds without a progress report before a task goes back to "
+                   "todo")  # fmt: skip
+    p.add_argument("--max-task-timeouts", type=int, default=int(str(_env("max-task-timeouts", 3))),
+                   help="timeouts or failures of one task in a pass before it is set aside "
+                   "(failed)")  # fmt: skip
+    p.add_argument("--master-port", type=int, default=int(str(_env("master-port", 0))),
+                   help="the master's gRPC port (0: a free port)")  # fmt: skip
 
 
 def _add_stream_flags(p: argparse.ArgumentParser) -> None:
@@ -439,9 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="replace a trainer that made no progress for this many seconds",
     )
-    train.add_argument("--ps", type=int, default=2)
-    train.add_argument("--job", default="job")
-    train.add_argument("--lease-ttl-s", type=float, default=5.0)
+    train.add_argument("--ps", type=int, default=2, help="parameter servers")
+    train.add_argument("--job", default="job", help="job name (etcd key prefix)")
+    train.add_argument("--lease-ttl-s", type=float, default=5.0,
+                       help="lease TTL in seconds for trainers, PS and the master")  # fmt: skip
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     hosts = train.add_argument_group("hosts over ssh")
