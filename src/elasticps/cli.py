@@ -486,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lease-ttl-s", type=float, default=5.0,
                        help="lease TTL in seconds for trainers, PS and the master")  # fmt: skip
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (there is none when stderr is not a terminal)")  # fmt: skip
     hosts = train.add_argument_group("hosts over ssh")
     hosts.add_argument(
         "--hosts",
@@ -787,7 +788,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         threads=args.threads,
         etcd_port=args.etcd_port,
         master_port=args.master_port,
-        progress=not args.no_progress,
+        # A bar redrawn into a file or a pipe only clutters the log lines around it.
+        progress=not args.no_progress and sys.stderr.isatty(),
         standby_masters=args.standby_masters,
         standby_ps=args.standby_ps,
         max_restarts=args.max_restarts,
