@@ -486,8 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lease-ttl-s", type=float, default=5.0,
                        help="lease TTL in seconds for trainers, PS and the master")  # fmt: skip
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
-    train.add_argument("--no-progress", action="store_true",
-                       help="no progress bar (there is none when stderr is not a terminal)")  # fmt: skip
+    train.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none when stderr is not a terminal)",
+    )
     hosts = train.add_argument_group("hosts over ssh")
     hosts.add_argument(
         "--hosts",
