@@ -465,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --hosts: 3 runs etcd as three members on the first three hosts, so that "
         "losing one host loses nothing (default 1: one etcd on this machine)",
     )
+    hosts.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="slurm: inside a Slurm allocation (salloc, sbatch), run the PS and trainers as "
+        "job steps on its nodes; etcd and the master stay on this node (default: local)",
+    )
     train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
@@ -749,6 +756,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         remote_python=args.remote_python,
         advertise_address=args.advertise_address,
         etcd_replicas=args.etcd_replicas,
+        launcher=args.launcher,
     )
 
 
@@ -936,8 +944,13 @@ def _job_hosts(config: JobConfig) -> JobHosts | None:
     """The hosts of a ``--hosts`` job, or None for a job on this machine.
 
     Raises:
-        ConfigError: a bad host file, or a host that ssh cannot resolve.
+        ConfigError: a bad host file, or a host that ssh cannot resolve; with
+            ``--launcher slurm``, no allocation to run in.
     """
+    if config.launcher == "slurm":
+        from elasticps.launcher.slurm import job_hosts
+
+        return job_hosts(config)
     if config.hosts_file is None:
         return None
     from elasticps.launcher.ssh import JobHosts
@@ -1384,6 +1397,7 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--spawn": "pods start their own interpreters",
     "--hosts": "Kubernetes places the pods on its nodes",
     "--ssh-config": "Kubernetes places the pods on its nodes",
+    "--launcher": "Kubernetes places the pods on its nodes (submit --backend slurm for Slurm)",
     "--remote-python": "the pods run the image's Python",
     "--advertise-address": "the pods reach etcd and the master by their Services",
     "--no-progress": "submit shows no progress bar",
