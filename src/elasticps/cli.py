@@ -1268,7 +1268,11 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
         p.add_argument("--kubeconfig", default=None,
                        help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")  # fmt: skip
 
-    submit = sub.add_parser("submit", help="submit a job to a Kubernetes cluster and return")
+    submit = sub.add_parser(
+        "submit",
+        help="submit a job to a Kubernetes cluster (or, with --backend slurm NODES... TRAIN "
+        "OPTIONS, to Slurm) and return",
+    )
     submit.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
     add_cluster(submit)
     _add_trainer_flags(submit)
@@ -1733,6 +1737,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     stderr = sys.stderr
     try:
+        words = list(sys.argv[1:] if argv is None else argv)
+        if words[:1] == ["submit"] and _slurm_backend(words[1:]):
+            from elasticps.launcher.slurm_jobs import cmd_submit
+
+            logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+            return cmd_submit(words[1:])
         args = parse_args(argv)
         role = os.environ.get("ELASTICPS_ROLE", args.command)
         if args.command == "train":
@@ -1758,6 +1768,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(sys.stderr, NonBlockingStream):
             sys.stderr.drain(timeout_s=10.0)
             sys.stderr = stderr
+
+
+def _slurm_backend(words: Sequence[str]) -> bool:
+    """Whether ``submit``'s arguments ask for ``--backend slurm`` (its own parser:
+    :mod:`elasticps.launcher.slurm_jobs`)."""
+    for i, word in enumerate(words):
+        if word == "--":
+            return False
+        if word == "--backend=slurm" or (word == "--backend" and words[i + 1 : i + 2] == ["slurm"]):
+            return True
+    return False
 
 
 def _internal_failure(exc: Exception) -> int:

@@ -15,6 +15,7 @@ Skipped where network namespaces cannot be made or Slurm is not installed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticps.testing import kill_leftovers, wait_for_shard_checkpoint
+from elasticps.testing import kill_leftovers, wait_for, wait_for_shard_checkpoint
 from elasticps.testing.audit import check_run, train_args, write_dataset
 from elasticps.testing.slurm import SlurmCluster, unavailable
 
@@ -109,3 +110,88 @@ def test_a_dead_node_in_an_allocation_costs_no_update(
     later = placements(out)[5:]  # after the first two PS and three trainers
     assert ("ps", victim) not in later and any(kind == "ps" for kind, _ in later), later
     assert "stopped answering" in stderr or "does not answer" in stderr, stderr[-3000:]
+
+
+def elasticps(env: dict[str, str], *args: str, timeout_s: float = 60.0) -> tuple[int, str, str]:
+    """Run ``elasticps ARGS``; return its status, stdout and stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticps", *args],
+        env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout, done.stderr
+
+
+def job_status(env: dict[str, str], job: str) -> dict[str, object]:
+    rc, out, err = elasticps(env, "status", job, "--backend", "slurm", "--json")
+    assert rc == 0, err[-2000:]
+    status: dict[str, object] = json.loads(out)
+    return status
+
+
+def test_a_submitted_job_survives_a_dead_node_and_the_job_commands_read_it(
+    nodes: SlurmCluster, audit_dir: Path, tmp_path: Path
+) -> None:
+    env = nodes.env()
+    env["ELASTICPS_STATE_DIR"] = str(tmp_path / "state")
+    out = tmp_path / "run"
+    job = "audit-slurm"
+    try:
+        rc, stdout, err = elasticps(
+            env, "submit", "--backend", "slurm", "--nodes", "3", "--job", job,
+            *train_args(audit_dir, out, "sync", EPOCHS),
+        )  # fmt: skip
+        assert rc == 0, err[-3000:]
+        assert json.loads(stdout)["job"] == job
+        # The launcher runs on the allocation's first node; another one dies.
+        victim = kill_first_ps_node(nodes, out, spare="h0")
+        wait_for(
+            lambda: (
+                job_status(env, job)["state"] not in ("pending", "starting", "running", "stopping")
+            ),
+            "the submitted job's end",
+            timeout_s=JOB_TIMEOUT_S,
+            interval_s=0.5,
+        )
+        status = job_status(env, job)
+        assert status["state"] == "finished", status
+        batch = Path(str(status["log"])).read_text()  # train's stdout and stderr
+        assert_exact(out, next(x for x in reversed(batch.splitlines()) if x.startswith("{")))
+        later = placements(out)[5:]
+        assert ("ps", victim) not in later and any(kind == "ps" for kind, _ in later), later
+        rc, logs, err = elasticps(env, "logs", job, "--backend", "slurm", "--role", "launcher")
+        assert rc == 0 and "[sbatch] {" in logs and "[launcher]" in logs, (logs[-2000:], err)
+        rc, listing, err = elasticps(env, "list", "--backend", "slurm", "--json")
+        assert rc == 0, err
+        rows = [json.loads(line) for line in listing.splitlines()]
+        assert [(r["job"], r["state"]) for r in rows] == [(job, "finished")], rows
+    finally:
+        kill_leftovers(out / "pids.json")
+        _cancel_all(env)
+
+
+def test_stop_ends_a_submitted_job_cleanly(
+    nodes: SlurmCluster, audit_dir: Path, tmp_path: Path
+) -> None:
+    env = nodes.env()
+    env["ELASTICPS_STATE_DIR"] = str(tmp_path / "state")
+    out = tmp_path / "run"
+    job = "audit-stop"
+    try:
+        rc, _, err = elasticps(
+            env, "submit", "--backend", "slurm", "--nodes", "2", "--job", job,
+            *train_args(audit_dir, out, "async", 100_000),
+        )  # fmt: skip
+        assert rc == 0, err[-3000:]
+        wait_for_shard_checkpoint(out)
+        rc, stopped, err = elasticps(env, "stop", job, "--backend", "slurm", timeout_s=120)
+        assert rc == 0, err[-3000:]
+        assert json.loads(stopped)["state"] == "stopped", stopped
+        assert job_status(env, job)["state"] == "stopped"
+    finally:
+        kill_leftovers(out / "pids.json")
+        _cancel_all(env)
+
+
+def _cancel_all(env: dict[str, str]) -> None:
+    """Cancel every Slurm job left (a failed test's), so the next test has the nodes."""
+    subprocess.run(["scancel", "--user", str(os.getuid())], env=env, timeout=30, check=False)
