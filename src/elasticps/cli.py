@@ -1742,7 +1742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from elasticps.launcher.slurm_jobs import cmd_submit
 
             logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-            return cmd_submit(words[1:])
+            return cmd_submit(words[1:], lambda train: job_config(parse_args(train)))
         args = parse_args(argv)
         role = os.environ.get("ELASTICPS_ROLE", args.command)
         if args.command == "train":

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,19 +331,19 @@ def submit_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train_config(train_args: Sequence[str], job: str) -> Any:
-    """``train``'s checks of ``train_args`` with ``--launcher slurm`` (nothing runs)."""
-    from elasticps.cli import job_config, parse_args
-
+def _refuse_submit_flags(train_args: Sequence[str]) -> None:
     for flag in ("--launcher", "--job", "--no-progress"):
         if flag in train_args:
             raise ConfigError(f"elasticps submit --backend slurm: {flag} is set by submit")
-    args = parse_args(["train", *train_args, "--launcher", "slurm", "--job", job])
-    return job_config(args)
 
 
-def cmd_submit(argv: Sequence[str]) -> int:
+def cmd_submit(argv: Sequence[str], train_config: Callable[[list[str]], Any]) -> int:
     """``elasticps submit --backend slurm ...`` (see the module docstring).
+
+    Args:
+        argv: the arguments after ``submit``.
+        train_config: the ``JobConfig`` of ``train`` arguments, checked as
+            ``train`` checks them (nothing runs).
 
     Raises:
         ConfigError: a bad option (of submit's or of train's), a job of that
@@ -352,7 +352,8 @@ def cmd_submit(argv: Sequence[str]) -> int:
     """
     own, train_args = submit_parser().parse_known_args(list(argv))
     job = own.job or f"elasticps-{uuid.uuid4().hex[:6]}"
-    config = _train_config(train_args, job)
+    _refuse_submit_flags(train_args)
+    config = train_config(["train", *train_args, "--launcher", "slurm", "--job", job])
     output = Path(config.output).resolve()
     log = _records_dir() / f"{job}-%j.out"
     request = SubmitRequest(
