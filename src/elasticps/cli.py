@@ -1532,6 +1532,10 @@ def _check_submittable(args: argparse.Namespace) -> None:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
+    if args.backend == "slurm":
+        from elasticps.launcher.slurm_jobs import cmd_submit
+
+        return cmd_submit(args, job_config)
     import uuid
 
     from elasticps.config import KubernetesConfig
@@ -1711,6 +1715,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             or the job file is unreadable or does not match the flags.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["submit"] and _slurm_backend(argv[1:]):
+        from elasticps.launcher.slurm_jobs import parse_submit
+
+        return parse_submit(argv[1:], parse_args)
     parser = build_parser()
     pre = _Parser(prog="elasticps", add_help=False, allow_abbrev=False)
     pre.add_argument("--config", type=Path, default=None)
@@ -1737,12 +1745,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     stderr = sys.stderr
     try:
-        words = list(sys.argv[1:] if argv is None else argv)
-        if words[:1] == ["submit"] and _slurm_backend(words[1:]):
-            from elasticps.launcher.slurm_jobs import cmd_submit
-
-            logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-            return cmd_submit(words[1:], lambda train: job_config(parse_args(train)))
         args = parse_args(argv)
         role = os.environ.get("ELASTICPS_ROLE", args.command)
         if args.command == "train":

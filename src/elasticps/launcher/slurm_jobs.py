@@ -51,6 +51,7 @@ __all__ = [
     "cmd_submit",
     "combined_state",
     "parse_sbatch_id",
+    "parse_submit",
     "read_record",
     "submit_parser",
 ]
@@ -337,29 +338,59 @@ def _refuse_submit_flags(train_args: Sequence[str]) -> None:
             raise ConfigError(f"elasticps submit --backend slurm: {flag} is set by submit")
 
 
-def cmd_submit(argv: Sequence[str], train_config: Callable[[list[str]], Any]) -> int:
-    """``elasticps submit --backend slurm ...`` (see the module docstring).
+def parse_submit(
+    argv: Sequence[str], parse_train: Callable[[list[str]], argparse.Namespace]
+) -> argparse.Namespace:
+    """Parse ``submit --backend slurm ...``: submit's own options, then ``train``'s.
 
     Args:
         argv: the arguments after ``submit``.
-        train_config: the ``JobConfig`` of ``train`` arguments, checked as
-            ``train`` checks them (nothing runs).
+        parse_train: ``elasticps``'s parser of a command line (here a ``train`` one).
+
+    Returns:
+        ``command="submit"``, ``backend="slurm"``, ``slurm`` (submit's own
+        options, the job name resolved), ``train_args`` (as given) and ``train``
+        (them parsed, with ``--launcher slurm --job JOB``).
 
     Raises:
-        ConfigError: a bad option (of submit's or of train's), a job of that
-            name already recorded, or no Slurm client.
-        ElasticPSError: sbatch failed.
+        ConfigError: a bad option, or one that submit sets itself.
     """
     own, train_args = submit_parser().parse_known_args(list(argv))
-    job = own.job or f"elasticps-{uuid.uuid4().hex[:6]}"
+    own.job = own.job or f"elasticps-{uuid.uuid4().hex[:6]}"
     _refuse_submit_flags(train_args)
-    config = train_config(["train", *train_args, "--launcher", "slurm", "--job", job])
+    train = parse_train(["train", *train_args, "--launcher", "slurm", "--job", own.job])
+    return argparse.Namespace(
+        command="submit",
+        backend="slurm",
+        log_level="warning",
+        slurm=own,
+        train_args=list(train_args),
+        train=train,
+    )
+
+
+def cmd_submit(args: argparse.Namespace, train_config: Callable[[argparse.Namespace], Any]) -> int:
+    """``elasticps submit --backend slurm ...`` (see the module docstring).
+
+    Args:
+        args: from :func:`parse_submit`.
+        train_config: ``train``'s ``JobConfig`` of ``args.train``, checked as
+            ``train`` checks it (nothing runs).
+
+    Raises:
+        ConfigError: a bad train option, a job of that name already recorded,
+            or no Slurm client.
+        ElasticPSError: sbatch failed.
+    """
+    own = args.slurm
+    job = own.job
+    config = train_config(args.train)
     output = Path(config.output).resolve()
     log = _records_dir() / f"{job}-%j.out"
     request = SubmitRequest(
         job=job,
         nodes=own.nodes,
-        train_args=tuple(train_args),
+        train_args=tuple(args.train_args),
         output=output,
         log=log,
         workdir=Path.cwd(),
