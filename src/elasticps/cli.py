@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lease-ttl-s", type=float, default=5.0)
     train.add_argument("--etcd-port", type=int, default=0, help="etcd client port (0: free port)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    hosts = train.add_argument_group("hosts over ssh")
+    hosts = train.add_argument_group("hosts over ssh, or a Slurm allocation")
     hosts.add_argument(
         "--hosts",
         type=Path,
