@@ -131,8 +131,7 @@ def node_loss(cluster: SlurmCluster, work: Path, mode: str) -> None:
             proc.communicate()
         kill_leftovers(out / "pids.json")
         if victim:
-            cluster.hosts.restore_link(victim)
-            cluster.start_slurmd(victim)
+            cluster.revive_node(victim)
     if proc.returncode != 0:
         raise SystemExit(f"the node-loss job failed: {stderr[-2000:]}")
     log = (out / "logs" / "launcher.log").read_text()

@@ -50,9 +50,7 @@ def cluster() -> Iterator[SlurmCluster]:
 def nodes(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     yield cluster
     for name in cluster.hosts.hosts:  # every node up again for the next test
-        cluster.hosts.restore_link(name)
-        if f"slurmd-{name}" not in cluster._pids:
-            cluster.start_slurmd(name)
+        cluster.revive_node(name)
     cluster.wait_idle(list(cluster.hosts.hosts), timeout_s=60.0)
 
 

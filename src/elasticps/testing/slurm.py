@@ -161,6 +161,13 @@ class SlurmCluster:
         if pid is not None:
             _stop(pid)
 
+    def revive_node(self, name: str) -> None:
+        """Bring node ``name`` back after :meth:`kill_node`: its link up, its slurmd started
+        (a rebooted machine); nothing happens to a node that runs."""
+        self.hosts.restore_link(name)
+        if f"slurmd-{name}" not in self._pids:
+            self.start_slurmd(name)
+
     def node_state(self, name: str) -> str:
         """What ``scontrol show node`` says of node ``name``'s state (``IDLE``, ``DOWN*``...)."""
         done = subprocess.run(
