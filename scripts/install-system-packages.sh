@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The Debian packages elasticps's tests of jobs across hosts use: iproute2 (network
-# namespaces as test hosts) and openssh-server (an sshd on each of them). Training
+# namespaces as test hosts), openssh-server (an sshd on each of them), and Slurm
+# (slurmctld, slurmd, slurm-client, munge: a test cluster on those hosts). Training
 # itself needs none of them. Installs only what is missing; needs root (or sudo) for
 # that, and says so otherwise without failing.
 set -euo pipefail
 
-packages=(iproute2 openssh-server openssh-client)
+packages=(iproute2 openssh-server openssh-client slurmctld slurmd slurm-client munge)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then

@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar (there is none when stderr is not a terminal)",
     )
-    hosts = train.add_argument_group("hosts over ssh")
+    hosts = train.add_argument_group("hosts over ssh, or a Slurm allocation")
     hosts.add_argument(
         "--hosts",
         type=Path,
@@ -526,6 +526,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="with --hosts: 3 runs etcd as three members on the first three hosts, so that "
         "losing one host loses nothing (default 1: one etcd on this machine)",
+    )
+    hosts.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="slurm: inside a Slurm allocation (salloc, sbatch), run the PS and trainers as "
+        "job steps on its nodes; etcd and the master stay on this node (default: local)",
     )
     train.add_argument(
         "--spawn",
@@ -814,6 +821,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         remote_python=args.remote_python,
         advertise_address=args.advertise_address,
         etcd_replicas=args.etcd_replicas,
+        launcher=args.launcher,
     )
 
 
@@ -1001,8 +1009,13 @@ def _job_hosts(config: JobConfig) -> JobHosts | None:
     """The hosts of a ``--hosts`` job, or None for a job on this machine.
 
     Raises:
-        ConfigError: a bad host file, or a host that ssh cannot resolve.
+        ConfigError: a bad host file, or a host that ssh cannot resolve; with
+            ``--launcher slurm``, no allocation to run in.
     """
+    if config.launcher == "slurm":
+        from elasticps.launcher.slurm import job_hosts
+
+        return job_hosts(config)
     if config.hosts_file is None:
         return None
     from elasticps.launcher.ssh import JobHosts
@@ -1320,7 +1333,11 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
         p.add_argument("--kubeconfig", default=None,
                        help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")  # fmt: skip
 
-    submit = sub.add_parser("submit", help="submit a job to a Kubernetes cluster and return")
+    submit = sub.add_parser(
+        "submit",
+        help="submit a job to a Kubernetes cluster (or, with --backend slurm NODES... TRAIN "
+        "OPTIONS, to Slurm) and return",
+    )
     submit.add_argument("--backend", choices=["kubernetes"], default="kubernetes")
     add_cluster(submit)
     _add_trainer_flags(submit)
@@ -1449,6 +1466,7 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--spawn": "pods start their own interpreters",
     "--hosts": "Kubernetes places the pods on its nodes",
     "--ssh-config": "Kubernetes places the pods on its nodes",
+    "--launcher": "Kubernetes places the pods on its nodes (submit --backend slurm for Slurm)",
     "--remote-python": "the pods run the image's Python",
     "--advertise-address": "the pods reach etcd and the master by their Services",
     "--no-progress": "submit shows no progress bar",
@@ -1579,6 +1597,10 @@ def _check_submittable(args: argparse.Namespace) -> None:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
+    if args.backend == "slurm":
+        from elasticps.launcher.slurm_jobs import cmd_submit
+
+        return cmd_submit(args, job_config)
     import uuid
 
     from elasticps.config import KubernetesConfig
@@ -1758,6 +1780,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             or the job file is unreadable or does not match the flags.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["submit"] and _slurm_backend(argv[1:]):
+        from elasticps.launcher.slurm_jobs import parse_submit
+
+        return parse_submit(argv[1:], parse_args)
     parser = build_parser()
     pre = _Parser(prog="elasticps", add_help=False, allow_abbrev=False)
     pre.add_argument("--config", type=Path, default=None)
@@ -1809,6 +1835,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(sys.stderr, NonBlockingStream):
             sys.stderr.drain(timeout_s=10.0)
             sys.stderr = stderr
+
+
+def _slurm_backend(words: Sequence[str]) -> bool:
+    """Whether ``submit``'s arguments ask for ``--backend slurm`` (its own parser:
+    :mod:`elasticps.launcher.slurm_jobs`)."""
+    for i, word in enumerate(words):
+        if word == "--":
+            return False
+        if word == "--backend=slurm" or (word == "--backend" and words[i + 1 : i + 2] == ["slurm"]):
+            return True
+    return False
 
 
 def _internal_failure(exc: Exception) -> int:

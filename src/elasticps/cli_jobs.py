@@ -2,9 +2,11 @@
 
 The same verbs, flags and output for local jobs (the default, ``--backend
 local``: see :mod:`elasticps.jobs`) and Kubernetes jobs (``--backend
-kubernetes``: see :mod:`elasticps.launcher.kubernetes`). A local job is
+kubernetes``: see :mod:`elasticps.launcher.kubernetes`) and Slurm jobs
+(``--backend slurm``: see :mod:`elasticps.launcher.slurm_jobs`). A local job is
 named by ``JOB`` (the newest registered run of that name) or by ``--output
-DIR``; a Kubernetes job by ``JOB`` in ``--namespace``.
+DIR``; a Kubernetes job by ``JOB`` in ``--namespace``; a Slurm job by the
+``JOB`` it was submitted as.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from elasticps.jobs import ROLES
 
 __all__ = ["add_job_commands", "cmd_list", "cmd_logs", "cmd_status", "cmd_stop"]
 
-_BACKENDS = ("local", "kubernetes")
+_BACKENDS = ("local", "kubernetes", "slurm")
 _LIST_COLUMNS = ("job", "state", "pass", "accuracy", "started", "output")
 
 
@@ -103,6 +105,11 @@ def cmd_status(args: argparse.Namespace, core_api: Callable[[argparse.Namespace]
         ConfigError: no such job, or flags of the other backend.
         KubernetesError: the Kubernetes API failed.
     """
+    if args.backend == "slurm":
+        from elasticps.launcher import slurm_jobs
+
+        _check_local(args)
+        return slurm_jobs.cmd_status(args)
     if args.backend == "kubernetes":
         from elasticps.launcher.kubernetes import job_status
 
@@ -149,6 +156,11 @@ def cmd_logs(args: argparse.Namespace, core_api: Callable[[argparse.Namespace], 
         ConfigError: no such job, or flags of the other backend.
         KubernetesError: the Kubernetes API failed.
     """
+    if args.backend == "slurm":
+        from elasticps.launcher import slurm_jobs
+
+        _check_local(args)
+        return slurm_jobs.cmd_logs(args)
     if args.backend == "kubernetes":
         from elasticps.launcher.kubernetes import follow_job_logs, job_logs
 
@@ -191,6 +203,11 @@ def cmd_stop(args: argparse.Namespace, core_api: Callable[[argparse.Namespace], 
         ConfigError: no such running job, or ``--backend kubernetes``.
         ElasticPSError: the job did not stop within ``--timeout-s``.
     """
+    if args.backend == "slurm":
+        from elasticps.launcher import slurm_jobs
+
+        _check_local(args)
+        return slurm_jobs.cmd_stop(args)
     if args.backend == "kubernetes":
         raise ConfigError(
             "stop is for local jobs; a Kubernetes job ends after its last pass, and "
@@ -213,6 +230,11 @@ def cmd_list(args: argparse.Namespace, core_api: Callable[[argparse.Namespace], 
     Raises:
         KubernetesError: the Kubernetes API failed.
     """
+    if args.backend == "slurm":
+        from elasticps.launcher import slurm_jobs
+
+        _check_local(args)
+        return slurm_jobs.cmd_list(args)
     from elasticps.jobs import iter_table
 
     if args.backend == "kubernetes":

@@ -685,6 +685,10 @@ class JobConfig:
         etcd_replicas: with ``hosts_file``, 3 runs the job's etcd as three
             members on the first three hosts (:mod:`elasticps.launcher.etcd_hosts`);
             1: one etcd on this machine.
+        launcher: ``local`` (this machine, or ``hosts_file``'s hosts over ssh) or
+            ``slurm``: the PS and trainers run as job steps on the nodes of the
+            Slurm allocation the launcher runs in (:mod:`elasticps.launcher.slurm`);
+            ``remote_python`` and ``advertise_address`` apply to it too.
     """
 
     job: str
@@ -744,15 +748,38 @@ class JobConfig:
     remote_python: str = ""
     advertise_address: str = ""
     etcd_replicas: int = 1
+    launcher: str = "local"
+
+    def _check_slurm(self) -> None:
+        """Refuse, by name, what a ``--launcher slurm`` job cannot take."""
+        if self.hosts_file is not None:
+            raise ConfigError(
+                "--launcher slurm and --hosts: the Slurm allocation's nodes are the hosts"
+            )
+        if self.etcd_replicas != 1:
+            raise ConfigError(
+                "--launcher slurm and --etcd-replicas 3: the job's etcd runs on the launching node"
+            )
+        if self.ssh_config is not None:
+            raise ConfigError("--launcher slurm and --ssh-config: Slurm runs the roles, not ssh")
+        if self.chaos or self.random_chaos is not None:
+            raise ConfigError(
+                "--chaos kills processes of this machine; with --launcher slurm, kill nodes instead"
+            )
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
+        if self.launcher not in ("local", "slurm"):
+            raise ConfigError(f"--launcher must be local or slurm, got {self.launcher!r}")
+        if self.launcher == "slurm":
+            self._check_slurm()
         if self.etcd_replicas not in (1, 3):
             raise ConfigError(f"--etcd-replicas must be 1 or 3, got {self.etcd_replicas}")
         if self.etcd_replicas != 1 and self.hosts_file is None:
             raise ConfigError("--etcd-replicas 3 needs --hosts: its members run on three hosts")
         if self.hosts_file is None and (
-            self.ssh_config is not None or self.remote_python or self.advertise_address
+            self.ssh_config is not None
+            or (self.launcher != "slurm" and (self.remote_python or self.advertise_address))
         ):
             raise ConfigError("--ssh-config, --remote-python and --advertise-address need --hosts")
         if self.hosts_file is not None and (self.chaos or self.random_chaos is not None):

@@ -33,6 +33,11 @@ ssh settings come from the user's ssh configuration (``~/.ssh/config``), or
 from ``--ssh-config FILE`` alone; host keys are checked as that configuration
 says (``BatchMode yes`` is added, so ssh never prompts). Only the environment
 variables that configure a role travel (:data:`FORWARDED_ENV`).
+
+What is ssh-specific is :class:`SshOptions`, a
+:class:`~elasticps.launcher.transport.Transport`; the spawner, its placement
+and its recovery take any transport (:mod:`elasticps.launcher.slurm` runs the
+same roles as Slurm job steps).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from elasticps.errors import ConfigError, ElasticPSError, UnschedulableError
 from elasticps.launcher.hostfile import HostSpec, parse_hostfile, place
 from elasticps.launcher.remote import FILES_TOKEN, route_address
 from elasticps.launcher.spawn import ProcessHandle, Spawner
+from elasticps.launcher.transport import Transport
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.storage import is_url
 
@@ -163,6 +169,26 @@ class SshOptions:
         """The interpreter to run on the hosts."""
         return self.remote_python or sys.executable
 
+    @property
+    def watch_s(self) -> float:
+        """0: ssh's keepalives end the session of a lost host by themselves."""
+        return 0.0
+
+    def probe(self, host: HostSpec) -> bool:
+        """Whether ``ssh HOST true`` succeeds within :data:`_PROBE_TIMEOUT_S` seconds to connect."""
+        argv = self.argv(host, "true", connect_timeout_s=_PROBE_TIMEOUT_S)
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, timeout=_PROBE_TIMEOUT_S + 5, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+
+    def lost(self, returncode: int) -> bool:
+        """ssh's own status 255: the connection failed or was lost."""
+        return returncode == _SSH_STATUS
+
 
 def resolve_host(host: HostSpec, options: SshOptions) -> str:
     """The address ssh connects to for ``host`` (its ``HostName`` in the ssh configuration).
@@ -204,7 +230,7 @@ def advertise_address(hosts: Sequence[HostSpec], options: SshOptions) -> str:
 
 def preflight(
     hosts: Sequence[HostSpec],
-    options: SshOptions,
+    options: Transport,
     *,
     read: Sequence[str] = (),
     write: Sequence[str] = (),
@@ -212,7 +238,8 @@ def preflight(
     route_to: str = "",
     timeout_s: float = 60.0,
 ) -> dict[str, str]:
-    """Check over ssh, on every host at once, what the job needs there.
+    """Check over ssh (or ``options``'s transport), on every host at once, what the job
+    needs there.
 
     Each host must answer ssh, run ``remote_python -m elasticps.launcher.remote``,
     read ``read`` (data, a checkpoint to resume), write ``write`` (the
@@ -274,12 +301,12 @@ class JobHosts:
 
     Attributes:
         hosts: the host file's hosts, in its order.
-        options: the ssh settings.
+        options: the ssh settings (or another transport).
         advertise: this machine's address that the hosts reach etcd and the master at.
     """
 
     hosts: tuple[HostSpec, ...]
-    options: SshOptions
+    options: Transport
     advertise: str
 
     @classmethod
@@ -383,7 +410,7 @@ class SshProcess:
             return
         self._write(line)
         if sig == signal.SIGKILL:
-            timer = threading.Timer(_KILL_GRACE_S, self._kill_client)
+            timer = threading.Timer(_KILL_GRACE_S, self.kill_client)
             timer.daemon = True
             timer.start()
 
@@ -407,7 +434,8 @@ class SshProcess:
             stdin.write(data)
             stdin.flush()
 
-    def _kill_client(self) -> None:
+    def kill_client(self) -> None:
+        """Kill the local client itself (its host no longer answers control lines)."""
         if self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
@@ -425,7 +453,7 @@ class SshSpawner:
 
     Args:
         hosts: the host file's hosts.
-        options: how to reach them.
+        options: how to reach them (:class:`SshOptions`, or another transport).
         local: the spawner of the roles that run on the launching machine (the master).
         advertise: the launching machine's address that the hosts reach
             (:func:`advertise_address`); the master listens on it.
@@ -434,7 +462,7 @@ class SshSpawner:
     def __init__(
         self,
         hosts: Sequence[HostSpec],
-        options: SshOptions,
+        options: Transport,
         local: Spawner,
         advertise: str,
     ) -> None:
@@ -460,7 +488,7 @@ class SshSpawner:
         return self._hosts
 
     @property
-    def options(self) -> SshOptions:
+    def options(self) -> Transport:
         """How the hosts are reached."""
         return self._options
 
@@ -541,7 +569,7 @@ class SshSpawner:
                 start_new_session=True,
             )
         except OSError as exc:
-            raise ElasticPSError(f"could not start ssh to {host}: {exc}") from exc
+            raise ElasticPSError(f"could not start a session on {host}: {exc}") from exc
         handle = SshProcess(proc, host)
         handle.write_request(request)  # first: before the pinger sees the session
         self._live[self._next_id] = _Live(kind, host, handle)
@@ -553,7 +581,9 @@ class SshSpawner:
         return handle
 
     def _ping(self) -> None:
-        """Write a line to every live session each ``alive_interval_s`` (see ``silence_s``)."""
+        """Write a line to every live session each ``alive_interval_s`` (see ``silence_s``),
+        and probe the hosts of the live sessions each ``watch_s`` when the transport asks."""
+        watched = time.monotonic()
         while True:
             time.sleep(self._options.alive_interval_s)
             with self._lock:
@@ -561,6 +591,35 @@ class SshSpawner:
             for proc in live:
                 if proc.poll() is None:
                     proc.ping()
+            watch_s = self._options.watch_s
+            if watch_s > 0 and time.monotonic() - watched >= watch_s:
+                watched = time.monotonic()
+                self.watch_once()
+
+    def watch_once(self) -> list[str]:
+        """Probe each host that runs a live session; end the sessions of those that fail.
+
+        A host that fails is left out of placement for :data:`DOWN_RETRY_S`
+        seconds, and its sessions' clients are killed, so that the launcher sees
+        their roles end and restarts them on the hosts left.
+
+        Returns:
+            The hosts found lost, in host file order.
+        """
+        with self._lock:
+            busy = {e.host for e in self._live.values() if e.proc.poll() is None}
+        lost = [h.name for h in self._hosts if h.name in busy and not self._probe(h.name)]
+        if not lost:
+            return []
+        with self._lock:
+            for name in lost:
+                log.warning("host %s stopped answering; its roles go elsewhere", name)
+                self._down_until[name] = time.monotonic() + DOWN_RETRY_S
+                self._suspect.discard(name)
+            ended = [e.proc for e in self._live.values() if e.host in lost]
+        for proc in ended:
+            proc.kill_client()
+        return lost
 
     # --- placement --------------------------------------------------------------
 
@@ -594,7 +653,7 @@ class SshSpawner:
             if code is None:
                 continue
             del self._live[key]
-            if code == _SSH_STATUS:
+            if self._options.lost(code):
                 self._suspect.add(live.host)
 
     def _is_up(self, name: str) -> bool:
@@ -607,19 +666,13 @@ class SshSpawner:
         if name in self._suspect:
             self._suspect.discard(name)
             if not self._probe(name):
-                log.warning("host %s does not answer ssh; its roles go elsewhere", name)
+                log.warning("host %s does not answer; its roles go elsewhere", name)
                 self._down_until[name] = time.monotonic() + DOWN_RETRY_S
                 return False
         return True
 
     def _probe(self, name: str) -> bool:
-        argv = self._options.argv(self._by_name[name], "true", connect_timeout_s=_PROBE_TIMEOUT_S)
-        timeout_s = _PROBE_TIMEOUT_S + 5
-        try:
-            done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        return done.returncode == 0
+        return self._options.probe(self._by_name[name])
 
     # --- the request ------------------------------------------------------------
 
