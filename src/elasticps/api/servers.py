@@ -67,10 +67,12 @@ from elasticps.errors import (
     JobFailedError,
     JobUserError,
 )
+from elasticps.launcher.local_processes import DecisionLog, release_keys
 from elasticps.launcher.spawn import child_env, run_beside, terminate, wait_or_kill
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
+    Decision,
     Event,
     Exited,
     FailJob,
@@ -234,6 +236,7 @@ class LocalServers:
                 max_restarts=config.max_restarts, replace_trainers=config.replace_trainers
             )
         )
+        self._decision_log = DecisionLog()
         self._lock = threading.RLock()
         self._started: list[int] = []
         self._etcd_restarts = 0
@@ -323,7 +326,14 @@ class LocalServers:
         count of failures) covers the whole job.
         """
         with self._lock:
-            return self._policy.handle(event)
+            action = self._policy.handle(event)
+            self._decision_log.record(event, action)
+            return action
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """The policy's decisions so far, oldest first (task progress is not recorded)."""
+        return self._decision_log.records()
 
     def check(self) -> None:
         """Supervise the servers once: restart those that died, as the policy allows.
@@ -456,13 +466,7 @@ class LocalServers:
             return  # the lease TTL will do it
         try:
             with JobStore(self._etcd.endpoint, self.config.job) as store:
-                if child.kind is Kind.PS:
-                    keys = [store.keys.ps(i) for i in range(self.config.num_ps)]
-                else:
-                    keys = [store.keys.master_lock]
-                for key in keys:
-                    if store.delete_if_pid(key, child.proc.pid):
-                        return
+                release_keys(store, child.kind, child.proc.pid, self.config.num_ps)
         except ElasticPSError as exc:
             log.info("could not release the keys of %s: %s", child.role, exc)
 

@@ -96,6 +96,7 @@ from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerStat
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
 from elasticps.launcher.local_backend import LocalBackend
+from elasticps.launcher.local_processes import DecisionLog, release_keys, returncode_of
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
 from elasticps.launcher.output import (
     STOP_FILE,
@@ -302,6 +303,7 @@ class LocalLauncher:
         # back through _decisions, for _supervise on the main thread.
         self._policy = Supervisor(SupervisorConfig(max_restarts=config.max_restarts))
         self._policy_lock = threading.Lock()
+        self._decision_log = DecisionLog()  # run.json's "decisions"
         self._decisions: queue.SimpleQueue[tuple[WorkerEvent, Action]] = queue.SimpleQueue()
         self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
@@ -1192,6 +1194,7 @@ class LocalLauncher:
             if child.pump is not None:
                 child.pump.join(timeout=2)  # flush its last lines (the traceback)
             self._release_keys(child)
+            code = returncode_of(child.proc, code)  # an ssh session's 128+N is signal N
             exited = Exited.of_returncode(child.role, Kind(child.kind), code, child.message)
             action = self._decide(exited)
             if isinstance(action, FailJob):
@@ -1210,6 +1213,7 @@ class LocalLauncher:
         """The policy's answer to ``event`` (from any thread)."""
         with self._policy_lock:
             action = self._policy.handle(event)
+            self._decision_log.record(event, action)
         if not isinstance(action, Ignore):
             log.info("supervisor: %s -> %s", event, action)
         return action
@@ -1266,6 +1270,7 @@ class LocalLauncher:
                     "chaos": self.chaos_log,
                     "restarts": self._restart_counts(),
                     "etcd_restarts": self._etcd_restarts,
+                    "decisions": self._decision_log.as_json(),
                 },
             )
         where = ""
@@ -1292,19 +1297,7 @@ class LocalLauncher:
         store = self._store
         if store is None:
             return
-        if child.kind == "ps":
-            # A spare may hold any slot: try each.
-            keys = [store.keys.ps(i) for i in range(self.config.ps)]
-        else:
-            keys = [store.keys.master_lock]
-        for key in keys:
-            try:
-                if store.delete_if_pid(key, child.pid):
-                    log.info("released %s of %s (pid %d)", key, child.role, child.pid)
-                    return
-            except ElasticPSError as exc:  # etcd down: the lease will expire on its own
-                log.info("could not release %s of %s: %s", key, child.role, exc)
-                return
+        release_keys(store, Kind(child.kind), child.pid, self.config.ps)
 
     def _wait_for_master(self, store: JobStore, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -1638,6 +1631,7 @@ class LocalLauncher:
             "chaos": self.chaos_log,
             "restarts": self._restart_counts(),
             "etcd_restarts": self._etcd_restarts,
+            "decisions": self._decision_log.as_json(),
             **exactly_once_summary(self._passes, self.config.epochs),
             "passes": self._passes,
             "passes_missing": self._passes_missing,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from elasticps.errors import ElasticPSError, UnschedulableError
 from elasticps.launcher.backend import Cancel, Role, WorkerEvent, WorkerSpec, WorkerState
+from elasticps.launcher.local_processes import returncode_of
 from elasticps.launcher.spawn import (
     ExecSpawner,
     ProcessHandle,
@@ -245,7 +246,7 @@ class LocalBackend:
                 if self._on_output is not None:
                     self._on_output(entry.spec.name, line)
             stdout.close()
-        code = entry.proc.wait()
+        code = returncode_of(entry.proc, entry.proc.wait())  # ssh: 128+N is signal N
         if entry.killer is not None:
             entry.killer.cancel()
         with self._lock:

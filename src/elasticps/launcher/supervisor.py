@@ -81,6 +81,7 @@ __all__ = [
     "LOST_CAUSES",
     "MAX_TRAINER_FAILURES",
     "Action",
+    "Decision",
     "Deleted",
     "Event",
     "Exited",
@@ -94,9 +95,11 @@ __all__ = [
     "RestartFailed",
     "Supervisor",
     "SupervisorConfig",
+    "decision_of",
     "error_line",
     "exit_status_for",
     "exited_from_reason",
+    "relayed_returncode",
 ]
 
 EXIT_OK: Final = 0
@@ -519,3 +522,95 @@ def exited_from_reason(name: str, kind: Kind, reason: str, message: str = "") ->
             return Exited(name, kind, status=number, message=message)
         return Exited(name, kind, signal=number, message=message)
     return Exited(name, kind, cause=reason or "ended", message=message)
+
+
+_MAX_SIGNAL: Final = 64
+"""The highest signal number (``SIGRTMAX`` on Linux)."""
+
+
+def relayed_returncode(status: int) -> int:
+    """The ``Popen``-style return code of an exit status relayed by a shell or an ssh session.
+
+    A process relayed through another (``ssh``, a shell, the host's end of
+    :mod:`elasticps.launcher.remote`) ends with ``128 + N`` when signal ``N``
+    killed the role; a local child's ``Popen`` says ``-N``. This maps the
+    former to the latter, so a role SIGKILLed on another host reads as
+    ``signal 9`` (a death from outside), not ``exit 137`` (an internal
+    error). 255 (ssh's lost connection) and any other status are kept. Pure.
+
+    Args:
+        status: the relayed exit status (negative values pass through).
+
+    Returns:
+        ``-N`` for ``128 + N`` with ``1 <= N <= 64``, else ``status``.
+    """
+    if 128 < status <= 128 + _MAX_SIGNAL:
+        return 128 - status
+    return status
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One supervision decision, as a launcher records it (in ``run.json``'s ``decisions``).
+
+    Attributes:
+        at: when it was decided, seconds since the epoch (the launcher's clock).
+        role: the kind of the worker it is about (``etcd``, ``master``, ``ps``,
+            ``trainer``), or ``job`` for job-wide events.
+        worker: the worker's name (``trainer-7``, ``ps-1``), or ``job``.
+        happened: what happened (``exit 1``, ``signal 9``, ``deleted``,
+            ``restart failed: ...``, ``finished``).
+        decided: what the policy decided (``restart 1/3``, ``replace``,
+            ``fail (exit 2): ...``, ``ignore: ...``).
+    """
+
+    at: float
+    role: str
+    worker: str
+    happened: str
+    decided: str
+
+    def as_dict(self) -> dict[str, object]:
+        """The record as JSON-ready values (``at`` rounded to milliseconds)."""
+        return {
+            "at": round(self.at, 3),
+            "role": self.role,
+            "worker": self.worker,
+            "happened": self.happened,
+            "decided": self.decided,
+        }
+
+
+def decision_of(at: float, event: Event, action: Action) -> Decision | None:
+    """The record of the policy's ``action`` on ``event``, or None for task progress.
+
+    Task progress (:class:`Progressed`) comes once a second and only resets
+    a count: it is not recorded. Pure.
+
+    Args:
+        at: when, seconds since the epoch.
+        event: what the supervisor was told.
+        action: what it answered.
+    """
+    if isinstance(event, Progressed):
+        return None
+    if isinstance(event, JobFinished):
+        role, worker, happened = "job", "job", "finished"
+    elif isinstance(event, Exited):
+        role, worker, happened = event.kind.value, event.name, event.describe()
+    elif isinstance(event, Deleted):
+        role, worker, happened = event.kind.value, event.name, "deleted"
+    else:
+        role, worker, happened = event.kind.value, event.name, f"restart failed: {event.reason}"
+    return Decision(at, role, worker, happened, _describe_action(action))
+
+
+def _describe_action(action: Action) -> str:
+    if isinstance(action, Restart):
+        limit = "unlimited" if action.limit is None else str(action.limit)
+        return f"restart {action.attempt}/{limit}"
+    if isinstance(action, Replace):
+        return "replace"
+    if isinstance(action, FailJob):
+        return f"fail (exit {action.exit_code}): {action.message}"
+    return f"ignore: {action.reason}"
