@@ -14,8 +14,7 @@ whole to one shard, chosen by one of two strategies (:data:`PLACEMENTS`):
   model with one dominant tensor (an MLP's first layer, a CNN's first fully
   connected layer) has it sliced, while its small tensors stay whole. In
   sync mode the most-loaded shard sets the step time.
-- ``hash`` is the placement of earlier releases, kept for compatibility
-  with them: a whole parameter goes to the CRC-32 of its name modulo the
+- ``hash``: a whole parameter goes to the CRC-32 of its name modulo the
   shard count. It can leave one shard with nearly all the bytes.
 
 Every process of a job must use the same placement (the parameter servers

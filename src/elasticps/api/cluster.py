@@ -47,7 +47,7 @@ class Local:
         big_array_bound: parameters with more elements are always sliced
             across all PS (``balanced`` placement may slice smaller ones too).
         placement: ``"balanced"`` (bytes spread evenly over the PS) or
-            ``"hash"`` (the placement of earlier releases); see
+            ``"hash"`` (a whole parameter on the PS given by CRC-32 of its name); see
             :mod:`elasticps.placement`.
         lease_ttl_s: lease TTL of every role, seconds, >= 1.
         task_timeout_s: seconds before the master re-dispatches a pending task.
