@@ -11,14 +11,22 @@ that way and returns what it saw; another backend is one more entry.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elasticps.launcher.supervisor import MAX_TRAINER_FAILURES
-from elasticps.testing import run_elasticps
+from elasticps.testing import kill_leftovers, run_elasticps, wait_for
+from elasticps.testing.hosts import NamespaceHosts
+from elasticps.testing.hosts import unavailable as hosts_unavailable
+from elasticps.testing.slurm import SlurmCluster
+from elasticps.testing.slurm import unavailable as slurm_unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -68,31 +76,141 @@ class Seen:
 
 def _cli(tmp_path: Path, data: Path, model: Path) -> Seen:
     output = tmp_path / "out"
-    done = run_elasticps(
-        ["train", "--model", model, "--data", data, "--output", output, "--no-progress",
-         "--trainers", "1", "--ps", "1", "--epochs", "1"],
-        timeout_s=JOB_TIMEOUT_S,
-        cwd=tmp_path,
-    )  # fmt: skip
+    done = run_elasticps(_train_args(data, model, output), timeout_s=JOB_TIMEOUT_S, cwd=tmp_path)
+    return _seen(done.returncode, done.stderr, output)
+
+
+def _seen(returncode: int, stderr: str, output: Path) -> Seen:
+    """What a ``train`` command that ended with ``returncode`` and ``stderr`` left in
+    ``output`` (its directory, alone in its parent), as ``status`` and ``list`` read it."""
     record = json.loads((output / "run.json").read_text())
-    errors = [line for line in done.stderr.splitlines() if line.startswith("elasticps: ")]
-    decisions = tuple(
+    errors = [line for line in stderr.splitlines() if line.startswith("elasticps: ")]
+    status = run_elasticps(
+        ["status", "--output", output, "--json"], timeout_s=COMMAND_TIMEOUT_S, cwd=output.parent
+    )
+    assert status.returncode == 0, status.stderr
+    listing = run_elasticps(["list", output.parent, "--json"], timeout_s=COMMAND_TIMEOUT_S)
+    assert listing.returncode == 0, listing.stderr
+    rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
+    return Seen(
+        returncode,
+        errors[-1] if errors else stderr[-2000:],
+        _decisions(record),
+        json.loads(status.stdout)["state"],
+        rows[0]["state"] if len(rows) == 1 else f"rows: {rows}",
+    )
+
+
+def _decisions(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """``Seen.decisions`` from a ``run.json``."""
+    return tuple(
         (d["role"], d["happened"], d["decided"].split(":")[0])
         for d in record["decisions"]
         if d["role"] == "trainer"
     )
-    status = run_elasticps(
-        ["status", "--output", output, "--json"], timeout_s=COMMAND_TIMEOUT_S, cwd=tmp_path
-    )
-    assert status.returncode == 0, status.stderr
-    listing = run_elasticps(["list", tmp_path, "--json"], timeout_s=COMMAND_TIMEOUT_S)
-    assert listing.returncode == 0, listing.stderr
-    rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
+
+
+def _train_args(data: Path, model: Path, output: Path) -> list[str | Path]:
+    """The failing job's ``train`` flags: the MNIST MLP, 1 trainer, 1 PS, 1 epoch."""
+    return ["train", "--model", model, "--data", data, "--output", output, "--no-progress",
+            "--trainers", "1", "--ps", "1", "--epochs", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ssh_hosts() -> Iterator[NamespaceHosts]:
+    """One namespace host with sshd (skips where none can be made)."""
+    why = hosts_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    with NamespaceHosts(1) as made:
+        yield made
+
+
+def _ssh_hosts(tmp_path: Path, data: Path, model: Path, hosts: NamespaceHosts) -> Seen:
+    """``train --hosts FILE`` over ssh to a namespace host."""
+    output = tmp_path / "out"
+    host_file = tmp_path / "hosts.txt"
+    host_file.write_text("".join(f"{name} slots=3\n" for name in hosts.hosts))
+    try:
+        done = run_elasticps(
+            [*_train_args(data, model, output),
+             "--hosts", host_file, "--ssh-config", hosts.ssh_config],
+            timeout_s=JOB_TIMEOUT_S,
+            cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        kill_leftovers(output / "pids.json")
+    return _seen(done.returncode, done.stderr, output)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A one-node test Slurm cluster (skips where none can be made)."""
+    why = slurm_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    with SlurmCluster(1) as made:
+        yield made
+
+
+def _slurm(tmp_path: Path, data: Path, model: Path, cluster: SlurmCluster) -> Seen:
+    """``train --launcher slurm`` inside an allocation made with ``salloc``."""
+    output = tmp_path / "out"
+    train = [sys.executable, "-m", "elasticps", *map(str, _train_args(data, model, output)),
+             "--launcher", "slurm"]  # fmt: skip
+    try:
+        done = subprocess.run(
+            ["timeout", str(int(JOB_TIMEOUT_S)), "salloc", "-N1", "--quiet", *train],
+            env=cluster.env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S + 10,
+            cwd=tmp_path, check=False,
+        )  # fmt: skip
+    finally:
+        kill_leftovers(output / "pids.json")
+    return _seen(done.returncode, done.stderr, output)
+
+
+def _slurm_submit(tmp_path: Path, data: Path, model: Path, cluster: SlurmCluster) -> Seen:
+    """``submit --backend slurm``; then ``status`` and ``list --backend slurm``."""
+    env = cluster.env()
+    env["ELASTICPS_STATE_DIR"] = str(tmp_path / "state")
+    output = tmp_path / "out"
+    job = "failing-slurm"
+    backend = ["--backend", "slurm"]
+
+    def status() -> dict[str, Any]:
+        done = run_elasticps(["status", job, *backend, "--json"], timeout_s=COMMAND_TIMEOUT_S,
+                             env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return dict(json.loads(done.stdout))
+
+    args = _train_args(data, model, output)[1:]  # the flags, without "train"
+    try:
+        done = run_elasticps(
+            ["submit", *backend, "--nodes", "1", "--job", job,
+             *[a for a in args if a != "--no-progress"]],
+            timeout_s=COMMAND_TIMEOUT_S, env=env, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        wait_for(
+            lambda: status()["state"] not in ("pending", "starting", "running", "stopping"),
+            "the submitted job's end",
+            timeout_s=JOB_TIMEOUT_S,
+            interval_s=0.5,
+        )
+        state = status()["state"]
+        listing = run_elasticps(["list", *backend, "--json"], timeout_s=COMMAND_TIMEOUT_S,
+                                env=env)  # fmt: skip
+        assert listing.returncode == 0, listing.stderr
+        rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
+    finally:
+        kill_leftovers(output / "pids.json")
+        subprocess.run(["scancel", "--user", str(os.getuid())], env=env, timeout=30, check=False)
+    record = json.loads((output / "run.json").read_text())
     return Seen(
-        done.returncode,
-        errors[-1] if errors else done.stderr[-2000:],
-        decisions,
-        json.loads(status.stdout)["state"],
+        record["exit_code"],
+        f"elasticps: {record['error']}",
+        _decisions(record),
+        state,
         rows[0]["state"] if len(rows) == 1 else f"rows: {rows}",
     )
 
@@ -104,27 +222,35 @@ class JobPath:
     Attributes:
         name: the test id.
         run: runs the failing job in a fresh directory with the MNIST data
-            and the model file; returns what it saw.
+            and the model file, then the values of the fixtures ``needs``;
+            returns what it saw.
         records_decisions: whether ``Seen.decisions`` is filled.
+        needs: names of the fixtures (the test hosts, a cluster) ``run`` takes.
     """
 
     name: str
-    run: Callable[[Path, Path, Path], Seen]
+    run: Callable[..., Seen]
     records_decisions: bool = True
+    needs: tuple[str, ...] = ()
 
 
-PATHS = [JobPath("cli", _cli)]
-"""The ways of running a job. ``Local()``, ``dist_train`` and ssh hosts are
-not entries yet: their loops do not write the decision records."""
+PATHS = [
+    JobPath("cli", _cli),
+    JobPath("ssh-hosts", _ssh_hosts, needs=("ssh_hosts",)),
+    JobPath("slurm", _slurm, needs=("slurm_cluster",)),
+    JobPath("slurm-submit", _slurm_submit, needs=("slurm_cluster",)),
+]
+"""The ways of running a job. ``Local()`` and ``dist_train`` are not entries
+yet: their loops do not write the decision records."""
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
 def test_trainers_that_keep_failing_fail_the_job(
-    path: JobPath, mnist_dir: Path, tmp_path: Path
+    path: JobPath, mnist_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     model = tmp_path / "failing_mlp.py"
     model.write_text(FAILING_MODEL)
-    seen = path.run(tmp_path, mnist_dir, model)
+    seen = path.run(tmp_path, mnist_dir, model, *map(request.getfixturevalue, path.needs))
     assert seen.exit_code == 1, seen.error
     assert "trainers keep failing" in seen.error, seen.error
     if path.records_decisions:
