@@ -10,6 +10,8 @@ that way and returns what it saw; another backend is one more entry.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -20,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_k8s import FakeKubeServer
 
+from elasticps.cli import main
+from elasticps.config import KubernetesConfig, ManagerConfig
+from elasticps.coord.etcd_server import EtcdServer
+from elasticps.coord.store import JobStore
+from elasticps.launcher.kubernetes import in_cluster_manager, job_selector
 from elasticps.launcher.supervisor import MAX_TRAINER_FAILURES
 from elasticps.testing import kill_leftovers, run_elasticps, wait_for
 from elasticps.testing.hosts import NamespaceHosts
@@ -102,7 +110,7 @@ def _seen(returncode: int, stderr: str, output: Path) -> Seen:
 
 
 def _decisions(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
-    """``Seen.decisions`` from a ``run.json``."""
+    """``Seen.decisions`` from a ``run.json`` (or a Kubernetes job's ``status``)."""
     return tuple(
         (d["role"], d["happened"], d["decided"].split(":")[0])
         for d in record["decisions"]
@@ -216,6 +224,93 @@ def _slurm_submit(tmp_path: Path, data: Path, model: Path, cluster: SlurmCluster
 
 
 @dataclass(frozen=True)
+class FakeCluster:
+    """The fake Kubernetes API server, and the etcd (and key prefix) of the job's master."""
+
+    kube: FakeKubeServer
+    etcd: EtcdServer
+    etcd_job: str
+
+
+@pytest.fixture()
+def fake_cluster(
+    etcd_server: EtcdServer, job_name: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[FakeCluster]:
+    """The fake API server (schedules pods at once, runs no containers), whose address
+    the in-cluster credentials give."""
+    from kubernetes import client
+    from kubernetes import config as kube_config
+
+    with FakeKubeServer() as kube:
+        monkeypatch.setattr(
+            kube_config,
+            "load_incluster_config",
+            lambda: client.Configuration.set_default(client.Configuration(host=kube.url)),
+        )
+        try:
+            yield FakeCluster(kube, etcd_server, job_name)
+        finally:
+            client.Configuration.set_default(None)
+
+
+def _kubernetes(tmp_path: Path, data: Path, model: Path, fake: FakeCluster) -> Seen:
+    """``submit --backend kubernetes`` to the fake API server, with the master's in-cluster
+    worker manager; the test plays the kubelet: each trainer pod's container exits 1."""
+    kube = fake.kube
+    ns, job, image = "ml", "failing", "registry.example/elasticps:1"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+        "users": [{"name": "me", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "me"}}],
+    }))  # fmt: skip
+    cluster = ["--backend", "kubernetes", "--namespace", ns, "--kubeconfig", str(kubeconfig)]
+
+    def command(*args: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(list(args)) == 0, args
+        return out.getvalue()
+
+    command("submit", *cluster, "--image", image, "--job", job, "--model", str(model),
+            "--data", str(data / "train.parquet"), "--trainers", "1", "--ps", "1",
+            "--epochs", "1")  # fmt: skip
+    hook = in_cluster_manager(
+        job,
+        ManagerConfig(min_trainers=1, max_trainers=1, backoff_base_s=0.1, backoff_cap_s=0.2,
+                      tick_s=0.05),
+        ps=1,
+        config=KubernetesConfig(namespace=ns, image=image),
+        state_poll_s=0.1,
+    )  # fmt: skip
+    trainers = f"{job_selector(job)},elasticps/role=trainer"
+    records = f"{job_selector(job)},elasticps/role=state"
+
+    def trainers_exit_1() -> bool:
+        for pod in kube.objects("pods", ns, trainers):
+            if pod["status"]["phase"] == "Running":
+                kube.finish(ns, pod["metadata"]["name"], exit_code=1, reason="Error")
+        return bool(kube.objects("configmaps", ns, records))
+
+    with JobStore(fake.etcd.endpoint, fake.etcd_job) as store:
+        stop = hook(store)
+        try:
+            wait_for(trainers_exit_1, "the job's failure recorded", timeout_s=JOB_TIMEOUT_S)
+        finally:
+            stop()
+    status = json.loads(command("status", job, *cluster, "--json"))
+    rows = [json.loads(line) for line in command("list", *cluster, "--json").splitlines()]
+    return Seen(
+        status["exit_code"],
+        f"elasticps: {status['failure']}",
+        _decisions(status),
+        status["state"],
+        rows[0]["state"] if len(rows) == 1 else f"rows: {rows}",
+    )
+
+
+@dataclass(frozen=True)
 class JobPath:
     """One way of running a job.
 
@@ -239,6 +334,7 @@ PATHS = [
     JobPath("ssh-hosts", _ssh_hosts, needs=("ssh_hosts",)),
     JobPath("slurm", _slurm, needs=("slurm_cluster",)),
     JobPath("slurm-submit", _slurm_submit, needs=("slurm_cluster",)),
+    JobPath("kubernetes", _kubernetes, needs=("fake_cluster",)),
 ]
 """The ways of running a job. ``Local()`` and ``dist_train`` are not entries
 yet: their loops do not write the decision records."""

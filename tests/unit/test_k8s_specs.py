@@ -422,3 +422,25 @@ def test_a_terminating_pod_is_taken_as_lost_only_well_past_its_grace_period() ->
     assert not deletion_overdue(end, end - datetime.timedelta(seconds=5))  # still in its grace
     assert not deletion_overdue(end, later)
     assert deletion_overdue(end, later + datetime.timedelta(seconds=1))
+
+
+def test_the_state_record_keeps_the_failed_jobs_exit_status_and_latest_decisions() -> None:
+    from elasticps.launcher.kubernetes import MAX_DECISIONS, job_end, job_state, state_configmap
+
+    decisions = [
+        {"at": float(i), "role": "trainer", "worker": f"trainer-{i}", "happened": "exit 1",
+         "decided": "replace"}
+        for i in range(MAX_DECISIONS + 5)
+    ]  # fmt: skip
+    record = round_trip(
+        state_configmap("j", "ml", "failed", "trainers keep failing", exit_code=1,
+                        decisions=decisions)
+    )  # fmt: skip
+    assert job_state([], record) == ("failed", "trainers keep failing")
+    code, kept = job_end(record)
+    assert code == 1
+    assert kept == decisions[-MAX_DECISIONS:]
+    # Written without them (a finished job, an older manager): nothing, and no error.
+    assert job_end(round_trip(state_configmap("j", "ml", "finished"))) == (None, [])
+    assert job_end({"data": {"exit_code": "x", "decisions": "{not json"}}) == (None, [])
+    assert job_end(None) == (None, [])

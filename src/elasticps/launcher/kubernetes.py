@@ -88,6 +88,7 @@ __all__ = [
     "etcd_service",
     "etcd_statefulset",
     "in_cluster_manager",
+    "job_end",
     "job_labels",
     "job_logs",
     "job_objects",
@@ -118,12 +119,14 @@ from elasticps.storage import Location
 if TYPE_CHECKING:
     from elasticps.coord.store import JobStore
     from elasticps.launcher.manager import (
+        Decide,
         DesiredCountSource,
         ProgressSource,
         TaskProgressSource,
         WorkerManager,
     )
     from elasticps.launcher.supervisor import Action as PolicyAction
+    from elasticps.launcher.supervisor import Event as PolicyEvent
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +156,13 @@ FAILURE_KEY = "failure"
 """The key of why the policy failed the job (one line) in the ``<job>-state`` ConfigMap."""
 MAX_FAILURE_CHARS = 1024
 """Longest failure message kept under :data:`FAILURE_KEY`, characters."""
+EXIT_CODE_KEY = "exit_code"
+"""The key of the failed job's exit status (1, or 2 for a user error) in ``<job>-state``."""
+DECISIONS_KEY = "decisions"
+"""The key of the supervision policy's decisions (a JSON list, as ``run.json``'s
+``decisions``) in ``<job>-state``."""
+MAX_DECISIONS = 200
+"""Most decisions kept under :data:`DECISIONS_KEY`: the latest ones."""
 
 
 def pod_name(job: str, worker: str) -> str:
@@ -970,6 +980,7 @@ def build_manager(
     clock: Callable[[], float] | None = None,
     task_progress: TaskProgressSource | None = None,
     on_decision: Callable[[WorkerEvent, PolicyAction], None] | None = None,
+    decide: Decide | None = None,
 ) -> WorkerManager:
     """The worker manager of a Kubernetes job (not started).
 
@@ -989,6 +1000,8 @@ def build_manager(
         task_progress: whether the job's tasks progressed (``LedgerTaskProgress``
             in a cluster), told to the policy; or None.
         on_decision: called with each worker end and the policy's answer.
+        decide: the policy; by default the worker manager's own (no restart
+            limit).
     """
     import time
 
@@ -1004,6 +1017,7 @@ def build_manager(
         fixed=ps_specs(ps),
         task_progress=task_progress,
         on_decision=on_decision,
+        decide=decide,
     )
 
 
@@ -1048,11 +1062,12 @@ def in_cluster_manager(
     taking over, finds them and goes on). Sets ``ps_desired`` in etcd if
     unset, reads the wanted trainer count from ``<job>-scale``, and trainer
     progress from the task ledger when ``stuck_after_s`` is set. When the
-    policy fails the job, writes so in the ``<job>-state`` ConfigMap
-    (:func:`mark_job_failed`) and in etcd; when the master finishes the
-    job's last pass (the job state in etcd, read every ``state_poll_s``
-    seconds), writes ``finished`` there (:func:`record_job_state`), so that
-    ``status`` and ``list``, which cannot reach etcd, read it.
+    policy fails the job, writes so, with the exit status and the policy's
+    decisions, in the ``<job>-state`` ConfigMap (:func:`mark_job_failed`)
+    and in etcd; when the master finishes the job's last pass (the job state
+    in etcd, read every ``state_poll_s`` seconds), writes ``finished`` there
+    (:func:`record_job_state`), so that ``status`` and ``list``, which cannot
+    reach etcd, read it.
 
     Returns:
         The hook: called with the job's store once the master serves; it
@@ -1063,7 +1078,9 @@ def in_cluster_manager(
         from kubernetes import client
         from kubernetes import config as kube_config
 
+        from elasticps.launcher.local_processes import DecisionLog
         from elasticps.launcher.manager import LedgerProgress, LedgerTaskProgress
+        from elasticps.launcher.supervisor import Supervisor, SupervisorConfig
 
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
         api_client = client.ApiClient()
@@ -1077,6 +1094,13 @@ def in_cluster_manager(
         desired = ConfigMapDesiredCount(backend.api, config.namespace, job)
 
         ended = threading.Event()  # failed or finished: recorded once, failure first
+        policy = Supervisor(SupervisorConfig(max_restarts=None))  # pods restart without limit
+        decisions = DecisionLog()
+
+        def decide(event: PolicyEvent) -> PolicyAction:
+            action = policy.handle(event)
+            decisions.record(event, action)
+            return action
 
         def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
             if isinstance(action, FailJob):
@@ -1086,7 +1110,14 @@ def in_cluster_manager(
                 ended.set()
                 store.set_job_state("failed")
                 try:
-                    mark_job_failed(backend.api, config.namespace, job, action.message)
+                    mark_job_failed(
+                        backend.api,
+                        config.namespace,
+                        job,
+                        action.message,
+                        exit_code=action.exit_code,
+                        decisions=decisions.as_json(),
+                    )
                 except KubernetesError as exc:
                     log.error("could not record the job's failure: %s", exc)
 
@@ -1098,6 +1129,7 @@ def in_cluster_manager(
             progress,
             task_progress=LedgerTaskProgress(store),
             on_decision=on_decision,
+            decide=decide,
         )
         manager.start()
         stopping = threading.Event()
@@ -1349,21 +1381,47 @@ def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[
     return {"job": request.job, "namespace": ns, "etcd": request.etcd, "created": created}
 
 
-def state_configmap(job: str, namespace: str, state: str, failure: str = "") -> Any:
-    """The ConfigMap ``<job>-state``: the job's state as the worker manager decided it."""
+def state_configmap(
+    job: str,
+    namespace: str,
+    state: str,
+    failure: str = "",
+    *,
+    exit_code: int | None = None,
+    decisions: Sequence[Mapping[str, object]] = (),
+) -> Any:
+    """The ConfigMap ``<job>-state``: the job's state as the worker manager decided it.
+
+    ``exit_code`` and ``decisions`` (the latest :data:`MAX_DECISIONS`) are
+    kept only when given.
+    """
     from kubernetes import client
 
+    data = {STATE_KEY: state, FAILURE_KEY: failure}
+    if exit_code is not None:
+        data[EXIT_CODE_KEY] = str(exit_code)
+    if decisions:
+        data[DECISIONS_KEY] = json.dumps(list(decisions)[-MAX_DECISIONS:])
     return client.V1ConfigMap(
         api_version="v1",
         kind="ConfigMap",
         metadata=client.V1ObjectMeta(
             name=f"{job}-state", namespace=namespace, labels=job_labels(job, "state")
         ),
-        data={STATE_KEY: state, FAILURE_KEY: failure},
+        data=data,
     )
 
 
-def record_job_state(api: Any, namespace: str, job: str, state: str, failure: str = "") -> None:
+def record_job_state(
+    api: Any,
+    namespace: str,
+    job: str,
+    state: str,
+    failure: str = "",
+    *,
+    exit_code: int | None = None,
+    decisions: Sequence[Mapping[str, object]] = (),
+) -> None:
     """Write the job's state into the ConfigMap ``<job>-state`` (created if missing).
 
     The record outlives any pod (a master re-created on another node keeps
@@ -1376,13 +1434,20 @@ def record_job_state(api: Any, namespace: str, job: str, state: str, failure: st
         job: the job name.
         state: ``failed`` or ``finished``.
         failure: why it failed, one line (cut to :data:`MAX_FAILURE_CHARS`).
+        exit_code: the failed job's exit status, if known.
+        decisions: the supervision policy's decisions, as ``run.json``'s
+            ``decisions`` (:class:`~elasticps.launcher.supervisor.Decision`
+            ``as_dict``).
 
     Raises:
         KubernetesError: the API refused the write.
     """
     from kubernetes.client import ApiException
 
-    body = state_configmap(job, namespace, state, " ".join(failure.split())[:MAX_FAILURE_CHARS])
+    one_line = " ".join(failure.split())[:MAX_FAILURE_CHARS]
+    body = state_configmap(
+        job, namespace, state, one_line, exit_code=exit_code, decisions=decisions
+    )
     try:
         try:
             api.create_namespaced_config_map(namespace, body)
@@ -1394,7 +1459,15 @@ def record_job_state(api: Any, namespace: str, job: str, state: str, failure: st
         raise _api_error(exc, f"recording job {job} {state}") from exc
 
 
-def mark_job_failed(api: Any, namespace: str, job: str, message: str) -> None:
+def mark_job_failed(
+    api: Any,
+    namespace: str,
+    job: str,
+    message: str,
+    *,
+    exit_code: int | None = None,
+    decisions: Sequence[Mapping[str, object]] = (),
+) -> None:
     """Record that the supervision policy failed the job (:func:`record_job_state`).
 
     The master keeps running, so its logs stay readable.
@@ -1404,11 +1477,15 @@ def mark_job_failed(api: Any, namespace: str, job: str, message: str) -> None:
         namespace: the job's namespace.
         job: the job name.
         message: the one-line reason.
+        exit_code: the policy's exit status for the job (1, or 2 for a user error).
+        decisions: the policy's decisions so far (``Decision.as_dict``).
 
     Raises:
         KubernetesError: the API refused the write.
     """
-    record_job_state(api, namespace, job, "failed", message)
+    record_job_state(
+        api, namespace, job, "failed", message, exit_code=exit_code, decisions=decisions
+    )
 
 
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
@@ -1448,6 +1525,20 @@ def job_state(
     return min(states, key=_STATE_ORDER.index), ""
 
 
+def job_end(record: Mapping[str, Any] | None) -> tuple[int | None, list[dict[str, Any]]]:
+    """The exit status and the policy's decisions that ``record`` (``<job>-state``, API
+    JSON) keeps: ``(None, [])`` where it keeps none, or is unreadable. Pure."""
+    data = (record or {}).get("data") or {}
+    code = str(data.get(EXIT_CODE_KEY, ""))
+    try:
+        decisions = json.loads(data.get(DECISIONS_KEY) or "[]")
+    except ValueError:
+        decisions = []
+    return (int(code) if code.lstrip("-").isdigit() else None), (
+        decisions if isinstance(decisions, list) else []
+    )
+
+
 def _list_json(list_call: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
     resp = list_call(namespace, label_selector=selector, _preload_content=False)
     items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
@@ -1458,9 +1549,12 @@ def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
     """The job's state, its pods and their states, and the wanted trainer count.
 
     Returns:
-        ``{"job", "namespace", "state", "failure", "wanted_trainers", "pods":
-        [{"name", "role", "phase", "state", "reason"}...]}``, pods sorted by
-        name; ``state`` and ``failure`` as :func:`job_state` reads them.
+        ``{"job", "namespace", "state", "failure", "exit_code", "decisions",
+        "wanted_trainers", "pods": [{"name", "role", "phase", "state",
+        "reason"}...]}``, pods sorted by name; ``state`` and ``failure`` as
+        :func:`job_state` reads them, ``exit_code`` (None while not failed)
+        and ``decisions`` (the supervision policy's, as ``run.json``'s, once
+        it failed the job) as :func:`job_end` does.
 
     Raises:
         KubernetesError: the API failed.
@@ -1473,6 +1567,7 @@ def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
     pods = []
     masters = [o for o in items if _labels(o).get(LABEL_ROLE) == "master"]
     overall, failure = job_state(masters, records[0] if records else None)
+    exit_code, decisions = job_end(records[0] if records else None)
     for obj in items:
         view = PodView.from_json(obj)
         state, reason = classify(view)
@@ -1491,6 +1586,8 @@ def job_status(api: Any, namespace: str, job: str) -> dict[str, Any]:
         "namespace": namespace,
         "state": overall,
         "failure": failure,
+        "exit_code": exit_code,
+        "decisions": decisions,
         "wanted_trainers": wanted,
         "pods": sorted(pods, key=lambda p: p["name"]),
     }
