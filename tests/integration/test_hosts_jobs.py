@@ -329,3 +329,68 @@ def test_a_host_file_naming_an_unknown_host_is_refused_before_anything_starts(
     assert rc == 2, err[-2000:]
     assert "nosuchhost.invalid" in err.splitlines()[-1]
     assert os.path.exists(bad)
+
+
+# --- the Python API: elasticps.train(..., cluster=Hosts(...)) -----------------------
+
+MLP = ROOT / "examples" / "mnist_mlp.py"
+
+
+def test_the_python_api_trains_the_mlp_across_hosts(
+    hosts: NamespaceHosts, host_file: Path, tmp_path: Path
+) -> None:
+    import elasticps
+    from elasticps import events, updater
+    from elasticps.data.mnist import prepare_mnist
+    from elasticps.model_file import load_model_file
+
+    data = tmp_path / "mnist"
+    prepare_mnist(data, seed=0)
+    out = tmp_path / "run"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out, trainers=2, ps=2)
+    seen: list[events.TrainingEvent] = []
+    try:
+        params = elasticps.train(
+            MLP, None, elasticps.Parquet.from_model_file(data, MLP, batch_size=64),
+            updater=updater.Adam(lr=1e-3), num_passes=2, event_handler=seen.append,
+            cluster=cluster,
+        )  # fmt: skip
+    finally:
+        kill_leftovers(out / "pids.json")
+    # The launcher's own placement: one PS a host, the trainers in the slots left.
+    placed = placements(out)
+    assert len({h for kind, h in placed if kind == "ps"}) == 2, placed
+    assert {kind for kind, _ in placed} == {"ps", "trainer"}, placed
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds == ["BeginTraining", "EndPass", "EndPass", "Checkpointed", "EndTraining"], kinds
+    end = seen[-1]
+    assert end.metrics["samples"] == 2 * seen[1].metrics["samples"] > 0
+    assert end.model_version > 0
+    # The set returned is the model's, with the trained values: evaluated here
+    # it scores what the launcher scored at the end of the job.
+    spec = load_model_file(MLP)
+    model = spec.build()
+    assert set(params) == set(model.state_dict())
+    test = elasticps.Parquet.from_model_file(data / "test.parquet", MLP, batch_size=500)
+    here = elasticps.evaluate_model(model, params, test, spec.loss)
+    assert here["accuracy"] == pytest.approx(end.metrics["test_accuracy"], abs=1e-6)
+    assert here["accuracy"] > 0.8, here
+
+
+def test_the_python_api_raises_what_the_hosts_preflight_names(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    import elasticps
+    from elasticps.errors import JobUserError
+
+    out = tmp_path / "run"
+    model = audit_dir / "audit_model.py"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out,
+                              remote_python="/nonexistent/python")  # fmt: skip
+    try:
+        with pytest.raises(JobUserError) as info:
+            elasticps.train(model, None, audit_dir, cluster=cluster)
+    finally:
+        kill_leftovers(out / "pids.json")
+    assert "the hosts cannot run this job" in str(info.value)
+    assert "h0:" in str(info.value) and "--remote-python" in str(info.value)
