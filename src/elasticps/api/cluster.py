@@ -272,10 +272,9 @@ class Slurm(_LaunchedJob):
     an allocation (``salloc``, ``sbatch``); the model must come from a model
     file, as with :class:`Hosts`.
 
-    Args:
-        output, trainers, ps, mode, ...: as for :class:`Hosts` (every field
-            but ``hostfile``, ``ssh_config`` and ``etcd_replicas``, which a
-            Slurm job does not take).
+    Its fields (``output``, ``trainers``, ``ps``, ``mode``...) are those of
+    :class:`Hosts`, and mean the same, but ``hostfile``, ``ssh_config`` and
+    ``etcd_replicas``, which a Slurm job does not take.
 
     Raises:
         ConfigError: a value is out of range; the message names the field.
