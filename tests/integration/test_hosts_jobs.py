@@ -394,3 +394,45 @@ def test_the_python_api_raises_what_the_hosts_preflight_names(
         kill_leftovers(out / "pids.json")
     assert "the hosts cannot run this job" in str(info.value)
     assert "h0:" in str(info.value) and "--remote-python" in str(info.value)
+
+
+def test_ctrl_c_in_the_caller_stops_every_role_of_an_api_job(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    import signal
+    import threading
+
+    import elasticps
+    from elasticps import updater
+
+    out = tmp_path / "run"
+    model = audit_dir / "audit_model.py"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out, trainers=3,
+                              ps=2, lease_ttl_s=2, checkpoint_every_s=1)  # fmt: skip
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def press_ctrl_c() -> None:
+        wait_for_shard_checkpoint(out)  # the job is training
+        signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            elasticps.train(model, None, audit_dir, updater=updater.SGD(lr=1.0),
+                            num_passes=100_000, cluster=cluster)  # fmt: skip
+        presser.join(timeout=10)
+        launched = [int(p) for p in json.loads((out / "pids.json").read_text()).values() if p]
+        assert launched
+        # The launcher stopped every process it started here (etcd, the master,
+        # the ssh sessions), and with them the roles on the hosts.
+        wait_for(
+            lambda: not any(_is_role(pid) for name in hosts.hosts for pid in hosts.pids(name)),
+            "the roles on the hosts to stop",
+            timeout_s=30.0,
+        )
+        assert not [pid for pid in launched if _cmdline(pid) not in ([], [b""])]
+        assert json.loads((out / "run.json").read_text())["state"] == "interrupted"
+    finally:
+        kill_leftovers(out / "pids.json")
