@@ -362,9 +362,15 @@ def test_the_python_api_trains_the_mlp_across_hosts(
     assert len({h for kind, h in placed if kind == "ps"}) == 2, placed
     assert {kind for kind, _ in placed} == {"ps", "trainer"}, placed
     kinds = [type(e).__name__ for e in seen]
-    assert kinds == ["BeginTraining", "EndPass", "EndPass", "Checkpointed", "EndTraining"], kinds
+    # The trainers' comings and goings, and the pass ends, come from the job's etcd.
+    joined = {e.trainer_id for e in seen if isinstance(e, events.TrainerJoined)}
+    assert len(joined) >= 2 and -1 not in joined, kinds
+    job = [k for k in kinds if k not in ("TrainerJoined", "TrainerLost")]
+    assert job == ["BeginTraining", "EndPass", "EndPass", "Checkpointed", "EndTraining"], kinds
+    passes = [e for e in seen if isinstance(e, events.EndPass)]
+    assert [e.pass_id for e in passes] == [0, 1]
     end = seen[-1]
-    assert end.metrics["samples"] == 2 * seen[1].metrics["samples"] > 0
+    assert end.metrics["samples"] == 2 * passes[0].metrics["samples"] > 0
     assert end.model_version > 0
     # The set returned is the model's, with the trained values: evaluated here
     # it scores what the launcher scored at the end of the job.
@@ -436,3 +442,35 @@ def test_ctrl_c_in_the_caller_stops_every_role_of_an_api_job(
         assert json.loads((out / "run.json").read_text())["state"] == "interrupted"
     finally:
         kill_leftovers(out / "pids.json")
+
+
+def test_an_event_handler_that_raises_stops_an_api_job_cleanly(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    import elasticps
+    from elasticps import events, updater
+
+    out = tmp_path / "run"
+    model = audit_dir / "audit_model.py"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out, trainers=3,
+                              ps=2, lease_ttl_s=2, checkpoint_every_s=1)  # fmt: skip
+
+    class EnoughError(Exception):
+        pass
+
+    def handler(event: events.TrainingEvent) -> None:
+        if isinstance(event, events.EndPass):
+            raise EnoughError(f"pass {event.pass_id} is enough")
+
+    try:
+        with pytest.raises(EnoughError, match="pass 0 is enough"):
+            elasticps.train(model, None, audit_dir, updater=updater.SGD(lr=1.0),
+                            num_passes=100_000, event_handler=handler, cluster=cluster)  # fmt: skip
+    finally:
+        kill_leftovers(out / "pids.json")
+    # The first pass's end arrived while the job ran: it stopped as `elasticps
+    # stop` stops a job, with its final checkpoint, long before its last pass.
+    record = json.loads((out / "run.json").read_text())
+    assert record["state"] == "stopped", record.get("state")
+    assert (out / "model.safetensors").exists()
+    assert record["progress"]["pass"] < 100_000

@@ -15,13 +15,17 @@ cannot reach them: the model must be a model file, and the data a location
 that every host reads. What is refused says so by the argument's name
 (:func:`launch_request`). When the launcher has ended, the parameters are
 read from the run's final checkpoint (``OUTPUT/model.safetensors``, by
-:func:`elasticps.checkpoint.load_checkpoint`), and the events the run
-records (``OUTPUT/run.json``) are handed to the event handler.
+:func:`elasticps.checkpoint.load_checkpoint`). The events come from what the
+launcher makes known: while it runs, the job's etcd (named in
+``OUTPUT/run.json`` as soon as it is up) tells when a pass ends and when a
+trainer joins or leaves; at the end, ``run.json`` and the checkpoint give the
+rest.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -29,10 +33,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Generic, Protocol, TypeVar
 
 from torch import Tensor, nn
 
@@ -40,23 +45,43 @@ from elasticps import updater as updater_mod
 from elasticps.api.cluster import Hosts, Parquet, Slurm
 from elasticps.checkpoint import load_checkpoint
 from elasticps.config import OptimizerConfig, model_args_text
-from elasticps.errors import ConfigError, DataError, JobFailedError, JobUserError
+from elasticps.coord.store import JobStore, Watch
+from elasticps.errors import (
+    ConfigError,
+    CoordinationError,
+    DataError,
+    JobFailedError,
+    JobUserError,
+)
 from elasticps.events import BeginTraining, Checkpointed, EndPass, EndTraining, TrainingEvent
+from elasticps.launcher.output import STOP_FILE
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.parameters import ParameterSet
 from elasticps.storage import Location, is_url
 
-__all__ = ["LaunchRequest", "launch_request", "train_argv", "train_launched"]
+__all__ = ["EventSink", "LaunchRequest", "launch_request", "train_argv", "train_launched"]
 
 log = logging.getLogger(__name__)
 
 EventHandler = Callable[[TrainingEvent], None]
+
+
+class EventSink(Protocol):
+    """Hands events to the user's handler one at a time (``elasticps.train``'s event hub)."""
+
+    def emit(self, event: TrainingEvent) -> None:
+        """Call the handler with ``event``, under the hub's lock."""
+
+
+_Hub = TypeVar("_Hub", bound=EventSink)
 
 # Lines of the launcher's standard error kept for the error of a failed job.
 _TAIL_LINES = 200
 # Seconds the launcher has to stop every role after SIGTERM before it is killed.
 _STOP_TIMEOUT_S = 60.0
 _ERROR_PREFIX = "elasticps: error: "
+# Seconds between two looks at run.json for the job's etcd.
+_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -274,20 +299,40 @@ def train_argv(cluster: Hosts | Slurm, request: LaunchRequest) -> list[str]:
 def train_launched(
     request: LaunchRequest,
     cluster: Hosts | Slurm,
-    event_handler: EventHandler | None = None,
+    event_handler: EventHandler | None,
+    make_hub: Callable[[EventHandler | None], _Hub],
+    watch_trainers: Callable[[JobStore, _Hub], Watch],
 ) -> ParameterSet:
     """Run ``request`` with the launcher of ``elasticps train``, and return the final parameters.
 
     The launcher's lines (what ``elasticps train`` prints on its standard
-    error) are written to this process's ``sys.stderr``. The events: a
-    :class:`~elasticps.events.BeginTraining` before the launcher starts;
-    once it has ended, an :class:`~elasticps.events.EndPass` for every pass
-    the run's ledger audited (``samples``: its records trained; ``cost``
-    NaN and ``model_version`` 0, neither recorded per pass), a
-    :class:`~elasticps.events.Checkpointed` for a local output (its
-    ``path``), and :class:`~elasticps.events.EndTraining` (``samples``,
-    ``wall_s``, and the evaluation of a ``test.parquet`` as ``test_*``).
-    An exception of the handler propagates as is.
+    error) are written to this process's ``sys.stderr``. The events, one at
+    a time:
+
+    - :class:`~elasticps.events.BeginTraining` before the launcher starts;
+    - while it runs, from the job's etcd: :class:`~elasticps.events.EndPass`
+      when the master has audited a pass (``metrics["samples"]``: its records
+      trained; ``cost`` NaN and ``model_version`` 0, neither known per pass),
+      and :class:`~elasticps.events.TrainerJoined` /
+      :class:`~elasticps.events.TrainerLost` as trainers register and leave;
+    - once it has ended: the ``EndPass`` of any pass not reported yet (from
+      ``run.json``), :class:`~elasticps.events.Checkpointed` for a local
+      output (its ``path``), and :class:`~elasticps.events.EndTraining`
+      (``samples``, ``wall_s``, and the evaluation of a ``test.parquet`` as
+      ``test_*``).
+
+    An exception of the handler stops the job as ``elasticps stop`` does (the
+    trainers stop, the final checkpoint is written) and is raised as is once
+    the launcher has ended.
+
+    Args:
+        request: what to train (:func:`launch_request`).
+        cluster: where.
+        event_handler: the user's handler, or None.
+        make_hub: builds the event hub of :func:`elasticps.train` around a
+            handler (its pass and trainer events, one at a time).
+        watch_trainers: ``watch_trainers(store, hub)`` reports trainers
+            joining and leaving the job to the hub; returns the watch.
 
     Raises:
         JobUserError: the launcher stopped on a user error (exit status 2:
@@ -299,20 +344,25 @@ def train_launched(
             role of the job with it).
     """
     argv = train_argv(cluster, request)
-    if event_handler is not None:
-        event_handler(
-            BeginTraining(
-                metrics={
-                    "num_passes": float(request.num_passes),
-                    "num_trainers": float(cluster.trainers),
-                }
-            )
+    output = Location.of(_local(cluster.output))
+    live = _LiveEvents(_run_dir(cluster), cluster.job, event_handler, make_hub, watch_trainers)
+    live.emit(
+        BeginTraining(
+            metrics={
+                "num_passes": float(request.num_passes),
+                "num_trainers": float(cluster.trainers),
+            }
         )
+    )
     log.info("running elasticps train %s", " ".join(argv))
-    status, tail = _run_launcher(argv)
+    live.start()
+    try:
+        status, tail = _run_launcher(argv)
+    finally:
+        live.stop()
+    live.raise_failure()
     if status != 0:
         raise _launcher_error(status, tail, cluster)
-    output = Location.of(_local(cluster.output))
     tensors, manifest = load_checkpoint(output)
     tables = None
     if output.is_local:
@@ -321,9 +371,128 @@ def train_launched(
         tables = checkpoint_tables(request.spec.build(), output.local_path)
     result = ParameterSet(tensors, tables)
     if event_handler is not None:
-        for event in _run_events(output, manifest):
-            event_handler(event)
+        for event in _run_events(output, manifest, live.passes_seen):
+            live.emit(event)
     return result
+
+
+def _run_dir(cluster: Hosts | Slurm) -> Path:
+    """The local directory of the launcher's ``run.json`` (for a URL output, its state dir)."""
+    output = _local(cluster.output)
+    if is_url(output):
+        from elasticps.jobs import local_dir_for_url
+
+        return local_dir_for_url(Location.of(output).url, cluster.job)
+    return Path(output)
+
+
+class _LiveEvents(Generic[_Hub]):
+    """The events the job's etcd tells while the launcher runs, and the handler's failure.
+
+    A thread waits for ``run.json`` to name the job's etcd (written by this
+    launcher: newer than :meth:`start`), then watches the pass audits and the
+    live trainers. What cannot be watched (etcd not reachable from here) is
+    left out; the pass ends then come from ``run.json`` at the end. The
+    handler is called through one event hub, so one event at a time; its
+    first exception asks the launcher to stop
+    (``OUTPUT/.stop``, as ``elasticps stop`` does) and is kept for
+    :meth:`raise_failure`.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        job: str,
+        handler: EventHandler | None,
+        make_hub: Callable[[EventHandler | None], _Hub],
+        watch_trainers: Callable[[JobStore, _Hub], Watch],
+    ) -> None:
+        self._run_dir = run_dir
+        self._job = job
+        self._handler = handler
+        self._hub = make_hub(self._guarded if handler is not None else None)
+        self._watch_trainers = watch_trainers
+        self._failure: Exception | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store: JobStore | None = None
+        self._watches: list[Watch] = []
+        self._started_ns = 0
+        self.passes_seen: set[int] = set()
+
+    def emit(self, event: TrainingEvent) -> None:
+        """Hand ``event`` to the handler (raises the handler's exception, if it raised)."""
+        self._hub.emit(event)
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Raise the handler's first exception, if any."""
+        if self._failure is not None:
+            raise self._failure
+
+    def start(self) -> None:
+        if self._handler is None:
+            return
+        self._started_ns = time.time_ns()
+        self._thread = threading.Thread(
+            target=self._watch, name="elasticps-job-events", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for watch in self._watches:
+            watch.cancel()
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.close()
+
+    def _guarded(self, event: TrainingEvent) -> None:
+        if self._failure is not None or self._handler is None:
+            return
+        try:
+            self._handler(event)
+        except Exception as exc:  # the user's code: it stops the job
+            self._failure = exc
+            with contextlib.suppress(OSError):
+                (self._run_dir / STOP_FILE).touch()
+
+    def _etcd_endpoint(self) -> str | None:
+        path = self._run_dir / "run.json"
+        try:
+            if path.stat().st_mtime_ns < self._started_ns:
+                return None  # an earlier run's
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        endpoint = record.get("etcd") if isinstance(record, dict) else None
+        running = isinstance(record, dict) and record.get("state") == "running"
+        return endpoint if running and isinstance(endpoint, str) and endpoint else None
+
+    def _watch(self) -> None:
+        endpoint = None
+        while endpoint is None:
+            if self._done.wait(_POLL_S):
+                return
+            endpoint = self._etcd_endpoint()
+        try:
+            self._store = JobStore(endpoint, self._job)
+            self._watches.append(self._store.watch_pass_summaries(self._passes))
+            self._watches.append(self._watch_trainers(self._store, self._hub))
+        except CoordinationError as exc:  # then run.json alone tells the passes
+            log.info("the job's events are not watched: %s", exc)
+
+    def _passes(self, audits: Mapping[int, Mapping[str, object]]) -> None:
+        for pass_id in sorted(audits):
+            if pass_id not in self.passes_seen:
+                self.passes_seen.add(pass_id)
+                self._hub.emit(_end_pass(pass_id, audits[pass_id]))
+
+
+def _end_pass(pass_id: int, audit: Mapping[str, object]) -> EndPass:
+    return EndPass(pass_id=pass_id, metrics={"samples": _number(audit.get("records_trained"))})
 
 
 def _run_launcher(argv: list[str]) -> tuple[int, list[str]]:
@@ -387,40 +556,42 @@ def _launcher_error(status: int, tail: list[str], cluster: Hosts | Slurm) -> Exc
     return JobFailedError(f"elasticps train exited with status {status}: {message} (see {logs})")
 
 
-def _run_events(output: Location, manifest: Mapping[str, object]) -> list[TrainingEvent]:
-    """The events of an ended run, from its ``run.json`` and its final checkpoint's manifest."""
+def _run_events(
+    output: Location, manifest: Mapping[str, object], passes_seen: set[int]
+) -> list[TrainingEvent]:
+    """The events of an ended run not reported yet (``run.json``, the checkpoint's manifest)."""
     try:
         record = json.loads((output / "run.json").read_bytes())
     except (OSError, ValueError) as exc:
         raise DataError(f"cannot read the run record {output / 'run.json'}: {exc}") from exc
+    if not isinstance(record, dict):
+        raise DataError(f"the run record {output / 'run.json'} is not a JSON object")
     versions = manifest.get("model_versions")
     version = max(
         (v for v in versions if isinstance(v, int)) if isinstance(versions, list) else (),
         default=0,
     )
     events: list[TrainingEvent] = []
-    passes = record.get("passes") if isinstance(record, dict) else None
-    for audit in passes if isinstance(passes, list) else []:
-        if isinstance(audit, dict) and isinstance(audit.get("pass_id"), int):
-            events.append(
-                EndPass(
-                    pass_id=audit["pass_id"],
-                    batch_id=0,
-                    metrics={"samples": float(audit.get("records_trained", 0))},
-                )
-            )
+    passes = record.get("passes")
+    audited = [a for a in (passes if isinstance(passes, list) else []) if isinstance(a, dict)]
+    last_pass = 0
+    for audit in audited:
+        pass_id = audit.get("pass_id")
+        if isinstance(pass_id, int):
+            last_pass = max(last_pass, pass_id)
+            if pass_id not in passes_seen:
+                events.append(_end_pass(pass_id, audit))
     if output.is_local:
         events.append(Checkpointed(model_version=version, path=output.local_path))
     metrics: dict[str, float] = {
-        "samples": float(_number(record.get("samples"))),
-        "wall_s": float(_number(record.get("wall_s"))),
+        "samples": _number(record.get("samples")),
+        "wall_s": _number(record.get("wall_s")),
     }
     evaluation = record.get("evaluation")
     if isinstance(evaluation, dict):
         metrics.update(
             {f"test_{k}": float(v) for k, v in evaluation.items() if isinstance(v, int | float)}
         )
-    last_pass = max((e.pass_id for e in events if isinstance(e, EndPass)), default=0)
     events.append(
         EndTraining(pass_id=last_pass, cost=math.nan, model_version=version, metrics=metrics)
     )

@@ -272,7 +272,7 @@ def _train_launched(
         frozen_parameters=frozen_parameters, num_passes=num_passes, parameters=parameters,
         test_reader=test_reader, metrics=metrics,
     )  # fmt: skip
-    return train_launched(request, cluster, event_handler)
+    return train_launched(request, cluster, event_handler, _EventHub, _watch_trainers)
 
 
 def _materialize(model: nn.Module, reader: Reader | Parquet) -> None:
