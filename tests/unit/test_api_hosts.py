@@ -319,3 +319,34 @@ def test_another_launcher_failure_is_a_failed_job_naming_its_log(
     monkeypatch.setattr(launch, "_run_launcher", _fake_launcher(tmp_path / "run", 1, lines))
     with pytest.raises(JobFailedError, match=r"status 1: .*boom.*launcher\.log"):
         elasticps.train(MLP, None, tmp_path / "data", cluster=hosts(tmp_path))
+
+
+def test_a_handler_that_raises_at_the_start_stops_the_job_before_the_launcher(
+    tmp_path: Path, no_launcher: None
+) -> None:
+    (tmp_path / "run").mkdir()
+
+    def handler(event: events.TrainingEvent) -> None:
+        raise RuntimeError(f"no {type(event).__name__}")
+
+    with pytest.raises(RuntimeError, match="no BeginTraining"):
+        elasticps.train(
+            MLP, None, tmp_path / "data", cluster=hosts(tmp_path), event_handler=handler
+        )
+    assert not (tmp_path / "run" / ".stop").exists()  # no request left for a later run
+
+
+def test_a_handler_that_raises_at_the_end_raises_after_the_parameters_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launch, "_run_launcher", _fake_launcher(tmp_path / "run"))
+
+    def handler(event: events.TrainingEvent) -> None:
+        if isinstance(event, events.EndTraining):
+            raise RuntimeError("no EndTraining")
+
+    with pytest.raises(RuntimeError, match="no EndTraining"):
+        elasticps.train(
+            MLP, None, tmp_path / "data", cluster=hosts(tmp_path), event_handler=handler
+        )
+    assert not (tmp_path / "run" / ".stop").exists()

@@ -40,7 +40,7 @@ class Local:
     as **threads of the calling process**, each with its own deep copy of the
     model. Events reach the ``event_handler`` in the calling process. Threads
     share one Python interpreter, so trainer threads run concurrently only
-    inside torch kernels; use the CLI for trainer processes.
+    inside torch kernels; for trainer processes use the CLI, or :class:`Hosts`.
 
     Args:
         trainers: trainer threads, >= 1.

@@ -418,6 +418,7 @@ class _LiveEvents(Generic[_Hub]):
         self._store: JobStore | None = None
         self._watches: list[Watch] = []
         self._started_ns = 0
+        self._running = False  # while the launcher runs, a failure asks it to stop
         self.passes_seen: set[int] = set()
 
     def emit(self, event: TrainingEvent) -> None:
@@ -431,8 +432,10 @@ class _LiveEvents(Generic[_Hub]):
             raise self._failure
 
     def start(self) -> None:
+        """Watch the job the launcher is about to start (nothing without a handler)."""
         if self._handler is None:
             return
+        self._running = True
         self._started_ns = time.time_ns()
         self._thread = threading.Thread(
             target=self._watch, name="elasticps-job-events", daemon=True
@@ -440,6 +443,8 @@ class _LiveEvents(Generic[_Hub]):
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching (the launcher has ended)."""
+        self._running = False
         self._done.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -456,8 +461,9 @@ class _LiveEvents(Generic[_Hub]):
             self._handler(event)
         except Exception as exc:  # the user's code: it stops the job
             self._failure = exc
-            with contextlib.suppress(OSError):
-                (self._run_dir / STOP_FILE).touch()
+            if self._running:
+                with contextlib.suppress(OSError):
+                    (self._run_dir / STOP_FILE).touch()
 
     def _etcd_endpoint(self) -> str | None:
         path = self._run_dir / "run.json"
