@@ -558,7 +558,7 @@ def _launcher_error(status: int, tail: list[str], cluster: Hosts | Slurm) -> Exc
         message = tail[-1] if tail else "no output"
     if status == 2:
         return JobUserError(message)
-    logs = Path(_local(cluster.output)) / "logs" / "launcher.log"
+    logs = _run_dir(cluster) / "logs" / "launcher.log"
     return JobFailedError(f"elasticps train exited with status {status}: {message} (see {logs})")
 
 
