@@ -7,8 +7,9 @@ Start with the README, or ``elasticps train --help``.
 
 The Python API:
 
-- :func:`train` runs a job (in-process with ``cluster=None``, or on local
-  servers with :class:`Local`) and returns a :class:`ParameterSet`;
+- :func:`train` runs a job (in-process with ``cluster=None``, on local
+  servers with :class:`Local`, or on other machines with :class:`Hosts` or
+  :class:`Slurm`) and returns a :class:`ParameterSet`;
 - :func:`infer` runs a model, or a sub-network of it, with a ParameterSet;
 - :func:`evaluate_model` reports a model's mean loss and metrics on test data;
 - :mod:`elasticps.parameters` creates, saves and loads parameter sets;
@@ -42,7 +43,7 @@ from elasticps.errors import (
 
 if TYPE_CHECKING:
     from elasticps import events, kvstore, nn, parameters, updater
-    from elasticps.api.cluster import Local, Parquet
+    from elasticps.api.cluster import Hosts, Local, Parquet, Slurm
     from elasticps.api.train import evaluate_model, infer, train
     from elasticps.dist import LaunchResult, dist_train
     from elasticps.parameters import ParameterSet
@@ -58,7 +59,9 @@ _LAZY = {
     "nn": ("elasticps.nn", None),
     "parameters": ("elasticps.parameters", None),
     "updater": ("elasticps.updater", None),
+    "Hosts": ("elasticps.api.cluster", "Hosts"),
     "Local": ("elasticps.api.cluster", "Local"),
+    "Slurm": ("elasticps.api.cluster", "Slurm"),
     "Parquet": ("elasticps.api.cluster", "Parquet"),
     "infer": ("elasticps.api.train", "infer"),
     "evaluate_model": ("elasticps.api.train", "evaluate_model"),
@@ -94,12 +97,14 @@ __all__ = [
     "DataError",
     "ElasticPSError",
     "FrozenParameterError",
+    "Hosts",
     "LaunchResult",
     "Local",
     "MissingParameterError",
     "ModelContractError",
     "ParameterSet",
     "Parquet",
+    "Slurm",
     "StaleTaskError",
     "UserError",
     "__version__",

@@ -117,7 +117,7 @@ class EndIteration(TrainingEvent):
 
 @dataclass(frozen=True)
 class TrainerJoined(TrainingEvent):
-    """Trainer ``trainer_id`` registered in etcd (``cluster=Local(...)`` only)."""
+    """Trainer ``trainer_id`` registered in etcd (with ``Local``, ``Hosts`` or ``Slurm``)."""
 
 
 @dataclass(frozen=True)

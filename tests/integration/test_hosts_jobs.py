@@ -329,3 +329,148 @@ def test_a_host_file_naming_an_unknown_host_is_refused_before_anything_starts(
     assert rc == 2, err[-2000:]
     assert "nosuchhost.invalid" in err.splitlines()[-1]
     assert os.path.exists(bad)
+
+
+# --- the Python API: elasticps.train(..., cluster=Hosts(...)) -----------------------
+
+MLP = ROOT / "examples" / "mnist_mlp.py"
+
+
+def test_the_python_api_trains_the_mlp_across_hosts(
+    hosts: NamespaceHosts, host_file: Path, tmp_path: Path
+) -> None:
+    import elasticps
+    from elasticps import events, updater
+    from elasticps.data.mnist import prepare_mnist
+    from elasticps.model_file import load_model_file
+
+    data = tmp_path / "mnist"
+    prepare_mnist(data, seed=0)
+    out = tmp_path / "run"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out, trainers=2, ps=2)
+    seen: list[events.TrainingEvent] = []
+    try:
+        params = elasticps.train(
+            MLP, None, elasticps.Parquet.from_model_file(data, MLP, batch_size=64),
+            updater=updater.Adam(lr=1e-3), num_passes=2, event_handler=seen.append,
+            cluster=cluster,
+        )  # fmt: skip
+    finally:
+        kill_leftovers(out / "pids.json")
+    # The launcher's own placement: one PS a host, the trainers in the slots left.
+    placed = placements(out)
+    assert len({h for kind, h in placed if kind == "ps"}) == 2, placed
+    assert {kind for kind, _ in placed} == {"ps", "trainer"}, placed
+    kinds = [type(e).__name__ for e in seen]
+    # The trainers' comings and goings, and the pass ends, come from the job's etcd.
+    joined = {e.trainer_id for e in seen if isinstance(e, events.TrainerJoined)}
+    assert len(joined) >= 2 and -1 not in joined, kinds
+    job = [k for k in kinds if k not in ("TrainerJoined", "TrainerLost")]
+    assert job == ["BeginTraining", "EndPass", "EndPass", "Checkpointed", "EndTraining"], kinds
+    passes = [e for e in seen if isinstance(e, events.EndPass)]
+    assert [e.pass_id for e in passes] == [0, 1]
+    end = seen[-1]
+    assert end.metrics["samples"] == 2 * passes[0].metrics["samples"] > 0
+    assert end.model_version > 0
+    # The set returned is the model's, with the trained values: evaluated here
+    # it scores what the launcher scored at the end of the job.
+    spec = load_model_file(MLP)
+    model = spec.build()
+    assert set(params) == set(model.state_dict())
+    test = elasticps.Parquet.from_model_file(data / "test.parquet", MLP, batch_size=500)
+    here = elasticps.evaluate_model(model, params, test, spec.loss)
+    assert here["accuracy"] == pytest.approx(end.metrics["test_accuracy"], abs=1e-6)
+    assert here["accuracy"] > 0.8, here
+
+
+def test_the_python_api_raises_what_the_hosts_preflight_names(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    import elasticps
+    from elasticps.errors import JobUserError
+
+    out = tmp_path / "run"
+    model = audit_dir / "audit_model.py"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out,
+                              remote_python="/nonexistent/python")  # fmt: skip
+    try:
+        with pytest.raises(JobUserError) as info:
+            elasticps.train(model, None, audit_dir, cluster=cluster)
+    finally:
+        kill_leftovers(out / "pids.json")
+    assert "the hosts cannot run this job" in str(info.value)
+    assert "h0:" in str(info.value) and "--remote-python" in str(info.value)
+
+
+def test_ctrl_c_in_the_caller_stops_every_role_of_an_api_job(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    import signal
+    import threading
+
+    import elasticps
+    from elasticps import updater
+
+    out = tmp_path / "run"
+    model = audit_dir / "audit_model.py"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out, trainers=3,
+                              ps=2, lease_ttl_s=2, checkpoint_every_s=1)  # fmt: skip
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def press_ctrl_c() -> None:
+        wait_for_shard_checkpoint(out)  # the job is training
+        signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            elasticps.train(model, None, audit_dir, updater=updater.SGD(lr=1.0),
+                            num_passes=100_000, cluster=cluster)  # fmt: skip
+        presser.join(timeout=10)
+        launched = [int(p) for p in json.loads((out / "pids.json").read_text()).values() if p]
+        assert launched
+        # The launcher stopped every process it started here (etcd, the master,
+        # the ssh sessions), and with them the roles on the hosts.
+        wait_for(
+            lambda: not any(_is_role(pid) for name in hosts.hosts for pid in hosts.pids(name)),
+            "the roles on the hosts to stop",
+            timeout_s=30.0,
+        )
+        assert not [pid for pid in launched if _cmdline(pid) not in ([], [b""])]
+        assert json.loads((out / "run.json").read_text())["state"] == "interrupted"
+    finally:
+        kill_leftovers(out / "pids.json")
+
+
+def test_an_event_handler_that_raises_stops_an_api_job_cleanly(
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
+) -> None:
+    import elasticps
+    from elasticps import events, updater
+
+    out = tmp_path / "run"
+    model = audit_dir / "audit_model.py"
+    cluster = elasticps.Hosts(host_file, ssh_config=hosts.ssh_config, output=out, trainers=3,
+                              ps=2, lease_ttl_s=2, checkpoint_every_s=1)  # fmt: skip
+
+    class EnoughError(Exception):
+        pass
+
+    def handler(event: events.TrainingEvent) -> None:
+        if isinstance(event, events.EndPass):
+            raise EnoughError(f"pass {event.pass_id} is enough")
+
+    try:
+        with pytest.raises(EnoughError, match="pass 0 is enough"):
+            elasticps.train(model, None, audit_dir, updater=updater.SGD(lr=1.0),
+                            num_passes=100_000, event_handler=handler, cluster=cluster)  # fmt: skip
+    finally:
+        kill_leftovers(out / "pids.json")
+    # The first pass's end arrived while the job ran: it stopped as `elasticps
+    # stop` stops a job, with its final checkpoint, long before its last pass.
+    record = json.loads((out / "run.json").read_text())
+    assert record["state"] == "stopped", record.get("state")
+    assert (out / "model.safetensors").exists()
+    assert record["progress"]["pass"] < 100_000

@@ -193,3 +193,48 @@ def test_stop_ends_a_submitted_job_cleanly(
 def _cancel_all(env: dict[str, str]) -> None:
     """Cancel every Slurm job left (a failed test's), so the next test has the nodes."""
     subprocess.run(["scancel", "--user", str(os.getuid())], env=env, timeout=30, check=False)
+
+
+_API_SCRIPT = """
+import json, sys
+import elasticps
+from elasticps import updater
+
+data, out, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = data + "/audit_model.py"
+seen = []
+params = elasticps.train(
+    model, None, elasticps.Parquet.from_model_file(data, model, records_per_task=200),
+    updater=updater.SGD(lr=1.0), num_passes=epochs, event_handler=seen.append,
+    cluster=elasticps.Slurm(output=out, trainers=3, ps=2, sync_reduction="sum",
+                            big_array_bound=500, lease_ttl_s=2, checkpoint_every_s=1),
+)
+counter = params["counter"]
+print(json.dumps({"events": [type(e).__name__ for e in seen],
+                  "counter": [float(counter.min()), float(counter.max())]}))
+"""
+
+
+def test_the_python_api_runs_a_job_in_an_allocation(
+    nodes: SlurmCluster, audit_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    script = tmp_path / "api_job.py"
+    script.write_text(_API_SCRIPT)
+    epochs = 3
+    argv = ["timeout", str(int(JOB_TIMEOUT_S)), "salloc", "-N3", "--no-kill", "--quiet",
+            sys.executable, str(script), str(audit_dir), str(out), str(epochs)]  # fmt: skip
+    try:
+        done = subprocess.run(argv, env=nodes.env(), capture_output=True, text=True,
+                              timeout=JOB_TIMEOUT_S + 10, check=False)  # fmt: skip
+    finally:
+        kill_leftovers(out / "pids.json")
+        _cancel_all(nodes.env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["events"][0] == "BeginTraining" and result["events"][-1] == "EndTraining"
+    # Every record applied once per pass, in the set train() returned.
+    assert result["counter"] == [float(epochs), float(epochs)], result
+    assert check_run(out).exactly_once
+    assert {node for _, node in placements(out)} <= set(nodes.hosts.hosts)
+    assert len({node for kind, node in placements(out) if kind == "ps"}) == 2

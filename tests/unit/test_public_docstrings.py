@@ -44,6 +44,7 @@ PUBLIC_MODULES = (
     "elasticps.model_file",
     "elasticps.api.train",
     "elasticps.api.cluster",
+    "elasticps.api.launch",
     "elasticps.events",
     "elasticps.parameters",
     "elasticps.updater",

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 import elasticps.nn as enn
 from elasticps import updater as updater_mod
-from elasticps.api.cluster import Local, Parquet
+from elasticps.api.cluster import Hosts, Local, Parquet, Slurm
 from elasticps.api.servers import LocalServers, ServersConfig
 from elasticps.buffers import model_buffers
 from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
@@ -113,15 +113,15 @@ _POLL_S = 0.1
 
 
 def train(
-    model: nn.Module,
-    loss_fn: LossFn,
-    reader: Reader | Parquet,
+    model: nn.Module | str | Path | ModelSpec,
+    loss_fn: LossFn | None,
+    reader: Reader | Parquet | str | Path,
     *,
     updater: updater_mod.Updater | OptimizerConfig | None = None,
     event_handler: EventHandler | None = None,
     frozen_parameters: Iterable[str] = (),
     num_passes: int = 1,
-    cluster: Local | None = Local(),  # noqa: B008 (a frozen value)
+    cluster: Local | Hosts | Slurm | None = Local(),  # noqa: B008 (a frozen value)
     parameters: Mapping[str, Tensor] | None = None,
     test_reader: Reader | Parquet | None = None,
     metrics: Callable[[], Mapping[str, Any]] | None = None,
@@ -138,15 +138,22 @@ def train(
     Args:
         model: a ``torch.nn.Module`` with float32 parameters. Parameters are
             named as ``model.named_parameters()`` names them; a tensor shared
-            between layers is one parameter.
+            between layers is one parameter. With ``Hosts`` or ``Slurm``: a
+            model file's path, or a ``ModelSpec`` from
+            :func:`~elasticps.model_file.load_model_file` (see
+            :func:`elasticps.api.launch.launch_request`).
         loss_fn: ``loss_fn(model(inputs), targets) -> Tensor``, a scalar mean
-            loss over the mini-batch.
+            loss over the mini-batch. With ``Hosts`` or ``Slurm``: None (the
+            model file's ``loss``).
         reader: a reader function, called with no arguments, that yields
             mini-batches ``(inputs, targets)`` (tensors; ``len(targets)`` is
             the batch's sample count). Every call must yield the same batches
             in the same order: it is called once to count them, then once per
             task (``itertools.islice(reader(), start, end)``). Or a
             :class:`~elasticps.api.cluster.Parquet` dataset description.
+            With ``Hosts`` or ``Slurm``: a data location that every host
+            reads (``elasticps train --data``), or a Parquet of one file or
+            directory made by :meth:`~elasticps.api.cluster.Parquet.from_model_file`.
         updater: the optimizer the parameter servers run, from
             :mod:`elasticps.updater` (default ``Adam(lr=1e-3)``), with its
             learning-rate schedule by model version.
@@ -161,7 +168,13 @@ def train(
         num_passes: passes over the data, >= 1.
         cluster: :class:`~elasticps.api.cluster.Local` (default: 2 trainers,
             2 PS, sync), or None to train in this process without servers
-            (one trainer, sync-SGD cadence: one update per mini-batch).
+            (one trainer, sync-SGD cadence: one update per mini-batch), or
+            :class:`~elasticps.api.cluster.Hosts` /
+            :class:`~elasticps.api.cluster.Slurm` to run the PS and trainers
+            as processes on other machines, through the launcher of
+            ``elasticps train --hosts`` / ``--launcher slurm``
+            (:func:`elasticps.api.launch.train_launched`: which events
+            arrive, and what is refused).
         parameters: initial values by name (a ParameterSet from an earlier
             job); model parameters it lacks keep the model's values, extra
             names are ignored.
@@ -185,18 +198,28 @@ def train(
             (non-float32 parameters, non-scalar loss, a reader that does not
             yield tensor pairs).
         DataError: the reader yields nothing, or a Parquet file is unusable.
-        JobUserError: with ``Local``, a server process stopped on a user error.
+        JobUserError: with ``Local``, a server process stopped on a user error; with
+            ``Hosts`` or ``Slurm``, the launcher did (a host that cannot run the job...).
         JobFailedError: with ``Local``, the job could not go on: a server
             process died more than ``Local.max_restarts`` times, or trainer
             threads kept failing with internal errors (a trainer thread that
             fails otherwise is replaced by a new one, as ``elasticps train``
-            replaces a trainer process).
+            replaces a trainer process). With ``Hosts`` or ``Slurm``: the
+            launcher failed (:func:`elasticps.api.launch.train_launched`).
     """
+    if isinstance(cluster, Hosts | Slurm):
+        return _train_launched(
+            model, loss_fn, reader, cluster, updater=updater, event_handler=event_handler,
+            frozen_parameters=frozen_parameters, num_passes=num_passes, parameters=parameters,
+            test_reader=test_reader, metrics=metrics,
+        )  # fmt: skip
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is None:
+        raise ConfigError("loss_fn is required (None only with cluster=Hosts or Slurm)")
     if num_passes < 1:
         raise ConfigError(f"num_passes must be >= 1, got {num_passes}")
-    if not (callable(reader) or isinstance(reader, Parquet)):
+    if isinstance(reader, str | Path) or not (callable(reader) or isinstance(reader, Parquet)):
         raise ConfigError("reader must be a function yielding (inputs, targets) or a Parquet")
     optimizer = updater_mod.as_config(updater if updater is not None else updater_mod.Adam())
     frozen = tuple(sorted(set(frozen_parameters)))
@@ -225,6 +248,31 @@ def train(
     if cluster is None:
         return _train_in_process(job)
     return _train_local(job, cluster)
+
+
+def _train_launched(
+    model: object,
+    loss_fn: object,
+    reader: object,
+    cluster: Hosts | Slurm,
+    *,
+    updater: updater_mod.Updater | OptimizerConfig | None,
+    event_handler: EventHandler | None,
+    frozen_parameters: Iterable[str],
+    num_passes: int,
+    parameters: Mapping[str, Tensor] | None,
+    test_reader: object,
+    metrics: object,
+) -> ParameterSet:
+    """``train`` with ``Hosts`` or ``Slurm``: the command line's launcher runs the job."""
+    from elasticps.api.launch import launch_request, train_launched
+
+    request = launch_request(
+        model, loss_fn, reader, cluster=cluster, updater=updater,
+        frozen_parameters=frozen_parameters, num_passes=num_passes, parameters=parameters,
+        test_reader=test_reader, metrics=metrics,
+    )  # fmt: skip
+    return train_launched(request, cluster, event_handler, _EventHub, _watch_trainers)
 
 
 def _materialize(model: nn.Module, reader: Reader | Parquet) -> None:
