@@ -6,7 +6,8 @@ checks three things against a run without faults (same seed and config):
 - the job finishes every pass;
 - the master's ledger audit shows every record trained exactly once in
   every pass (``passes`` in ``run.json``, from ``/elasticps/<job>/passes/<n>``);
-- the final test accuracy is within 1.5 points of the fault-free run.
+- the final test accuracy is within 1.5 points (async) or 2.5 points (sync) of
+  the fault-free run.
 
 Afterwards every process the job ever started (restarts included) is gone.
 """
@@ -39,8 +40,16 @@ MLP = ROOT / "examples" / "mnist_mlp.py"
 # annealing, 11 fault-free and 10 trainer-kill runs ranged 0.914-0.922 and
 # 0.913-0.920 (sd 0.0026 and 0.0024). Baseline and faulty runs use the same
 # flags, as the comparison requires.
+# Sync runs are not annealed: a killed trainer changes the number of sync steps
+# (about 196 fault-free, 213 with the four kills), so a schedule keyed on the
+# model version anneals the two runs at different points of the data (8
+# annealed fault-free runs 0.909-0.917, 7 four-kill runs 0.903-0.910: a
+# systematic gap). Unannealed, 6 fault-free runs ranged 0.894-0.904 and 6
+# four-kill runs 0.892-0.901 (sd 0.004 each, same mean within 0.2 points); a
+# difference of 0.016 was seen once in CI, about 3 sd of the difference. The
+# sync tolerance is 2.5 points (4.7 sd); a shard restored wrong costs far more.
 EPOCHS = 4
-ACCURACY_TOLERANCE = 0.015
+ACCURACY_TOLERANCE = {"async": 0.015, "sync": 0.025}
 TRAIN_ROWS = 4000
 JOB_TIMEOUT_S = 180.0
 ASYNC_LR_SCHEDULE = '{"kind": "piecewise", "boundaries": [375], "factors": [1.0, 0.1]}'
@@ -125,12 +134,15 @@ def baselines(mnist_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {mode: run_job(mnist_dir, out / mode, mode) for mode in ("sync", "async")}
 
 
-def check_against_baseline(run: JobRun, baseline: JobRun) -> None:
+def check_against_baseline(run: JobRun, baseline: JobRun, mode: str) -> None:
     assert_exactly_once(run)
     accuracy, reference = float(run.line["accuracy"]), float(baseline.line["accuracy"])
     # Accuracies are multiples of 1/1000 (the test set): compare in thousandths,
     # so that 0.915 - 0.900 is not 0.015000000000000013.
-    assert round(abs(accuracy - reference), 6) <= ACCURACY_TOLERANCE, (accuracy, reference)
+    assert round(abs(accuracy - reference), 6) <= ACCURACY_TOLERANCE[mode], (
+        accuracy,
+        reference,
+    )
 
 
 def test_baselines_train_every_record_exactly_once(baselines: dict[str, JobRun]) -> None:
@@ -145,7 +157,7 @@ def test_async_job_survives_a_trainer_killed_mid_pass(
     run = run_job(mnist_dir, tmp_path / "out", "async", "--chaos", "kill:trainer@30%")
     chaos = run.record["chaos"]
     assert isinstance(chaos, list) and chaos and chaos[0]["pid"], chaos
-    check_against_baseline(run, baselines["async"])
+    check_against_baseline(run, baselines["async"], "async")
 
 
 def test_sync_job_survives_a_trainer_a_server_the_active_master_and_etcd_killed_in_turn(
@@ -167,4 +179,4 @@ def test_sync_job_survives_a_trainer_a_server_the_active_master_and_etcd_killed_
     assert [n for role, n in restarts.items() if role.startswith("ps-")] == [1], restarts
     assert "standby" in run.stderr
     assert run.record["etcd_restarts"] == 1
-    check_against_baseline(run, baselines["sync"])
+    check_against_baseline(run, baselines["sync"], "sync")
