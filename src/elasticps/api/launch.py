@@ -55,6 +55,7 @@ from elasticps.errors import (
 )
 from elasticps.events import BeginTraining, Checkpointed, EndPass, EndTraining, TrainingEvent
 from elasticps.launcher.output import STOP_FILE
+from elasticps.launcher.spawn import terminate, wait_or_kill
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.parameters import ParameterSet
 from elasticps.storage import Location, is_url
@@ -526,12 +527,8 @@ def _run_launcher(argv: list[str]) -> tuple[int, list[str]]:
         proc.stdout.read()  # the result line; run.json says more
         status = proc.wait()
     except BaseException:
-        proc.terminate()
-        try:
-            proc.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate([proc])
+        wait_or_kill([proc], _STOP_TIMEOUT_S)
         raise
     finally:
         relay.join(timeout=10)

@@ -142,12 +142,9 @@ def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, st
     return env
 
 
-class ProcessHandle(Protocol):
-    """What the launchers use of a child process; :class:`subprocess.Popen` has it too."""
-
-    pid: int
-    returncode: int | None
-    stdout: IO[bytes] | None
+class Stoppable(Protocol):
+    """What the stop sequence (:func:`terminate`, :func:`wait_or_kill`) uses of a
+    process; every :class:`subprocess.Popen` has it, whatever its stream mode."""
 
     def poll(self) -> int | None:
         """The exit status if the process has ended, else None."""
@@ -164,6 +161,14 @@ class ProcessHandle(Protocol):
     def kill(self) -> None:
         """SIGKILL the process if it is still running."""
         ...
+
+
+class ProcessHandle(Stoppable, Protocol):
+    """What the launchers use of a child process; :class:`subprocess.Popen` has it too."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
 
 
 class Spawner(Protocol):
@@ -185,7 +190,7 @@ class Spawner(Protocol):
         ...
 
 
-def terminate(procs: Sequence[ProcessHandle]) -> None:
+def terminate(procs: Sequence[Stoppable]) -> None:
     """Send SIGTERM to each process of ``procs`` still running, in order."""
     for proc in procs:
         if proc.poll() is None:
@@ -193,7 +198,7 @@ def terminate(procs: Sequence[ProcessHandle]) -> None:
                 proc.send_signal(signal.SIGTERM)
 
 
-def wait_or_kill(procs: Sequence[ProcessHandle], timeout_s: float) -> None:
+def wait_or_kill(procs: Sequence[Stoppable], timeout_s: float) -> None:
     """Wait for every process of ``procs`` to end within ``timeout_s`` seconds in all.
 
     A process still running at the deadline is SIGKILLed; every process is
