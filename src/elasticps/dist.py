@@ -66,14 +66,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import ConfigError, JobFailedError, JobUserError
 from elasticps.launcher.spawn import child_env, terminate, wait_or_kill
-from elasticps.launcher.supervisor import EXIT_USER_ERROR, Action, Event, Exited, FailJob, Kind
+from elasticps.launcher.supervisor import EXIT_USER_ERROR, Exited, FailJob, Kind
 from elasticps.netutil import die_with_parent_prefix
 from elasticps.updater import Updater, as_config
+
+if TYPE_CHECKING:
+    from elasticps.api.servers import LocalServers
 
 __all__ = ["BACKENDS", "LaunchResult", "dist_train"]
 
@@ -302,7 +305,7 @@ def _launch_local(
                 "dist_train: job %s, %d workers (pids %s), servers %s",
                 servers.job, workers, [w.proc.pid for w in running], servers.pids,
             )  # fmt: skip
-            codes = _wait(running, servers.check, servers.decide, started, timeout_s)
+            codes = _wait(running, servers, started, timeout_s)
             log.info(
                 "dist_train: every worker exited after %.1f s; stopping the servers",
                 time.monotonic() - started,
@@ -314,8 +317,7 @@ def _launch_local(
 
 def _wait(
     running: list[_Worker],
-    check_servers: Callable[[], None],
-    decide: Callable[[Event], Action],
+    servers: LocalServers,
     started: float,
     timeout_s: float | None,
 ) -> list[int]:
@@ -324,7 +326,8 @@ def _wait(
     Each worker's end goes through the job's supervision policy
     (:mod:`elasticps.launcher.supervisor`, the servers' own, without trainer
     replacement), which fails the launch on any status but 0: with status 2
-    (a user error) as :class:`~elasticps.errors.JobUserError`.
+    (a user error) as :class:`~elasticps.errors.JobUserError`, else as
+    :class:`~elasticps.errors.JobFailedError` with the policy's decisions.
     """
     while True:
         codes = [w.proc.poll() for w in running]
@@ -333,7 +336,7 @@ def _wait(
             for w in running:
                 w.pump.join(timeout=1.0)
             actions = [
-                decide(Exited.of_returncode(f"trainer-{rank}", Kind.TRAINER, code))
+                servers.decide(Exited.of_returncode(f"trainer-{rank}", Kind.TRAINER, code))
                 for rank, code in failed
             ]
             message = "dist_train: worker(s) failed: " + ", ".join(
@@ -341,14 +344,17 @@ def _wait(
             )
             if any(isinstance(a, FailJob) and a.exit_code == EXIT_USER_ERROR for a in actions):
                 raise JobUserError(message + " (a user error; see its output above)")
-            raise JobFailedError(message)
+            raise JobFailedError(message, decisions=servers.decision_records())
         if all(c == 0 for c in codes):
             for w in running:
                 w.pump.join(timeout=5.0)
             return [0] * len(running)
-        check_servers()
+        servers.check()
         if timeout_s is not None and time.monotonic() - started > timeout_s:
-            raise JobFailedError(f"dist_train: the workers did not finish within {timeout_s:g} s")
+            raise JobFailedError(
+                f"dist_train: the workers did not finish within {timeout_s:g} s",
+                decisions=servers.decision_records(),
+            )
         time.sleep(_POLL_S)
 
 

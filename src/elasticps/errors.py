@@ -12,6 +12,8 @@ line, without a traceback, and exits with status 2.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 
 def one_line(exc: BaseException, *, with_type: bool = False) -> str:
     """``exc``'s message on one line, for an error message of ours.
@@ -161,7 +163,22 @@ class LayoutMismatchError(ElasticPSError):
 
 
 class JobFailedError(ElasticPSError):
-    """A process of the job (master, parameter server or trainer) failed."""
+    """A process of the job (master, parameter server or trainer) failed.
+
+    Args:
+        message: the one-line reason.
+        decisions: the job's supervision decisions up to the failure, oldest
+            first, each as ``run.json``'s ``decisions`` lists it (``at`` in
+            seconds since the epoch, ``role``, ``worker``, ``happened``,
+            ``decided``); empty where the raiser kept none.
+
+    Attributes:
+        decisions: ``decisions``, as a tuple of dicts.
+    """
+
+    def __init__(self, message: str, *, decisions: Sequence[Mapping[str, object]] = ()) -> None:
+        super().__init__(message)
+        self.decisions: tuple[dict[str, object], ...] = tuple(dict(d) for d in decisions)
 
 
 class UnschedulableError(ElasticPSError):

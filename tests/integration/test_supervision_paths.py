@@ -6,6 +6,13 @@ supervision policy replaces the first ones and fails the job once
 :data:`~elasticps.launcher.supervisor.MAX_TRAINER_FAILURES` failed in a row
 with no task progress in between. Each entry of :data:`PATHS` runs a job
 that way and returns what it saw; another backend is one more entry.
+
+A trainer of :class:`elasticps.Local` is a thread of the caller, so its
+"status 1" is ``SystemExit(1)`` raised in ``forward``: the thread ends as a
+trainer process ends on ``sys.exit(1)``, with the status the policy reads.
+A worker of :func:`elasticps.dist_train` runs the user's whole script, so
+the policy (``replace_trainers=False``) fails the job at the first failure:
+the same policy, one decision.
 """
 
 from __future__ import annotations
@@ -53,9 +60,12 @@ _Working = Model
 class Model(_Working):  # type: ignore[no-redef]
     def forward(self, inputs: Tensor) -> Tensor:
         import os
+        import threading
 
         if os.environ.get("ELASTICPS_ROLE") == "trainer":
             os._exit(1)  # an internal error: an exception here is the user's (status 2)
+        if threading.current_thread().name.startswith("trainer-"):
+            raise SystemExit(1)  # a trainer thread of Local(): the same end
         return super().forward(inputs)
 """
 )
@@ -223,6 +233,58 @@ def _slurm_submit(tmp_path: Path, data: Path, model: Path, cluster: SlurmCluster
     )
 
 
+def _local_api(tmp_path: Path, data: Path, model: Path) -> Seen:
+    """:func:`elasticps.train` with ``cluster=Local()``: trainer threads, server processes.
+    No output directory, so no ``status`` or ``list``; the error carries the decisions."""
+    import elasticps
+    from elasticps.errors import JobFailedError
+
+    from elasticps.model_file import load_model_file
+
+    spec = load_model_file(model)
+    reader = elasticps.Parquet.from_model_file(data / "train.parquet", model, batch_size=64)
+    with pytest.raises(JobFailedError) as raised:
+        elasticps.train(
+            spec.build(), spec.loss, reader, cluster=elasticps.Local(trainers=1, ps=1)
+        )
+    return Seen(1, f"elasticps: {raised.value}", _decisions({"decisions": raised.value.decisions}),
+                None, None)  # fmt: skip
+
+
+DIST_SCRIPT = """
+import os
+import sys
+
+from elasticps.dist import dist_train
+
+
+def work():
+    os._exit(1)  # an internal error of the worker (the user's script)
+
+
+if __name__ == "__main__":
+    try:
+        dist_train(work, workers=1, ps=1, timeout_s=120)
+    except Exception as exc:
+        import json
+        print(json.dumps({"error": str(exc), "decisions": getattr(exc, "decisions", [])}))
+        sys.exit(1)
+"""
+
+
+def _dist_train(tmp_path: Path, data: Path, model: Path) -> Seen:
+    """:func:`elasticps.dist_train` from a script: its worker exits 1 at once."""
+    del data, model  # the worker is the user's script itself
+    script = tmp_path / "dist_job.py"
+    script.write_text(DIST_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S, cwd=tmp_path, check=False)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stderr[-3000:]
+    record = json.loads(lines[-1])
+    return Seen(done.returncode, f"elasticps: {record['error']}", _decisions(record), None, None)
+
+
 @dataclass(frozen=True)
 class FakeCluster:
     """The fake Kubernetes API server, and the etcd (and key prefix) of the job's master."""
@@ -321,12 +383,15 @@ class JobPath:
             returns what it saw.
         records_decisions: whether ``Seen.decisions`` is filled.
         needs: names of the fixtures (the test hosts, a cluster) ``run`` takes.
+        replaces_trainers: whether the path's policy replaces a failed trainer
+            (all but ``dist_train``, whose workers each run the whole script).
     """
 
     name: str
     run: Callable[..., Seen]
     records_decisions: bool = True
     needs: tuple[str, ...] = ()
+    replaces_trainers: bool = True
 
 
 PATHS = [
@@ -335,9 +400,10 @@ PATHS = [
     JobPath("slurm", _slurm, needs=("slurm_cluster",)),
     JobPath("slurm-submit", _slurm_submit, needs=("slurm_cluster",)),
     JobPath("kubernetes", _kubernetes, needs=("fake_cluster",)),
+    JobPath("local-api", _local_api),
+    JobPath("dist_train", _dist_train, replaces_trainers=False),
 ]
-"""The ways of running a job. ``Local()`` and ``dist_train`` are not entries
-yet: their loops do not write the decision records."""
+"""The ways of running a job."""
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])
@@ -348,6 +414,10 @@ def test_trainers_that_keep_failing_fail_the_job(
     model.write_text(FAILING_MODEL)
     seen = path.run(tmp_path, mnist_dir, model, *map(request.getfixturevalue, path.needs))
     assert seen.exit_code == 1, seen.error
+    if not path.replaces_trainers:
+        assert seen.decisions == (("trainer", "exit 1", "fail (exit 1)"),), seen.decisions
+        assert "status 1" in seen.error, seen.error
+        return
     assert "trainers keep failing" in seen.error, seen.error
     if path.records_decisions:
         limit = MAX_TRAINER_FAILURES

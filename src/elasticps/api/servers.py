@@ -335,6 +335,10 @@ class LocalServers:
         """The policy's decisions so far, oldest first (task progress is not recorded)."""
         return self._decision_log.records()
 
+    def decision_records(self) -> list[dict[str, object]]:
+        """:attr:`decisions` as ``run.json`` lists them (:attr:`JobFailedError.decisions`)."""
+        return self._decision_log.as_json()
+
     def check(self) -> None:
         """Supervise the servers once: restart those that died, as the policy allows.
 
@@ -433,7 +437,9 @@ class LocalServers:
         if action.exit_code == EXIT_USER_ERROR:
             raise JobUserError(action.message)
         tail = self.log_tail(role) if role is not None else ""
-        raise JobFailedError(action.message + (f":\n{tail}" if tail else ""))
+        raise JobFailedError(
+            action.message + (f":\n{tail}" if tail else ""), decisions=self.decision_records()
+        )
 
     def _restart_etcd(self, etcd: EtcdServer) -> None:
         code = etcd.returncode

@@ -981,7 +981,7 @@ def _run_trainer_threads(
             if isinstance(action, FailJob):
                 if isinstance(exc, UserError):
                     raise exc
-                raise JobFailedError(action.message) from exc
+                raise JobFailedError(action.message, decisions=servers.decision_records()) from exc
             if isinstance(action, Replace):
                 log.warning("%s ended (%s: %s); replacing it", name, type(exc).__name__, exc)
                 start(dataclasses.replace(config, trainer_id=next_id))

@@ -1278,7 +1278,7 @@ class LocalLauncher:
             where = f" (its log: {self._log_path(role)})"
         if action.exit_code == EXIT_USER_ERROR:
             raise JobUserError(action.message + where)
-        raise JobFailedError(action.message + where)
+        raise JobFailedError(action.message + where, decisions=self._decision_log.as_json())
 
     def _restart_counts(self) -> dict[str, int]:
         return {c.role: c.restarts for c in self.children if c.restarts}
