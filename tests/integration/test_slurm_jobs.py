@@ -37,7 +37,7 @@ if WHY_NOT is not None:
 RECORDS = 4000
 EPOCHS = 30
 JOB_TIMEOUT_S = 140.0
-_STARTED = re.compile(r"started (ps|trainer) on (h\d+) \(ssh pid (\d+)\)")
+_STARTED = re.compile(r"started (ps|trainer) on (h\d+) \(srun pid (\d+)\)")
 
 
 @pytest.fixture(scope="module")

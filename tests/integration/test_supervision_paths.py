@@ -238,15 +238,12 @@ def _local_api(tmp_path: Path, data: Path, model: Path) -> Seen:
     No output directory, so no ``status`` or ``list``; the error carries the decisions."""
     import elasticps
     from elasticps.errors import JobFailedError
-
     from elasticps.model_file import load_model_file
 
     spec = load_model_file(model)
     reader = elasticps.Parquet.from_model_file(data / "train.parquet", model, batch_size=64)
     with pytest.raises(JobFailedError) as raised:
-        elasticps.train(
-            spec.build(), spec.loss, reader, cluster=elasticps.Local(trainers=1, ps=1)
-        )
+        elasticps.train(spec.build(), spec.loss, reader, cluster=elasticps.Local(trainers=1, ps=1))
     return Seen(1, f"elasticps: {raised.value}", _decisions({"decisions": raised.value.decisions}),
                 None, None)  # fmt: skip
 

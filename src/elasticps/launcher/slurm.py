@@ -175,6 +175,10 @@ class SlurmTransport:
         limit = f"{max(1.0, connect_timeout_s):g}"
         return ["timeout", "--kill-after=5", limit, *argv]
 
+    def command_name(self) -> str:
+        """``srun``."""
+        return "srun"
+
     def python(self) -> str:
         """The interpreter to run on the nodes."""
         return self.remote_python or sys.executable

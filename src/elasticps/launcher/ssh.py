@@ -165,6 +165,10 @@ class SshOptions:
             argv += ["-p", str(host.ssh_port)]
         return [*argv, host.name.strip("[]"), *command]
 
+    def command_name(self) -> str:
+        """``ssh``."""
+        return "ssh"
+
     def python(self) -> str:
         """The interpreter to run on the hosts."""
         return self.remote_python or sys.executable
@@ -471,6 +475,7 @@ class SshSpawner:
         self._hosts = tuple(hosts)
         self._by_name = {h.name: h for h in hosts}
         self._options = options
+        self._via = options.command_name()
         self._local = local
         self._advertise = advertise
         self._lock = threading.Lock()
@@ -528,7 +533,7 @@ class SshSpawner:
         with self._lock:
             host = self._choose(kind)
             handle = self._open(host, kind, request)
-        log.info("started %s on %s (ssh pid %d)", kind, host, handle.pid)
+        log.info("started %s on %s (%s pid %d)", kind, host, self._via, handle.pid)
         return handle
 
     def run_on(
@@ -548,7 +553,7 @@ class SshSpawner:
         request = self._request(args, env, module=module)
         with self._lock:
             handle = self._open(host, module.rsplit(".", 1)[-1], request)
-        log.info("started %s on %s (ssh pid %d)", module, host, handle.pid)
+        log.info("started %s on %s (%s pid %d)", module, host, self._via, handle.pid)
         return handle
 
     def host_up(self, name: str) -> bool:

@@ -56,6 +56,10 @@ class Transport(Protocol):
         """The interpreter to run on the hosts."""
         ...
 
+    def command_name(self) -> str:
+        """The local command that reaches a host (``ssh``, ``srun``), for log lines."""
+        ...
+
     def probe(self, host: HostSpec) -> bool:
         """Whether ``host`` answers now (a bounded check: a few seconds at most)."""
         ...
