@@ -44,6 +44,11 @@ if WHY_NOT is not None:
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = 4000
+# Passes of the audit jobs that lose a host: the loss comes once a shard has
+# checkpointed (a few passes in), and recovery takes a few seconds, so the job
+# goes on for well over half its passes afterwards. A job that ended before
+# the loss fails the test (no restart), it does not pass it.
+EPOCHS = 30
 JOB_TIMEOUT_S = 300.0
 _STARTED = re.compile(r"started (ps|trainer) on (h\d+) \(ssh pid (\d+)\)")
 
@@ -165,7 +170,7 @@ def assert_exact(out: Path, stdout: str, epochs: int) -> None:
 def test_a_dead_host_costs_no_update(
     hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    epochs = 100
+    epochs = EPOCHS
     out = tmp_path / "run"
     proc = start_job([*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
     victim = first_ps_host(out)
@@ -183,7 +188,7 @@ def test_a_dead_host_costs_no_update(
 def test_a_host_cut_off_past_its_lease_is_fenced_when_it_returns(
     hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    epochs = 100
+    epochs = EPOCHS
     out = tmp_path / "run"
     proc = start_job([*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)], out)
     victim = first_ps_host(out)
@@ -262,13 +267,14 @@ def _leader_host(endpoints: str, hosts: NamespaceHosts) -> str | None:
     return next((n for n, h in hosts.hosts.items() if f"//{h.address}:" in url), None)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_losing_the_etcd_leader_host_costs_no_update(
-    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path, mode: str
+    hosts: NamespaceHosts, host_file: Path, audit_dir: Path, tmp_path: Path
 ) -> None:
     """``--etcd-replicas 3``: the host of the etcd leader dies; the other two members keep a
-    quorum and every client of the job fails over to them."""
-    epochs = 100
+    quorum and every client of the job fails over to them. In sync mode, whose barriers
+    wait on etcd's failover; the mode changes nothing in how clients fail over."""
+    mode = "sync"
+    epochs = EPOCHS + 10  # a leader is found after the first checkpoint
     out = tmp_path / "run"
     args = [*train_args(audit_dir, out, mode, epochs), *over_ssh(hosts, host_file)]
     proc = start_job([*args, "--etcd-replicas", "3"], out)
