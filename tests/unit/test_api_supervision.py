@@ -24,6 +24,7 @@ from elasticps.errors import (
     JobFailedError,
     ServiceUnavailableError,
 )
+from elasticps.launcher.local_processes import DecisionLog
 from elasticps.launcher.supervisor import Action, Event, Exited, Supervisor, SupervisorConfig
 from elasticps.model_file import in_process_spec
 from elasticps.testing import wait_for
@@ -37,6 +38,7 @@ class FakeServers:
     def __init__(self, config: SupervisorConfig | None = None) -> None:
         self.policy = Supervisor(config or SupervisorConfig())
         self.events: list[Event] = []
+        self.log = DecisionLog()
         self.checks = 0
 
     def check(self) -> None:
@@ -44,7 +46,12 @@ class FakeServers:
 
     def decide(self, event: Event) -> Action:
         self.events.append(event)
-        return self.policy.handle(event)
+        action = self.policy.handle(event)
+        self.log.record(event, action)
+        return action
+
+    def decision_records(self) -> list[dict[str, object]]:
+        return self.log.as_json()
 
 
 class FakeStore:
@@ -138,8 +145,16 @@ def test_internal_errors_are_replaced_until_they_keep_failing(
     servers = FakeServers(SupervisorConfig(max_trainer_failures=3))
     always = raises(RuntimeError("a bug"))
     outcomes = dict.fromkeys(range(10), always)
-    with pytest.raises(JobFailedError, match=r"trainers keep failing.*RuntimeError: a bug"):
+    with pytest.raises(JobFailedError, match=r"trainers keep failing.*RuntimeError: a bug") as err:
         run_threads(monkeypatch, outcomes, servers, trainers=1)
+    # The error carries the policy's decisions, as run.json lists them.
+    decided = [(d["worker"], d["happened"], str(d["decided"]).split(":")[0])
+               for d in err.value.decisions]  # fmt: skip
+    assert decided == [
+        ("trainer-0", "exit 1", "replace"),
+        ("trainer-1", "exit 1", "replace"),
+        ("trainer-2", "exit 1", "fail (exit 1)"),
+    ], decided
 
 
 def test_a_user_error_ends_the_job_as_raised(monkeypatch: pytest.MonkeyPatch) -> None:
