@@ -46,9 +46,7 @@ class FakeServers:
 
     def decide(self, event: Event) -> Action:
         self.events.append(event)
-        action = self.policy.handle(event)
-        self.log.record(event, action)
-        return action
+        return self.log.decide(self.policy, event)
 
     def decision_records(self) -> list[dict[str, object]]:
         return self.log.as_json()

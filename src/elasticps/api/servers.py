@@ -326,9 +326,7 @@ class LocalServers:
         count of failures) covers the whole job.
         """
         with self._lock:
-            action = self._policy.handle(event)
-            self._decision_log.record(event, action)
-            return action
+            return self._decision_log.decide(self._policy, event)
 
     @property
     def decisions(self) -> list[Decision]:

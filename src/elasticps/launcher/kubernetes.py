@@ -1098,9 +1098,7 @@ def in_cluster_manager(
         decisions = DecisionLog()
 
         def decide(event: PolicyEvent) -> PolicyAction:
-            action = policy.handle(event)
-            decisions.record(event, action)
-            return action
+            return decisions.decide(policy, event)
 
         def on_decision(event: WorkerEvent, action: PolicyAction) -> None:
             if isinstance(action, FailJob):

@@ -302,8 +302,7 @@ class LocalLauncher:
         # worker manager's thread (trainers); its decisions on trainers come
         # back through _decisions, for _supervise on the main thread.
         self._policy = Supervisor(SupervisorConfig(max_restarts=config.max_restarts))
-        self._policy_lock = threading.Lock()
-        self._decision_log = DecisionLog()  # run.json's "decisions"
+        self._decision_log = DecisionLog()  # run.json's "decisions"; it asks the policy
         self._decisions: queue.SimpleQueue[tuple[WorkerEvent, Action]] = queue.SimpleQueue()
         self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
@@ -1211,9 +1210,7 @@ class LocalLauncher:
 
     def _decide(self, event: Event) -> Action:
         """The policy's answer to ``event`` (from any thread)."""
-        with self._policy_lock:
-            action = self._policy.handle(event)
-            self._decision_log.record(event, action)
+        action = self._decision_log.decide(self._policy, event)
         if not isinstance(action, Ignore):
             log.info("supervisor: %s -> %s", event, action)
         return action

@@ -31,6 +31,7 @@ from elasticps.launcher.supervisor import (
     Event,
     Kind,
     Progressed,
+    Supervisor,
     decision_of,
     relayed_returncode,
 )
@@ -104,6 +105,7 @@ class DecisionLog:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
+        self._decide_lock = threading.Lock()
         self._records: list[Decision] = []
 
     def record(self, event: Event, action: Action) -> Decision | None:
@@ -119,6 +121,14 @@ class DecisionLog:
             with self._lock:
                 self._records.append(decision)
         return decision
+
+    def decide(self, policy: Supervisor, event: Event) -> Action:
+        """``policy``'s answer to ``event``, recorded (the one way the launchers ask it;
+        calls are serialized, so that ``policy`` sees one event at a time)."""
+        with self._decide_lock:
+            action = policy.handle(event)
+            self.record(event, action)
+            return action
 
     def records(self) -> list[Decision]:
         """Every decision so far, oldest first."""
