@@ -58,6 +58,7 @@ Example (``examples/kvstore_mnist.py``)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -66,6 +67,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, TypeVar
 
 from elasticps.config import OptimizerConfig, UpdateMode
@@ -120,6 +122,7 @@ def dist_train(
     argv: Sequence[str] | None = None,
     timeout_s: float | None = None,
     lease_ttl_s: float = 5.0,
+    output: str | Path | None = None,
 ) -> T | LaunchResult:
     """Run ``train_fn`` on ``workers`` trainers against ``ps`` parameter servers.
 
@@ -147,14 +150,22 @@ def dist_train(
             default this process's own (``sys.orig_argv[1:]``).
         timeout_s: stop everything and fail after this many seconds; None: no limit.
         lease_ttl_s: lease TTL of servers and workers, seconds, >= 1.
+        output: if set, a directory where the launch records itself, so that
+            ``elasticps status`` and ``elasticps list`` show it: ``run.json``
+            (``running``, then ``finished``, ``failed`` or ``interrupted``,
+            with the supervision policy's decisions) and a lock held while it
+            runs (see :mod:`elasticps.api.record`). Only the launcher writes
+            it; the workers' outputs are theirs.
 
     Returns:
         In a trainer, ``train_fn()``'s result; in the launcher, the
         :class:`LaunchResult`.
 
     Raises:
-        ConfigError: invalid arguments, an unknown role or backend, or the
-            ``kubernetes`` backend (not built: submit the job with ``elasticps submit``).
+        ConfigError: invalid arguments, an unknown role or backend, the
+            ``kubernetes`` backend (not built: submit the job with ``elasticps submit``),
+            or an ``output`` that holds a run of ``elasticps train``.
+        OutputInUseError: another job holds ``output``.
         JobFailedError: a worker exited with a non-zero status (the others
             are stopped; the message names the exit codes), a server died,
             or the timeout passed.
@@ -187,6 +198,7 @@ def dist_train(
         max_staleness=max_staleness,
         timeout_s=timeout_s,
         lease_ttl_s=lease_ttl_s,
+        output=Path(output) if output is not None else None,
     )
 
 
@@ -255,7 +267,9 @@ def _launch_local(
     max_staleness: int | None,
     timeout_s: float | None,
     lease_ttl_s: float,
+    output: Path | None,
 ) -> LaunchResult:
+    from elasticps.api.record import RunRecord
     from elasticps.api.servers import LocalServers, ServersConfig
 
     ps_args = ("--max-staleness", str(max_staleness)) if max_staleness is not None else ()
@@ -273,7 +287,14 @@ def _launch_local(
     )
     started = time.monotonic()
     running: list[_Worker] = []
-    with LocalServers(servers_config) as servers:
+    record = (
+        RunRecord(output, servers_config.job, "dist_train")
+        if output is not None
+        else contextlib.nullcontext()
+    )
+    with record as run_record, LocalServers(servers_config) as servers:
+        if run_record is not None:
+            run_record.running(servers.etcd_endpoint, servers.decision_records)
         try:
             for rank in range(workers):
                 # A worker is a trainer: the environment of every launcher's

@@ -48,6 +48,7 @@ from elasticps.launcher.output import LOCK_FILE, STOP_FILE
 
 __all__ = [
     "ENDED_STATES",
+    "PYTHON_LAUNCHERS",
     "ROLES",
     "STATE_DIR_ENV",
     "LocalRun",
@@ -70,6 +71,10 @@ STATE_DIR_ENV: Final = "ELASTICPS_STATE_DIR"
 
 ENDED_STATES: Final = frozenset({"finished", "stopped", "failed", "interrupted"})
 """States of a run whose launcher has ended."""
+
+PYTHON_LAUNCHERS: Final = ("python-api", "dist_train")
+"""``run.json``'s ``launcher`` for a job started from Python (:mod:`elasticps.api.record`):
+such a job has no clean stop from another terminal."""
 
 ROLES: Final = ("launcher", "master", "ps", "trainer", "etcd")
 """Roles whose logs ``elasticps logs --role`` prints (a local job's etcd keeps none; a
@@ -519,11 +524,18 @@ def request_stop(run: LocalRun, timeout_s: float, *, poll_s: float = _POLL_S) ->
         pass ended first, or ``failed``).
 
     Raises:
-        ConfigError: the run is not running.
+        ConfigError: the run is not running, or was started from Python
+            (:data:`PYTHON_LAUNCHERS`).
         ElasticPSError: it had not ended after ``timeout_s``.
     """
     if run.state not in ("running", "stopping", "starting"):
         raise ConfigError(f"job {run.job!r} in {run.output} is not running (state {run.state})")
+    launcher = run.record.get("launcher")
+    if launcher in PYTHON_LAUNCHERS:
+        raise ConfigError(
+            f"job {run.job!r} in {run.output} was started from Python ({launcher}) and has "
+            f"no clean stop from here; interrupt its process (pid {run.lock.get('pid')})"
+        )
     (run.output / STOP_FILE).write_text(
         json.dumps({"requested": _now_iso(), "pid": os.getpid()}) + "\n"
     )

@@ -12,7 +12,8 @@ A trainer of :class:`elasticps.Local` is a thread of the caller, so its
 trainer process ends on ``sys.exit(1)``, with the status the policy reads.
 A worker of :func:`elasticps.dist_train` runs the user's whole script, so
 the policy (``replace_trainers=False``) fails the job at the first failure:
-the same policy, one decision.
+the same policy, one decision. Both record the failed job in an output
+directory, so that ``status`` and ``list`` read it as for the others.
 """
 
 from __future__ import annotations
@@ -80,16 +81,15 @@ class Seen:
         error: the job's one-line error.
         decisions: ``(role, happened, decided)`` of each trainer decision, the
             decision's text cut at its first ``:``.
-        state: the job's state as ``elasticps status`` reads it, or None where
-            the path leaves no output directory.
-        listed: the job's state in ``elasticps list``, or None likewise.
+        state: the job's state as ``elasticps status`` reads it.
+        listed: the job's state in ``elasticps list``.
     """
 
     exit_code: int
     error: str
     decisions: tuple[tuple[str, str, str], ...]
-    state: str | None
-    listed: str | None
+    state: str
+    listed: str
 
 
 def _cli(tmp_path: Path, data: Path, model: Path) -> Seen:
@@ -103,6 +103,13 @@ def _seen(returncode: int, stderr: str, output: Path) -> Seen:
     ``output`` (its directory, alone in its parent), as ``status`` and ``list`` read it."""
     record = json.loads((output / "run.json").read_text())
     errors = [line for line in stderr.splitlines() if line.startswith("elasticps: ")]
+    return Seen(
+        returncode, errors[-1] if errors else stderr[-2000:], _decisions(record), *_states(output)
+    )
+
+
+def _states(output: Path) -> tuple[str, str]:
+    """The state of the run in ``output`` (alone in its parent) in ``status``, and in ``list``."""
     status = run_elasticps(
         ["status", "--output", output, "--json"], timeout_s=COMMAND_TIMEOUT_S, cwd=output.parent
     )
@@ -110,12 +117,8 @@ def _seen(returncode: int, stderr: str, output: Path) -> Seen:
     listing = run_elasticps(["list", output.parent, "--json"], timeout_s=COMMAND_TIMEOUT_S)
     assert listing.returncode == 0, listing.stderr
     rows = [json.loads(line) for line in listing.stdout.splitlines() if line.strip()]
-    return Seen(
-        returncode,
-        errors[-1] if errors else stderr[-2000:],
-        _decisions(record),
-        json.loads(status.stdout)["state"],
-        rows[0]["state"] if len(rows) == 1 else f"rows: {rows}",
+    return json.loads(status.stdout)["state"], (
+        rows[0]["state"] if len(rows) == 1 else f"rows: {rows}"
     )
 
 
@@ -234,18 +237,23 @@ def _slurm_submit(tmp_path: Path, data: Path, model: Path, cluster: SlurmCluster
 
 
 def _local_api(tmp_path: Path, data: Path, model: Path) -> Seen:
-    """:func:`elasticps.train` with ``cluster=Local()``: trainer threads, server processes.
-    No output directory, so no ``status`` or ``list``; the error carries the decisions."""
+    """:func:`elasticps.train` with ``cluster=Local(output=...)``: trainer threads, server
+    processes; the error carries the decisions, and ``run.json`` records the same."""
     import elasticps
     from elasticps.errors import JobFailedError
     from elasticps.model_file import load_model_file
 
     spec = load_model_file(model)
     reader = elasticps.Parquet.from_model_file(data / "train.parquet", model, batch_size=64)
+    output = tmp_path / "out"
     with pytest.raises(JobFailedError) as raised:
-        elasticps.train(spec.build(), spec.loss, reader, cluster=elasticps.Local(trainers=1, ps=1))
-    return Seen(1, f"elasticps: {raised.value}", _decisions({"decisions": raised.value.decisions}),
-                None, None)  # fmt: skip
+        elasticps.train(spec.build(), spec.loss, reader,
+                        cluster=elasticps.Local(trainers=1, ps=1, output=output))  # fmt: skip
+    decisions = _decisions({"decisions": raised.value.decisions})
+    record = json.loads((output / "run.json").read_text())
+    assert (record["launcher"], record["exit_code"]) == ("python-api", 1), record
+    assert _decisions(record) == decisions
+    return Seen(1, f"elasticps: {raised.value}", decisions, *_states(output))
 
 
 DIST_SCRIPT = """
@@ -261,7 +269,7 @@ def work():
 
 if __name__ == "__main__":
     try:
-        dist_train(work, workers=1, ps=1, timeout_s=120)
+        dist_train(work, workers=1, ps=1, timeout_s=120, output="out")
     except Exception as exc:
         import json
         print(json.dumps({"error": str(exc), "decisions": getattr(exc, "decisions", [])}))
@@ -278,8 +286,13 @@ def _dist_train(tmp_path: Path, data: Path, model: Path) -> Seen:
                           timeout=JOB_TIMEOUT_S, cwd=tmp_path, check=False)  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stderr[-3000:]
-    record = json.loads(lines[-1])
-    return Seen(done.returncode, f"elasticps: {record['error']}", _decisions(record), None, None)
+    raised = json.loads(lines[-1])
+    output = tmp_path / "out"
+    record = json.loads((output / "run.json").read_text())
+    assert (record["launcher"], record["exit_code"]) == ("dist_train", 1), record
+    assert _decisions(record) == _decisions(raised)
+    return Seen(done.returncode, f"elasticps: {raised['error']}", _decisions(record),
+                *_states(output))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -411,6 +424,7 @@ def test_trainers_that_keep_failing_fail_the_job(
     model.write_text(FAILING_MODEL)
     seen = path.run(tmp_path, mnist_dir, model, *map(request.getfixturevalue, path.needs))
     assert seen.exit_code == 1, seen.error
+    assert (seen.state, seen.listed) == ("failed", "failed"), seen
     if not path.replaces_trainers:
         assert seen.decisions == (("trainer", "exit 1", "fail (exit 1)"),), seen.decisions
         assert "status 1" in seen.error, seen.error
@@ -423,7 +437,3 @@ def test_trainers_that_keep_failing_fail_the_job(
             ("trainer", "exit 1", "fail (exit 1)"),
         ), seen.decisions
         assert all(d[2] == "ignore" for d in seen.decisions[limit:]), seen.decisions
-    if seen.state is not None:
-        assert seen.state == "failed"
-    if seen.listed is not None:
-        assert seen.listed == "failed"

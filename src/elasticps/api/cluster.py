@@ -69,6 +69,13 @@ class Local:
         max_restarts: restarts allowed per server process (etcd, the master,
             each parameter server), >= 0. A trainer thread that fails is
             replaced (see :mod:`elasticps.launcher.supervisor`).
+        output: if set, a directory where the job records itself, as
+            ``elasticps train --output`` does, so that ``elasticps status``
+            and ``elasticps list`` show it: ``run.json`` (``running``, then
+            ``finished``, ``failed`` or ``interrupted``, with the
+            supervision policy's decisions) and a lock held while the job
+            runs (see :mod:`elasticps.api.record`). It must not hold a run of
+            ``elasticps train``; a previous record of a Python job is replaced.
 
     Raises:
         ConfigError: a value is out of range.
@@ -89,6 +96,7 @@ class Local:
     checkpoint_every_s: float = 10.0
     sync_reduction: str = "mean"
     max_restarts: int = 3
+    output: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _check_job_values(self))

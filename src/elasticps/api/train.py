@@ -39,6 +39,7 @@ from torch import Tensor, nn
 import elasticps.nn as enn
 from elasticps import updater as updater_mod
 from elasticps.api.cluster import Hosts, Local, Parquet, Slurm
+from elasticps.api.record import RunRecord
 from elasticps.api.servers import LocalServers, ServersConfig
 from elasticps.buffers import model_buffers
 from elasticps.config import CommonConfig, OptimizerConfig, TrainerConfig, UpdateMode
@@ -775,13 +776,7 @@ def _row_grads(tables: ShardTables, grads: Mapping[str, enn.SparseGrad]) -> RowG
 
 def _train_local(job: _Job, cluster: Local) -> ParameterSet:
     """Real etcd, master and PS processes; trainer threads running :class:`Trainer`."""
-    spec, reader, frozen, hub, num_passes = (
-        job.spec,
-        job.reader,
-        job.frozen,
-        job.hub,
-        job.num_passes,
-    )
+    spec, reader, frozen, num_passes = job.spec, job.reader, job.frozen, job.num_passes
     mode = cluster.update_mode
     # Checked before any server starts: bad frozen patterns, files or readers.
     probe_model = spec.instantiate(0)
@@ -818,10 +813,43 @@ def _train_local(job: _Job, cluster: Local) -> ParameterSet:
         ps_args=("--sync-reduction", cluster.sync_reduction),
         max_restarts=cluster.max_restarts,
     )
+    record: contextlib.AbstractContextManager[RunRecord | None] = contextlib.nullcontext()
+    if cluster.output is not None:
+        record = RunRecord(
+            Path(cluster.output), servers_config.job, "python-api", passes=num_passes
+        )
+    with record as run_record:
+        return _train_on_servers(
+            job,
+            cluster,
+            servers_config,
+            run_record,
+            probe_model=probe_model,
+            probe=probe,
+            batch_reader=batch_reader,
+            batch_size=batch_size,
+        )
+
+
+def _train_on_servers(
+    job: _Job,
+    cluster: Local,
+    servers_config: ServersConfig,
+    record: RunRecord | None,
+    *,
+    probe_model: nn.Module,
+    probe: FlatModel,
+    batch_reader: Reader | None,
+    batch_size: int,
+) -> ParameterSet:
+    """Start the servers, run the trainer threads, pull the result (see :func:`_train_local`)."""
+    spec, hub, num_passes, mode = job.spec, job.hub, job.num_passes, cluster.update_mode
     with (
         LocalServers(servers_config) as servers,
         JobStore(servers.etcd_endpoint, servers.job) as store,
     ):
+        if record is not None:
+            record.running(servers.etcd_endpoint, servers.decision_records)
         common = CommonConfig(
             job=servers.job, etcd_endpoint=servers.etcd_endpoint, lease_ttl_s=cluster.lease_ttl_s
         )
