@@ -58,7 +58,9 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
     "optimizer"}``.
   - ``thaw``: release this connection's freeze; answers ``{"shard", "version"}``.
   - ``coverage`` (``pass``): the records the shard holds in that pass:
-    ``{"shard", "epoch", "pass", "sealed", "intervals": [[task, lo, hi], ...]}``.
+    ``{"shard", "epoch", "pass", "sealed", "intervals": [[task, lo, hi], ...],
+    "version", "sealed_through", "opaque"}`` (``opaque``: the values came
+    from a trainer since the last seal, see ``ParameterShard.opaque``).
   - ``seal`` (``pass``, optional ``if_version``): drop the pass's push keys
     (every shard holds them all; the master checked), save a checkpoint if
     the server keeps them, and answer ``{"shard", "epoch", "version",
@@ -562,6 +564,7 @@ class ParameterServer:
             discard_body(state.conn, header, state.scratch)
             raise _RequestError("bad_init", f"INIT_VALUES must be {pending.numel} float32 values")
         recv_body_into(state.conn, header, [tensor_view(pending.values)])
+        pending.mark_opaque()
         with self._cond:
             self._install(pending)
             self._pending_shard = None
@@ -964,6 +967,7 @@ class ParameterServer:
             "intervals": [list(iv) for iv in intervals],
             "version": shard.version,
             "sealed_through": shard.stats().sealed_through,
+            "opaque": shard.opaque,
         }
 
     def _op_seal(self, conn: socket.socket, msg: dict[str, object]) -> dict[str, object]:

@@ -351,6 +351,10 @@ class ParameterShard:
         self._duplicates = 0
         self._steps = 0
         self._coverage = Coverage()
+        # Initialized from a trainer's values (INIT_VALUES), not from a checkpoint,
+        # and not sealed since: the values may hold records the coverage does not
+        # name, so sealed passes cannot be trained again onto it (see ``opaque``).
+        self._opaque = False
         # Keys joined to the open sync round (applied with it), and whether a
         # gradient (applied or duplicate) joined it: such a round moves the version.
         self._round_keys: list[PushKey] = []
@@ -454,6 +458,23 @@ class ParameterShard:
             ]
             return False, out
 
+    @property
+    def opaque(self) -> bool:
+        """Whether the values came from a trainer (INIT_VALUES) since the last seal.
+
+        Such values may already hold gradients of records that the coverage
+        does not name (the trainer had pulled them from a predecessor), so
+        the master does not train sealed passes again onto this shard: what
+        it lacks of them is reported lost. A seal clears it; checkpoints keep it.
+        """
+        with self._cond:
+            return self._opaque
+
+    def mark_opaque(self) -> None:
+        """Record that the values were just set from a trainer's (see :attr:`opaque`)."""
+        with self._cond:
+            self._opaque = True
+
     def seal(self, pass_id: int) -> None:
         """Drop the keys of every pass up to ``pass_id``: all their pushes are duplicates now.
 
@@ -463,6 +484,7 @@ class ParameterShard:
         with self._cond:
             self._coverage.seal(pass_id)
             self._round_cov.seal(pass_id)
+            self._opaque = False
 
     def relabel_version(self, version: int) -> None:
         """Set the version number without changing the parameters (a shard that lost
@@ -532,7 +554,8 @@ class ParameterShard:
             ``mode``, ``optimizer`` (the config), ``optimizer_scalars``
             (``{key: {"value": number, "dtype": "float32" | None}}``, e.g.
             Adam's ``step``; dtype None for a plain Python number) and
-            ``sealed_through`` (the last sealed pass, -1 if none). With
+            ``sealed_through`` (the last sealed pass, -1 if none) and
+            ``opaque`` (see :attr:`opaque`). With
             sparse tables, ``sparse_tables`` (rows held per table) and, in
             memory only, :data:`SPARSE_STATE_KEY`: a copy of every table.
 
@@ -563,6 +586,7 @@ class ParameterShard:
                 "optimizer": asdict(self.optimizer_config),
                 "optimizer_scalars": scalars,
                 "sealed_through": self._coverage.sealed_through,
+                "opaque": self._opaque,
             }
             if self.tables is not None:
                 # A copy taken between two steps, with the dense values.
@@ -612,6 +636,9 @@ class ParameterShard:
         sealed = meta.get("sealed_through", -1)
         if not isinstance(sealed, int) or isinstance(sealed, bool):
             raise ValueError(f"saved sealed_through must be an integer, got {sealed!r}")
+        opaque = meta.get("opaque", False)
+        if not isinstance(opaque, bool):
+            raise ValueError(f"saved opaque must be true or false, got {opaque!r}")
         rows = tensors.get(COVERAGE_KEY)
         coverage = (
             Coverage.from_tensor(rows, sealed)
@@ -658,6 +685,7 @@ class ParameterShard:
             self._values.copy_(values.detach().reshape(-1))
             self._version = version
             self._coverage = coverage
+            self._opaque = opaque
             if self._contributors:
                 self._discarded.add(self._round)
                 self._round += 1
