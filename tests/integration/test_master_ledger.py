@@ -291,6 +291,8 @@ def test_a_new_master_restores_the_same_queue_from_etcd(
             "passes_lost": [],
             "failed_tasks": [],
             "records_skipped": 0,
+            "records_repaired": 0,
+            "passes_repaired": [],
             "exactly_once": True,
         }
     }

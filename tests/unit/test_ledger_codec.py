@@ -241,6 +241,8 @@ def test_the_end_of_a_pass_writes_the_record_the_summary_and_the_meta_last() -> 
         "passes_lost": [],
         "failed_tasks": [],
         "records_skipped": 0,
+        "records_repaired": 0,
+        "passes_repaired": [],
         "exactly_once": True,
     }
     assert json.loads(writes[2][1]) == queue.meta()

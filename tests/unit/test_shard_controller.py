@@ -141,3 +141,77 @@ def test_a_pass_completes_only_if_the_claims_held_from_the_check_through_the_sea
         assert sorted(asked) == ["coverage@10", "coverage@8", "seal@10", "seal@8"]
     finally:
         verifier.close()
+
+
+def _restored_shard_answers(opaque: bool) -> Any:
+    """Shard 0 sealed every pass; shard 1 was restored from a checkpoint taken during
+    pass 1 (sealed through 0): it holds 4 records of pass 1, none of pass 2, all of 3."""
+
+    def request(self: _Client, body: object, *, timeout_s: float | None = None) -> dict[str, Any]:
+        self.body = dict(body)  # type: ignore[call-overload]
+        answer: dict[str, Any] = {"epoch": self.epoch, "version": 7, "durable": True}
+        if self.epoch == 8 or self.body["op"] != "coverage":
+            return {**answer, "sealed": True, "sealed_through": 2}
+        held = {1: [[0, 0, 4]], 2: [], 3: [[0, 0, 10]]}[int(self.body["pass"])]
+        return {**answer, "sealed": False, "intervals": held, "sealed_through": 0,
+                "opaque": opaque}  # fmt: skip
+
+    return request
+
+
+@pytest.mark.parametrize("repairs_succeed", [True, False])
+def test_a_shard_restored_before_a_seal_gets_repairs_of_the_oldest_pass_first(
+    store: _Store, monkeypatch: pytest.MonkeyPatch, repairs_succeed: bool
+) -> None:
+    monkeypatch.setattr(_Client, "request", _restored_shard_answers(opaque=False))
+    completed: list[tuple[int, int]] = []
+    asked: list[tuple[int, dict[int, int]]] = []
+    verifier = PassVerifier(
+        store,  # type: ignore[arg-type]
+        task_records=lambda: {0: 10},
+        done_tasks=lambda: [0],
+        reopen=lambda rewinds: None,
+        complete=lambda pass_id, lost, passes: completed.append((pass_id, lost)),
+        failed_tasks_of=lambda pass_id: [],
+        stop=threading.Event(),
+        repair=lambda pass_id, rewinds: (
+            asked.append((pass_id, rewinds)) is None and repairs_succeed
+        ),
+    )
+    try:
+        verifier._verify(3)
+    finally:
+        verifier.close()
+    if repairs_succeed:
+        assert asked == [(1, {0: 4})]
+        assert completed == []  # checked again once the repairs are done
+    else:  # every repair had failed before: what shard 1 lacks is lost
+        assert asked == [(1, {0: 4}), (2, {0: 0})]
+        assert completed == [(3, 6 + 10)]
+
+
+@pytest.mark.parametrize(("opaque", "summary_kept"), [(True, True), (False, False)])
+def test_an_opaque_shard_or_a_pass_without_summary_is_not_repaired(
+    store: _Store, monkeypatch: pytest.MonkeyPatch, opaque: bool, summary_kept: bool
+) -> None:
+    """An opaque shard's values came from a trainer: they may hold records that its
+    coverage does not name. A pass without summary has unknown failed tasks."""
+    monkeypatch.setattr(_Client, "request", _restored_shard_answers(opaque=opaque))
+    completed: list[tuple[int, int]] = []
+    asked: list[int] = []
+    verifier = PassVerifier(
+        store,  # type: ignore[arg-type]
+        task_records=lambda: {0: 10},
+        done_tasks=lambda: [0],
+        reopen=lambda rewinds: None,
+        complete=lambda pass_id, lost, passes: completed.append((pass_id, lost)),
+        failed_tasks_of=lambda pass_id: [] if summary_kept else None,
+        stop=threading.Event(),
+        repair=lambda pass_id, rewinds: asked.append(pass_id) is None,
+    )
+    try:
+        verifier._verify(3)
+    finally:
+        verifier.close()
+    assert asked == []
+    assert completed == [(3, 16)]

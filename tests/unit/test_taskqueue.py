@@ -1242,3 +1242,72 @@ def test_a_restored_queue_announces_a_ready_pass_again() -> None:
     )
     assert kinds(restored.settle()) == [EventKind.PASS_READY]
     assert restored.done_tasks() == [0, 1]
+
+
+# --- repairs of sealed passes ------------------------------------------------------
+
+
+def queue_in_pass_1_ready() -> TaskQueue:
+    """Pass 0 completed, and every task of pass 1 done: pass 1 awaits verification."""
+    queue = make_verified_queue(num_tasks=2, num_passes=2)
+    finish_all(queue)
+    queue.complete_pass(0)
+    finish_all(queue)
+    assert queue.awaiting_verification
+    return queue
+
+
+def test_repairs_are_dispatched_with_the_sealed_pass_then_the_pass_is_ready_again() -> None:
+    queue = queue_in_pass_1_ready()
+    events = queue.open_repairs(0, {1: 4})
+    assert [(e.kind, e.task_id, e.pass_id, e.reason) for e in events] == [
+        (EventKind.REPAIR, 1, 0, "reopened")
+    ]
+    assert not queue.awaiting_verification and queue.repairing
+    d = dispatch(queue, "t0")
+    assert (d.task_id, d.pass_id, d.offset) == (1, 0, 4)
+    assert queue.trainers() == {"t0"} and queue.pending_of("t0") == [d]
+    assert isinstance(queue.get_task("t1", 0.0)[0], Wait)
+    assert queue.report_progress(d.task_id, d.pass_id, d.attempt, 7, 1.0) == []
+    assert queue.skip_budget(d.task_id, d.pass_id) == queue.config.max_task_timeouts
+    assert kinds(succeed(queue, d)) == [EventKind.REPAIR, EventKind.PASS_READY]
+    # The current pass's own tasks were not touched.
+    assert queue.done_tasks() == [0, 1] and queue.offset_of(1) == 10
+    (completed, finished) = queue.complete_pass(1)
+    assert completed.summary is not None and finished.kind is EventKind.JOB_FINISHED
+    assert (completed.summary.records_repaired, completed.summary.passes_repaired) == (6, (0,))
+    assert completed.summary.as_dict()["passes_repaired"] == [0]
+    assert completed.summary.exactly_once
+
+
+def test_a_lost_trainers_repair_is_requeued_and_a_failed_one_is_not_reopened() -> None:
+    queue = queue_in_pass_1_ready()
+    queue.open_repairs(0, {0: 0})
+    d = dispatch(queue, "t0")
+    (requeued,) = queue.trainer_lost("t0", 0.0)
+    assert requeued.kind is EventKind.REPAIR and requeued.reason.startswith("requeued")
+    with pytest.raises(StaleTaskError):
+        succeed(queue, d)
+    # Time out every attempt: the repair fails, its records are lost.
+    now = 0.0
+    while queue.repairing:
+        again = dispatch(queue, "t1", now)
+        now += 2 * TIMEOUT_S
+        queue.expire(now)
+    assert again.pass_id == 0 and queue.awaiting_verification
+    assert queue.open_repairs(0, {0: 0}) == []  # stays failed in this pass
+    (completed, _) = queue.complete_pass(1, records_lost=10, passes_lost=[0])
+    assert completed.summary is not None and completed.summary.records_repaired == 0
+
+
+def test_repairs_open_only_while_the_pass_awaits_verification_and_are_not_durable() -> None:
+    from elasticps.coord.keys import Keys
+    from elasticps.master.ledger import ledger_writes
+
+    queue = make_verified_queue(num_tasks=2, num_passes=2)
+    assert queue.open_repairs(0, {0: 0}) == []  # pass 0 is running
+    queue = queue_in_pass_1_ready()
+    with pytest.raises(ValueError, match="not an earlier pass"):
+        queue.open_repairs(1, {0: 0})
+    events = queue.open_repairs(0, {0: 0})
+    assert ledger_writes(Keys("job"), queue, events) == []

@@ -1837,17 +1837,24 @@ def exactly_once_summary(passes: list[dict[str, object]], epochs: int) -> dict[s
     """The job-level verdict of the pass audits, for ``run.json`` (pure).
 
     ``exactly_once`` is true only if every pass was audited and each was
-    checked on the parameter servers with nothing lost.
+    checked on the parameter servers with nothing lost. ``records_repaired``
+    and ``passes_repaired``: records of sealed passes trained again for
+    servers restored from a checkpoint older than the seal.
     """
     lost = sum(int(str(p.get("records_lost", 0))) for p in passes)
-    affected = sorted(
-        {int(q) for p in passes if isinstance(lst := p.get("passes_lost"), list) for q in lst}
-    )
+
+    def passes_in(field: str) -> list[int]:
+        return sorted(
+            {int(q) for p in passes if isinstance(lst := p.get(field), list) for q in lst}
+        )
+
     return {
         "exactly_once": len(passes) == epochs and all(p.get("exactly_once") for p in passes),
         "records_lost": lost,
-        "passes_lost": affected,
+        "passes_lost": passes_in("passes_lost"),
         "records_reopened": sum(int(str(p.get("records_reopened", 0))) for p in passes),
+        "records_repaired": sum(int(str(p.get("records_repaired", 0))) for p in passes),
+        "passes_repaired": passes_in("passes_repaired"),
     }
 
 

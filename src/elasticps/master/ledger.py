@@ -226,6 +226,8 @@ def ledger_writes(
     writes: dict[str, str] = {}
     meta_changed = False
     for event in events:
+        if event.kind is EventKind.REPAIR:
+            continue  # not durable: the servers' coverage says what a repair achieved
         if event.task_id is not None:
             writes[keys.task(event.task_id)] = encode(queue.record(event.task_id))
         elif event.kind in QUEUE_EVENTS:

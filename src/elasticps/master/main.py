@@ -211,6 +211,7 @@ def serve_master(
             complete=active.complete_pass,
             failed_tasks_of=lambda p: _failed_tasks_of(store, p),
             stop=stop,
+            repair=active.open_repairs,
         )
         ready = service.awaiting_verification()
         if ready is not None:
@@ -288,11 +289,13 @@ def _start_feeder(
     return feeder
 
 
-def _failed_tasks_of(store: JobStore, pass_id: int) -> list[int]:
-    """The failed tasks of a completed pass, from its summary in etcd."""
-    summary = store.get_json(store.keys.pass_summary(pass_id)) or {}
-    failed = summary.get("failed_tasks", [])
-    return [t for t in failed if isinstance(t, int)] if isinstance(failed, list) else []
+def _failed_tasks_of(store: JobStore, pass_id: int) -> list[int] | None:
+    """The failed tasks of a completed pass, from its summary in etcd (None: no summary)."""
+    summary = store.get_json(store.keys.pass_summary(pass_id))
+    failed = summary.get("failed_tasks") if isinstance(summary, dict) else None
+    if not isinstance(failed, list):
+        return None
+    return [t for t in failed if isinstance(t, int)]
 
 
 def _add_health(server: grpc.Server) -> Any:

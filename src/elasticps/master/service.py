@@ -249,7 +249,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     end=result.data.end,
                     timeout_s=self._timeout_s,
                     offset=result.offset,
-                    skip_budget=self._skip_budget(result.task_id),
+                    skip_budget=self._skip_budget(result.task_id, result.pass_id),
                 )
             )
         if isinstance(result, Wait):
@@ -370,6 +370,15 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
         self._mutate_events(mutate)
 
+    def open_repairs(self, pass_id: int, rewinds: dict[int, int]) -> bool:
+        """Re-open records of sealed pass ``pass_id`` for the servers that lack them
+        (``TaskQueue.open_repairs``); returns whether any repair was opened.
+
+        Raises:
+            SteppedDownError: the service has stepped down.
+        """
+        return bool(self._mutate_events(lambda now: self._queue.open_repairs(pass_id, rewinds)))
+
     def add_tasks(self, ranges: Sequence[DataRange]) -> None:
         """Add a stream's new tasks, persisted before they can be dispatched.
 
@@ -483,10 +492,10 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     # --- internals ---------------------------------------------------------------
 
-    def _skip_budget(self, task_id: int) -> int:
+    def _skip_budget(self, task_id: int, pass_id: int) -> int:
         """The task's skip budget, read right after its dispatch (the lock is free again)."""
         with self._lock:
-            return self._queue.skip_budget(task_id)
+            return self._queue.skip_budget(task_id, pass_id)
 
     def _mutate(
         self,
@@ -609,7 +618,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     logging.INFO if s.exactly_once else logging.ERROR,
                     "pass %d completed: %d/%d tasks done, %d failed, %d records trained, "
                     "%d skipped, exactly once on every shard: %s (checked on the servers: %s; "
-                    "ledger duplicated %d, missing %d; re-opened %d; lost %d of passes %s)",
+                    "ledger duplicated %d, missing %d; re-opened %d; repaired %d of passes %s; "
+                    "lost %d of passes %s)",
                     s.pass_id,
                     s.done,
                     s.tasks,
@@ -621,6 +631,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     s.duplicated_records,
                     s.missing_records,
                     s.records_reopened,
+                    s.records_repaired,
+                    list(s.passes_repaired),
                     s.records_lost,
                     list(s.passes_lost),
                 )
@@ -630,6 +642,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 log.info("pass %d: every task reported; checking the parameter servers", e.pass_id)
             elif e.kind is EventKind.REOPENED:
                 log.info("task %s re-opened at record %d: %s", e.task_id, e.offset, e.reason)
+            elif e.kind is EventKind.REPAIR:
+                log.info("repair of task %s of pass %d, attempt %d, at record %d: %s",
+                         e.task_id, e.pass_id, e.attempt, e.offset, e.reason)  # fmt: skip
             elif e.kind is EventKind.JOB_FINISHED:
                 log.info("all passes finished")
                 if self._on_finished is not None:

@@ -279,7 +279,12 @@ class PassVerifier:
             queue mutation, made durable before it returns.
         complete: completes a pass: ``complete(pass_id, records_lost,
             passes_lost)``.
-        failed_tasks_of: the failed tasks of an earlier pass (from its summary).
+        failed_tasks_of: the failed tasks of an earlier pass (from its
+            summary), or None if its summary is not kept.
+        repair: re-opens records of an earlier, sealed pass for the servers
+            that lack them: ``repair(pass_id, {task: record})``; returns
+            whether any repair was opened (see
+            :meth:`~elasticps.master.taskqueue.TaskQueue.open_repairs`).
         stop: set when the master stops.
     """
 
@@ -291,14 +296,16 @@ class PassVerifier:
         done_tasks: Callable[[], Sequence[int]],
         reopen: Callable[[dict[int, int]], None],
         complete: Callable[[int, int, Sequence[int]], None],
-        failed_tasks_of: Callable[[int], Sequence[int]],
+        failed_tasks_of: Callable[[int], Sequence[int] | None],
         stop: threading.Event,
+        repair: Callable[[int, dict[int, int]], bool] | None = None,
     ) -> None:
         self._task_records = task_records
         self._done_tasks = done_tasks
         self._reopen = reopen
         self._complete = complete
         self._failed_tasks_of = failed_tasks_of
+        self._repair = repair
         self._stop = stop
         self._controller = ShardController(store)
         self._lock = threading.Lock()
@@ -356,7 +363,10 @@ class PassVerifier:
             )  # fmt: skip
             self._reopen(verdict.rewinds)
             return
-        lost, passes_lost = self._lost_earlier_passes(pass_id, answers)
+        earlier = self._earlier_coverage(pass_id, answers)
+        if self._repair is not None and self._open_repairs(earlier, answers, slots):
+            return
+        lost, passes_lost = self._lost_earlier_passes(earlier)
         bodies: dict[int, dict[str, object]] = {}
         for index, answer in sorted(answers.items()):
             body: dict[str, object] = {"op": "seal", "pass": pass_id}
@@ -376,32 +386,87 @@ class PassVerifier:
         )
         self._complete(pass_id, lost, passes_lost)
 
-    def _lost_earlier_passes(
+    def _earlier_coverage(
         self, pass_id: int, answers: Mapping[int, Mapping[str, object]]
+    ) -> dict[int, list[ShardCoverage]]:
+        """Earlier pass -> the coverage of each shard that has not sealed it.
+
+        Such a shard was restored from a checkpoint older than the pass's
+        seal (or from none: it holds nothing of any pass).
+        """
+        earlier: dict[int, list[ShardCoverage]] = {}
+        for index, answer in sorted(answers.items()):
+            sealed_through = answer.get("sealed_through", -1)
+            initialized = bool(answer.get("initialized", True))
+            if not isinstance(sealed_through, int) or not initialized:
+                sealed_through = -1
+            for old in range(sealed_through + 1, pass_id):
+                report = coverage_report(
+                    index, self._controller.request_all({"op": "coverage", "pass": old})[index]
+                )
+                if not initialized:
+                    report = ShardCoverage(index, sealed=False, initialized=False)
+                earlier.setdefault(old, []).append(report)
+        return earlier
+
+    def _open_repairs(
+        self,
+        earlier: Mapping[int, Sequence[ShardCoverage]],
+        answers: Mapping[int, Mapping[str, object]],
+        slots: Sequence[PSSlot],
+    ) -> bool:
+        """Re-open, for the oldest earlier pass that has some, the records that
+        shards restored from an older checkpoint lack; returns whether any was.
+
+        A shard whose values came from a trainer since its last seal
+        (``opaque``: it restarted with no readable checkpoint) or that holds
+        nothing is not repaired, nor is a pass whose summary is not kept:
+        what they lack is reported lost.
+        """
+        assert self._repair is not None
+        opaque = {i for i, a in answers.items() if a.get("opaque") or not a.get("initialized", 1)}
+        task_records = self._task_records()
+        for old, reports in sorted(earlier.items()):
+            failed = self._failed_tasks_of(old)
+            repairable = [r for r in reports if r.shard not in opaque]
+            if failed is None or not repairable:
+                continue
+            done = [t for t in task_records if t not in set(failed)]
+            verdict = judge_pass(task_records, done, repairable)
+            if verdict.complete:
+                continue
+            self._controller.confirm(slots)
+            if self._repair(old, verdict.rewinds):
+                log.warning(
+                    "parameter server(s) %s lack %d records of sealed pass %d (restored from a "
+                    "checkpoint older than its seal); re-opening %d task(s) of it as repairs "
+                    "(the servers that hold them drop them as duplicates)",
+                    sorted(verdict.missing), sum(verdict.missing.values()), old,
+                    len(verdict.rewinds),
+                )  # fmt: skip
+                return True
+        return False
+
+    def _lost_earlier_passes(
+        self, earlier: Mapping[int, Sequence[ShardCoverage]]
     ) -> tuple[int, list[int]]:
         """Records of sealed passes that a restored shard does not hold (lost for good)."""
         lost = 0
         passes: set[int] = set()
-        for index, answer in sorted(answers.items()):
-            sealed_through = answer.get("sealed_through", -1)
-            if not isinstance(sealed_through, int) or not answer.get("initialized", True):
-                sealed_through = -1
-            for earlier in range(sealed_through + 1, pass_id):
-                report = coverage_report(
-                    index,
-                    self._controller.request_all({"op": "coverage", "pass": earlier})[index],
-                )
-                failed = set(self._failed_tasks_of(earlier))
-                task_records = self._task_records()
-                done = [t for t in task_records if t not in failed]
+        task_records = self._task_records()
+        for old, reports in sorted(earlier.items()):
+            failed = set(self._failed_tasks_of(old) or ())
+            done = [t for t in task_records if t not in failed]
+            for report in reports:
                 missing = records_missing(task_records, done, report)
                 if missing:
                     lost += missing
-                    passes.add(earlier)
+                    passes.add(old)
                     log.error(
                         "parameter server %d lost %d records of pass %d for good: it was "
-                        "restored from a checkpoint older than that pass's seal (or from none)",
-                        index, missing, earlier,
+                        "restored from a checkpoint older than that pass's seal (or from none), "
+                        "and they could not be trained again onto it",
+                        report.shard, missing, old,
                     )  # fmt: skip
         return lost, sorted(passes)
 

@@ -64,6 +64,7 @@ from elasticps.errors import (
     StaleTaskError,
     UnknownTaskError,
 )
+from elasticps.master.repairs import RepairAttempt, RepairEvent, Repairs
 
 __all__ = [
     "DISPATCH_NOT_RECEIVED",
@@ -324,6 +325,11 @@ class PassSummary:
             checked on the servers).
         records_skipped: records in the segments of the pass that were
             skipped, not trained (``--bad-records skip``).
+        records_repaired: records of earlier, sealed passes trained again
+            while this pass was checked, for the servers restored from a
+            checkpoint older than those passes' seals (see
+            :meth:`TaskQueue.open_repairs`); applied only where missing.
+        passes_repaired: the earlier passes those records belong to.
     """
 
     pass_id: int
@@ -340,6 +346,8 @@ class PassSummary:
     passes_lost: tuple[int, ...] = ()
     failed_tasks: tuple[int, ...] = ()
     records_skipped: int = 0
+    records_repaired: int = 0
+    passes_repaired: tuple[int, ...] = ()
 
     @property
     def ledger_exactly_once(self) -> bool:
@@ -362,6 +370,7 @@ class PassSummary:
         out = dataclasses.asdict(self)
         out["passes_lost"] = list(self.passes_lost)
         out["failed_tasks"] = list(self.failed_tasks)
+        out["passes_repaired"] = list(self.passes_repaired)
         return {**out, "exactly_once": self.exactly_once}
 
 
@@ -385,6 +394,10 @@ class EventKind(enum.Enum):
     """A stream's task was added (see :meth:`TaskQueue.add_tasks`)."""
     SEALED = "sealed"
     """A stream ended: no task will be added (see :meth:`TaskQueue.seal`)."""
+    REPAIR = "repair"
+    """A repair of a sealed pass changed (see :meth:`TaskQueue.open_repairs`); ``reason``
+    says how (``reopened``, ``dispatched``, ``done``, ``requeued: ...``,
+    ``failed: ...``). Changes nothing durable."""
 
 
 TRAINER_LOST = "trainer lost"
@@ -545,6 +558,8 @@ class TaskQueue:
         # verify_passes: the pass is over but not yet completed by the shell.
         self._ready = False
         self._skipped = 0
+        # Records of sealed passes trained again for shards that lack them.
+        self._repairs = Repairs(config.task_timeout_s, config.max_task_timeouts)
 
     # --- queries -----------------------------------------------------------
 
@@ -624,11 +639,17 @@ class TaskQueue:
             dispatch = self._tasks[task_id].dispatch
             if dispatch is not None:
                 dispatches.append(dispatch)
+        dispatches.extend(self._repair_dispatch(a) for a in self._repairs.pending_of(trainer_id))
         return dispatches
 
     def trainers(self) -> set[str]:
-        """Return the trainers that hold at least one pending attempt."""
-        return set(self._by_trainer)
+        """Return the trainers that hold at least one pending attempt (repairs included)."""
+        return set(self._by_trainer) | self._repairs.trainers()
+
+    @property
+    def repairing(self) -> bool:
+        """Whether repairs of a sealed pass are todo or pending (see :meth:`open_repairs`)."""
+        return self._repairs.active
 
     @property
     def awaiting_verification(self) -> bool:
@@ -659,9 +680,13 @@ class TaskQueue:
             Monotonic time in seconds, or None if nothing is pending.
         """
         self._drop_dead_heads()
-        return self._deadlines[0][0] if self._deadlines else None
+        own = self._deadlines[0][0] if self._deadlines else None
+        repair = self._repairs.next_deadline()
+        if own is None or repair is None:
+            return repair if own is None else own
+        return min(own, repair)
 
-    def skip_budget(self, task_id: int) -> int:
+    def skip_budget(self, task_id: int, pass_id: int | None = None) -> int:
         """Return how many more mini-batches a task may skip in the current pass.
 
         A skipped mini-batch (``--bad-records skip``) counts like a timeout: a
@@ -669,10 +694,16 @@ class TaskQueue:
         mini-batches in a pass; one more and it is FAILED. The service hands
         the budget to each attempt (``Task.skip_budget``).
 
+        Args:
+            task_id: the task.
+            pass_id: the dispatch's pass, if not the current one (a repair).
+
         Raises:
             UnknownTaskError: no such task.
         """
         task = self._task(task_id)
+        if pass_id is not None and pass_id != self._pass_id:
+            return self._repairs.skip_budget(task_id, pass_id)
         used = task.timeout_count if self._in_pass(task) else 0
         return max(0, self._config.max_task_timeouts - used)
 
@@ -788,6 +819,8 @@ class TaskQueue:
         """
         if self._finished:
             return Finished(), []
+        if self._repairs.active:
+            return self._get_repair(trainer_id, now, holding)
         events = self._requeue_held(trainer_id, DISPATCH_NOT_RECEIVED, keep=holding)
         held = len(self._by_trainer.get(trainer_id, ()))
         if held and (held >= MAX_HELD or self._num_todo() < len(self._by_trainer)):
@@ -857,6 +890,9 @@ class TaskQueue:
                 ``skipped`` is not a count of records the attempt covered.
                 Nothing is changed.
         """
+        if pass_id != self._pass_id and self._repairs.holds(task_id, pass_id):
+            self._repairs.progress(task_id, pass_id, attempt, offset, now)
+            return []
         task = self._current_attempt(task_id, pass_id, attempt)
         if offset > task.data.num_rows:
             raise StaleTaskError(
@@ -924,6 +960,13 @@ class TaskQueue:
                 counts the attempt can have. Nothing is changed.
         """
         del now  # Reports do not depend on time; kept for a uniform interface.
+        if pass_id != self._pass_id and self._repairs.holds(task_id, pass_id):
+            if skipped_batches < 0:
+                raise StaleTaskError(f"task {task_id}: skipped_batches {skipped_batches} < 0")
+            events = self._repair_events(
+                self._repairs.report(task_id, pass_id, attempt, success=success, error=error)
+            )
+            return events + self._maybe_advance_pass()
         task = self._current_attempt(task_id, pass_id, attempt)
         if skipped_batches < 0:
             raise StaleTaskError(f"task {task_id}: skipped_batches {skipped_batches} < 0")
@@ -963,6 +1006,7 @@ class TaskQueue:
             if self._is_live(entry):
                 task_id = entry[1]
                 events.extend(self._count_failure(task_id, self._tasks[task_id], reason="timeout"))
+        events.extend(self._repair_events(self._repairs.expire(now)))
         events.extend(self._maybe_advance_pass())
         return events
 
@@ -982,6 +1026,7 @@ class TaskQueue:
         """
         del now  # Kept for a uniform interface.
         events = self._requeue_held(trainer_id, TRAINER_LOST)
+        events.extend(self._repair_events(self._repairs.requeue_held(trainer_id, TRAINER_LOST)))
         # Requeueing never empties the queue, but keep the check after every
         # mutation so the invariant does not depend on that reasoning.
         events.extend(self._maybe_advance_pass())
@@ -1088,9 +1133,82 @@ class TaskQueue:
         if not self._ready or pass_id != self._pass_id or self._finished:
             return []
         self._ready = False
-        return self._advance_pass(
+        events = self._advance_pass(
             shards_checked=True, records_lost=records_lost, passes_lost=tuple(passes_lost)
         )
+        self._repairs.clear()
+        return events
+
+    def open_repairs(self, pass_id: int, rewinds: Mapping[int, int]) -> list[TaskEvent]:
+        """Re-open records of an earlier, sealed pass for the servers that lack them.
+
+        The shell calls it while the current pass awaits verification (every
+        task done or failed) and some server, restored from a checkpoint
+        older than pass ``pass_id``'s seal, lacks records of it (see
+        :mod:`elasticps.master.repairs`). Until every repair is done or
+        failed, :meth:`get_task` hands out repairs (dispatches of pass
+        ``pass_id``, pushed with its keys), and the pass is not ready; then
+        PASS_READY again, and the shell checks the servers anew. A repair
+        that failed in this pass is not re-opened: its records are lost.
+
+        Args:
+            pass_id: the sealed pass, below the current one.
+            rewinds: task id -> the first record some server lacks.
+
+        Returns:
+            One REPAIR event per repair opened; nothing if none was (every one
+            had failed before, or the pass is not awaiting verification).
+
+        Raises:
+            ValueError: ``pass_id`` is not an earlier pass, or a rewind is
+                outside its task.
+        """
+        if not self._ready or self._finished:
+            return []
+        if not 0 <= pass_id < self._pass_id:
+            raise ValueError(f"pass {pass_id} is not an earlier pass (current {self._pass_id})")
+        events = self._repair_events(self._repairs.open(pass_id, rewinds, self.task_records()))
+        if events:
+            self._ready = False
+        return events
+
+    def _get_repair(
+        self, trainer_id: str, now: float, holding: Collection[int]
+    ) -> tuple[GetTaskResult, list[TaskEvent]]:
+        """:meth:`get_task` while repairs are open: the next repair, or Wait."""
+        events = self._repair_events(
+            self._repairs.requeue_held(trainer_id, DISPATCH_NOT_RECEIVED, keep=holding)
+        )
+        attempt, more = self._repairs.get(trainer_id, now)
+        events.extend(self._repair_events(more))
+        if attempt is None:
+            return Wait(retry_after_s=self._retry_after_s(now)), events
+        return self._repair_dispatch(attempt), events
+
+    def _repair_dispatch(self, attempt: RepairAttempt) -> Dispatch:
+        return Dispatch(
+            task_id=attempt.task_id,
+            pass_id=attempt.pass_id,
+            attempt=attempt.attempt,
+            data=self._tasks[attempt.task_id].data,
+            deadline=attempt.deadline,
+            offset=attempt.offset,
+        )
+
+    def _repair_events(self, changes: Sequence[RepairEvent]) -> list[TaskEvent]:
+        return [
+            TaskEvent(
+                EventKind.REPAIR,
+                c.task_id,
+                c.pass_id,
+                c.attempt,
+                c.timeouts,
+                c.trainer_id,
+                reason=f"{c.kind}: {c.reason}" if c.reason else c.kind,
+                offset=c.offset,
+            )
+            for c in changes
+        ]
 
     def settle(self) -> list[TaskEvent]:
         """Complete the current pass if nothing is todo or pending.
@@ -1425,6 +1543,8 @@ class TaskQueue:
         task records are reset lazily."""
         if self._finished or not self._sealed or self._num_todo() or self._num_pending:
             return []
+        if self._repairs.active:
+            return []
         if self._config.verify_passes:
             if self._ready:
                 return []
@@ -1460,6 +1580,8 @@ class TaskQueue:
             if self._num_failed
             else (),
             records_skipped=self._skipped,
+            records_repaired=self._repairs.records_repaired(),
+            passes_repaired=tuple(self._repairs.passes()),
         )
         events = [self._queue_event(EventKind.PASS_COMPLETED, summary)]
         if self._pass_id + 1 >= self._config.num_passes:

@@ -16,10 +16,13 @@ tasks:
   checkpoint), and only then completes the pass.
 
 A shard restored from a checkpoint therefore loses nothing of the current
-pass. What it cannot recover is a pass already sealed when its checkpoint
-was taken if that checkpoint is older than the seal (a checkpoint directory
-deleted, a corrupt file skipped): those records are *lost* on that shard,
-and the pass summary says so (``records_lost``), never claiming exactly-once.
+pass. A checkpoint older than an earlier pass's seal (the newer files were
+damaged or deleted) still holds the shard's keys of that pass: the same
+judgement over that pass's done tasks gives the *repairs* (see
+:mod:`elasticps.master.repairs`). What no checkpoint can give back (a shard
+with none readable, whose values came from a trainer) is *lost* on that
+shard, and the pass summary says so (``records_lost``), never claiming
+exactly-once.
 
 This module is pure: it turns coverage reports into decisions.
 """
