@@ -1095,3 +1095,24 @@ def test_an_empty_push_with_a_key_holds_its_records_without_a_step(
         assert shard.stats().steps == 0 and shard.version == 0
         again = shard.push(0, None, 0, 0, key=k)
         assert again.status is PushStatus.DUPLICATE
+
+
+def test_values_set_from_a_trainer_are_opaque_until_the_next_seal(
+    make_shard: ShardFactory,
+) -> None:
+    """The master repairs sealed passes only onto a shard whose keys describe its values."""
+    shard = make_shard(UpdateMode.ASYNC)
+    assert not shard.opaque and shard.state()[1]["opaque"] is False
+    shard.mark_opaque()
+    tensors, meta = shard.state()
+    assert meta["opaque"] is True
+    restored = ParameterShard.from_state(tensors, meta, optimizer=SGD_LR1, mode=UpdateMode.ASYNC)
+    try:
+        assert restored.opaque
+        restored.seal(0)
+        assert not restored.opaque
+    finally:
+        restored.close()
+    meta["opaque"] = "yes"
+    with pytest.raises(ValueError, match="opaque"):
+        ParameterShard.from_state(tensors, meta, optimizer=SGD_LR1, mode=UpdateMode.ASYNC)
