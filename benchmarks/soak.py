@@ -6,7 +6,9 @@ processes of the job are SIGKILLed at random moments, and prints one JSON
 line per run:
 
 - ``rc``, ``wall_s``, ``error`` (the launcher's last line if it failed);
-- ``kills`` by role and ``kills_total``; ``restarts`` (the launcher's
+- ``kills`` by role and ``kills_total``; ``damaged_files`` (``--damage``:
+  checkpoint files damaged after a PS kill), ``records_repaired`` and
+  ``records_lost`` from ``run.json``; ``restarts`` (the launcher's
   ``restarts`` and ``etcd_restarts`` from ``run.json``) and
   ``trainers_replaced`` (trainers the worker manager created beyond the first);
 - ``passes_audited`` / ``passes_expected``: pass audits found in ``run.json``
@@ -36,6 +38,7 @@ Usage::
     .venv/bin/python benchmarks/soak.py                      # sync MLP, 150 passes
     .venv/bin/python benchmarks/soak.py --mode async --epochs 50 --seed 2
     .venv/bin/python benchmarks/soak.py --model audit --killer external
+    .venv/bin/python benchmarks/soak.py --model audit --damage 0.5 --kills 60
     .venv/bin/python benchmarks/soak.py --quick              # a short smoke run
 
 This is a stress test of correctness, not a measurement: figures of a run on a
@@ -223,6 +226,8 @@ def run_once(args: argparse.Namespace, dataset: Dataset, out: Path, seed: int) -
         chaos = f"random:every={low:g}-{high:g}s,roles={'+'.join(roles)},seed={seed}"
         if args.kills is not None:
             chaos += f",kills={args.kills}"
+        if args.damage:
+            chaos += f",damage={args.damage:g}"
         cmd += ["--chaos", chaos]
     killer = (
         ExternalKiller(out / "pids.json", (low, high), roles, seed)
@@ -253,7 +258,14 @@ def run_once(args: argparse.Namespace, dataset: Dataset, out: Path, seed: int) -
     with contextlib.suppress(ValueError, IndexError):
         summary = json.loads(lines[-1])
     kills = killer.kills if killer is not None else _list(record.get("chaos"))
-    by_role = collections.Counter(str(k.get("target")) for k in kills if isinstance(k, dict))
+    by_role = collections.Counter(
+        str(k.get("target")).split("-")[0] for k in kills if isinstance(k, dict)
+    )
+    damaged = sum(
+        len(_list(k.get("files")))
+        for k in kills
+        if isinstance(k, dict) and k.get("action") == "damage"
+    )
     passes = _list(record.get("passes"))
     audited = sorted(int(str(p.get("pass_id"))) for p in passes if isinstance(p, dict))
     scaling = _list(record.get("scaling"))
@@ -276,6 +288,9 @@ def run_once(args: argparse.Namespace, dataset: Dataset, out: Path, seed: int) -
         "samples_trained": summary.get("samples_trained"),
         "samples_expected": args.epochs * dataset.rows,
         "exactly_once": record.get("exactly_once"),
+        "damaged_files": damaged,
+        "records_repaired": record.get("records_repaired"),
+        "records_lost": record.get("records_lost"),
         "leftover_processes": len(leftovers),
     }
     if proc.returncode != 0:
@@ -339,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--roles", default="+".join(ROLES), help="roles to kill, joined by +")
     parser.add_argument("--kills", type=int, default=None, help="stop after N kills")
+    parser.add_argument(
+        "--damage",
+        type=float,
+        default=0.0,
+        help="launcher killer: probability that a killed PS's newest checkpoint file is "
+        "then damaged (64 bytes flipped)",
+    )
     parser.add_argument("--killer", choices=("launcher", "external"), default="launcher")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=1, help="runs, with seeds seed, seed+1, ...")

@@ -62,3 +62,19 @@ def test_the_random_item_parses_beside_scheduled_ones() -> None:
         parse_random_chaos("random:often=1")
     with pytest.raises(ConfigError, match="roles must be some of"):
         parse_random_chaos("random:roles=scheduler")
+
+
+def test_random_damage_is_drawn_for_parameter_servers_only() -> None:
+    import random
+
+    chaos = parse_random_chaos("random:every=1s,roles=ps+trainer,damage=0.5,seed=1")
+    assert chaos is not None and chaos.damage == 0.5
+    rng = random.Random(0)
+    drawn = [chaos.damages(rng, "ps") for _ in range(200)]
+    assert 60 < sum(drawn) < 140
+    state = rng.getstate()
+    assert not chaos.damages(rng, "trainer") and rng.getstate() == state
+    assert not RandomChaos().damages(rng, "ps") and rng.getstate() == state  # no draw at 0
+    for bad in ("damage=1.5", "damage=lots", "damage=nan"):
+        with pytest.raises(ConfigError, match="damage must"):
+            parse_random_chaos(f"random:{bad}")

@@ -31,7 +31,9 @@ process of one of ``roles`` (``trainer``, ``ps``, ``master``: the active one,
 ``standby``: a standby master, ``etcd``) at a random moment ``every`` after
 the job recovered from the previous kill, for as long as the job trains;
 ``kills=N`` stops after N kills, ``after=S`` starts S seconds after training
-started. The launcher draws the moments and the victims from
+started, and ``damage=P`` also damages, with probability ``P``, the newest
+checkpoint file of a killed parameter server (as ``damage:ps-<i>``). The
+launcher draws the moments, the victims and the damage from
 ``random.Random(seed)``.
 """
 
@@ -105,6 +107,8 @@ class RandomChaos:
         seed: seed of the launcher's ``random.Random``.
         max_kills: stop after this many kills; None: until training ends.
         after_s: seconds after training started before the first kill.
+        damage: probability, in ``[0, 1]``, that a killed parameter server's
+            newest checkpoint file is then damaged (64 bytes flipped).
 
     Raises:
         ConfigError: a value is out of range or a role is unknown.
@@ -115,6 +119,7 @@ class RandomChaos:
     seed: int = 0
     max_kills: int | None = None
     after_s: float = 0.0
+    damage: float = 0.0
 
     def __post_init__(self) -> None:
         low, high = self.every_s
@@ -131,10 +136,17 @@ class RandomChaos:
             raise ConfigError(f"--chaos random: kills must be >= 0, got {self.max_kills}")
         if self.after_s < 0:
             raise ConfigError(f"--chaos random: after must be >= 0 s, got {self.after_s:g}")
+        if not 0 <= self.damage <= 1:
+            raise ConfigError(f"--chaos random: damage must be in [0, 1], got {self.damage:g}")
 
     def delay_s(self, rng: random.Random) -> float:
         """The delay before the next kill, seconds, drawn from ``rng``."""
         return rng.uniform(*self.every_s)
+
+    def damages(self, rng: random.Random, role: str) -> bool:
+        """Whether the newest checkpoint file of the process just killed is damaged too
+        (a parameter server only; draws from ``rng`` only if ``damage`` > 0)."""
+        return role == "ps" and self.damage > 0 and rng.random() < self.damage
 
     def choose(self, rng: random.Random, available: Sequence[str]) -> str | None:
         """The role to kill next, among ``available`` ones (those with a live
@@ -204,9 +216,17 @@ def parse_random_chaos(spec: str) -> RandomChaos | None:
             fields["seed" if key == "seed" else "max_kills"] = int(value)
         elif key == "after":
             fields["after_s"] = _seconds(value, "after")
+        elif key == "damage":
+            try:
+                fields["damage"] = float(value)
+            except ValueError:
+                raise ConfigError(
+                    f"--chaos random: damage must be a number, got {value!r}"
+                ) from None
         else:
             raise ConfigError(
-                f"--chaos random: unknown parameter {key!r} (every, roles, seed, kills, after)"
+                "--chaos random: unknown parameter "
+                f"{key!r} (every, roles, seed, kills, after, damage)"
             )
     return RandomChaos(**fields)  # type: ignore[arg-type]
 

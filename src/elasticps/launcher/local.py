@@ -1442,20 +1442,36 @@ class LocalLauncher:
             return
         pid = available[role]
         elapsed = now - training_started
-        self.chaos_log.append(
-            {
-                "action": "kill",
-                "target": role,
-                "pid": pid,
-                "random": True,
-                "at_s": round(elapsed, 3),
-                "wall_clock_s": time.time(),
-            }
-        )
+        record: dict[str, object] = {
+            "action": "kill",
+            "target": role,
+            "pid": pid,
+            "random": True,
+            "at_s": round(elapsed, 3),
+            "wall_clock_s": time.time(),
+        }
+        self.chaos_log.append(record)
         self._emit(f"[launcher] chaos: SIGKILL {role} (pid {pid}) at {elapsed:.1f} s (random)")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        index = self._ps_index_of(store, pid) if role == "ps" else None
+        if index is not None and chaos.damages(role):
+            _wait_dead(pid, 5.0)
+            record.update(action="damage", target=f"ps-{index}")
+            files = ShardFiles(self.durable / "ps-checkpoints", index, epoch=0)
+            try:
+                record["files"] = files.spoil_newest(1, "damage")
+            except OSError as exc:
+                record["error"] = str(exc)
+            self._emit(f"[launcher] chaos: damaged {record.get('files') or record.get('error')}")
         chaos.killed(now, done)
+
+    def _ps_index_of(self, store: JobStore, pid: int) -> int | None:
+        """The slot of the parameter server with ``pid``, or None."""
+        for i in range(self.config.ps):
+            if self._pid_in_key(store, store.keys.ps(i)) == pid:
+                return i
+        return None
 
     def _random_victim(self, role: str, store: JobStore, rng: random.Random) -> int | None:
         """A running process of ``role`` for a random kill, or None."""
@@ -1715,6 +1731,11 @@ class _RandomKills:
         """The role to kill among those with a running process."""
         assert self.chaos is not None
         return self.chaos.choose(self.rng, sorted(available))
+
+    def damages(self, role: str) -> bool:
+        """Whether the killed process's newest checkpoint file is damaged too."""
+        assert self.chaos is not None
+        return self.chaos.damages(self.rng, role)
 
     def killed(self, now: float, done: int) -> None:
         """Record a kill: the next waits for the job to recover."""
