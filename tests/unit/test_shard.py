@@ -310,6 +310,26 @@ def test_sync_step_completes_without_a_live_trainer_that_left(
     assert shard.stats().live_trainers == 1
 
 
+def test_a_late_push_of_a_trainer_that_left_does_not_make_it_live_again(
+    make_shard: ShardFactory,
+) -> None:
+    """Trainer 1 pushed, died, and etcd said so before its push was taken: if that
+    push counted, every later step would wait for a dead trainer."""
+    shard = make_shard()
+    shard.set_live_trainers({0, 1})
+    shard.set_live_trainers({0})
+    late = shard.push(1, full(100.0), 0, 1)
+    assert late == PushResult(accepted=False, version=0, status=PushStatus.STALE)
+    for step in range(2):  # trainer 0 alone completes every step
+        assert shard.push(0, full(1.0), step, 1) == PushResult(accepted=True, version=step + 1)
+    assert shard.stats().live_trainers == 1
+    shard.set_live_trainers({0, 1})  # it came back (a new lease): waited for again
+    first = push_in_thread(shard, 0, full(1.0), model_version=2)
+    wait_for(lambda: shard.stats().pushes == 4)
+    assert shard.push(1, full(3.0), 2, 1).accepted
+    assert first.result(TIMEOUT_S).accepted
+
+
 def test_sync_trainer_that_joins_is_waited_for_from_the_next_step_on(
     make_shard: ShardFactory,
 ) -> None:

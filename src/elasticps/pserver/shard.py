@@ -339,6 +339,11 @@ class ParameterShard:
         # Who the open round waits for; fixed when it opens (see set_live_trainers).
         self._expected: set[int] = set()
         self._live: set[int] = set()
+        # etcd's last membership, and the trainers it dropped since (ids are not
+        # reused): a push of a departed trainer, sent before it died and taken
+        # after etcd said so, must not make it a live trainer again.
+        self._members: set[int] = set()
+        self._departed: set[int] = set()
         self._closed = False
         self._frozen = False
         self._serving = True
@@ -746,9 +751,14 @@ class ParameterShard:
         """Set the trainers alive in etcd, whom sync rounds wait for.
 
         A trainer that left no longer holds up the open round; one that
-        joined is waited for from the next round on.
+        joined is waited for from the next round on. A push of a trainer that
+        left (and has not come back) is stale: it would make a dead trainer
+        one that every later round waits for.
         """
         with self._cond:
+            self._departed |= self._members - trainer_ids
+            self._departed -= trainer_ids
+            self._members = set(trainer_ids)
             self._live = set(trainer_ids)
             self._expected &= self._live
             self._maybe_complete_round()
@@ -1037,11 +1047,13 @@ class ParameterShard:
             if (
                 model_version != self._version
                 or trainer_id in self._contributors
+                or trainer_id in self._departed
                 or (generation is not None and generation != self._generation)
             ):
                 # Computed on another version (the step went on without this
-                # trainer, or the shards were realigned), or a second push in
-                # one step: not applied; the trainer computes it again.
+                # trainer, or the shards were realigned), a second push in one
+                # step, or the push of a trainer that left: not applied; the
+                # trainer computes it again (if it still runs).
                 self._stale += 1
                 return PushResult(False, self._version, PushStatus.STALE)
             status = PushStatus.APPLIED
