@@ -546,7 +546,9 @@ class Trainer:
         records = 0  # rows (Parquet) or batches (virtual source) of this attempt
         skipped = skipped_batches = 0  # bad records (--bad-records skip) of this attempt
         loss_sum = 0.0
-        if task.pass_id != self._pass_id:
+        if task.pass_id > self._pass_id:
+            # A repair of an earlier, sealed pass (see elasticps.master.repairs)
+            # is trained within the current pass: events keep its number.
             self._pass_id = task.pass_id
             self._pass_batches = 0
         self._task = task
