@@ -458,3 +458,36 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
         active.join()
         assert standby.join() == EXIT_OK
         assert "stepping down" in caplog.text
+
+
+@pytest.mark.timeout(180)
+def test_the_ledger_stays_the_same_size_however_many_passes_run(
+    stores: Callable[[], JobStore], etcd_admin: Any, data_file: Path
+) -> None:
+    """Only the newest pass audits stay in etcd: the key count after 200 passes is
+    that after 50 (the launcher keeps every audit in run.json as it appears)."""
+    from elasticps.master.ledger import KEPT_PASS_SUMMARIES
+
+    passes = 200
+    spec = LedgerSpec(((str(data_file), ROWS),), RECORDS_PER_TASK, passes)
+    config = QueueConfig(task_timeout_s=30.0, max_task_timeouts=2, num_passes=passes)
+    store = stores()
+    ledger = Ledger(store, become_master(store, "only"))
+    queue, _ = ledger.open(spec, config, time.monotonic())
+    service = MasterService(queue, ledger)
+
+    def keys() -> int:
+        return sum(1 for _ in etcd_admin.get_prefix(store.keys.root, keys_only=True))
+
+    counts: dict[int, int] = {}
+    try:
+        for pass_id in range(passes):
+            for _ in range(ROWS // RECORDS_PER_TASK):
+                report(service, get_task(service, "a"))
+            if pass_id + 1 in (50, passes):
+                counts[pass_id + 1] = keys()
+        audits, _ = store.get_prefix_json(store.keys.passes_prefix)
+    finally:
+        service.stop()
+    assert counts[passes] <= 1.2 * counts[50], counts
+    assert sorted(int(k) for k in audits) == list(range(passes - KEPT_PASS_SUMMARIES, passes))

@@ -11,9 +11,11 @@ import pytest
 from elasticps.coord.store import Keys
 from elasticps.errors import ConfigError
 from elasticps.master.ledger import (
+    KEPT_PASS_SUMMARIES,
     LedgerSpec,
     decode_object,
     encode,
+    ledger_deletes,
     ledger_writes,
 )
 from elasticps.master.taskqueue import (
@@ -306,3 +308,20 @@ def test_ledger_keys_are_zero_padded_under_the_job_root() -> None:
     assert KEYS.pass_summary(3) == "/elasticps/codec-job/passes/000003"
     with pytest.raises(ConfigError):
         KEYS.pass_summary(-1)
+
+
+def test_a_completed_pass_deletes_the_audit_that_fell_out_of_the_kept_window() -> None:
+    from elasticps.pserver.checkpoint import KEEP_CHECKPOINTS
+
+    # The oldest checkpoint a server keeps predates at most KEEP_CHECKPOINTS seals;
+    # a repair of those passes needs their audits.
+    assert KEPT_PASS_SUMMARIES > KEEP_CHECKPOINTS
+    passes = KEPT_PASS_SUMMARIES + 2
+    queue = TaskQueue(RANGES[:1], QueueConfig(task_timeout_s=TIMEOUT_S, num_passes=passes))
+    deleted: list[str] = []
+    for _ in range(passes):
+        result, _ = queue.get_task("a", 0.0)
+        assert isinstance(result, Dispatch)
+        events = queue.report_task(0, result.pass_id, result.attempt, success=True, now=0.0)
+        deleted += ledger_deletes(KEYS, events)
+    assert deleted == [KEYS.pass_summary(0), KEYS.pass_summary(1)]

@@ -136,11 +136,12 @@ class MasterLock(StoreBase):
         lease: KeptLease,
         *,
         delete_prefixes: Sequence[str] = (),
+        delete_keys: Sequence[str] = (),
     ) -> bool:
         """Write several keys in one transaction, only while ``lease`` holds the master lock.
 
         Like :meth:`fenced_put`, but all-or-nothing over many keys: the prefix
-        deletions run first, then the puts, in order. The written keys are not
+        and key deletions run first, then the puts, in order. The written keys are not
         attached to the lease. etcd refuses a transaction in which a put falls
         inside a deleted range.
 
@@ -148,6 +149,7 @@ class MasterLock(StoreBase):
             puts: ``(key, value)`` pairs (full keys, JSON text by convention).
             lease: the lease the caller acquired the master lock with.
             delete_prefixes: key prefixes to delete first (each is one operation).
+            delete_keys: single keys to delete first (each is one operation).
 
         Returns:
             True if written; False if ``lease`` does not hold the lock (step down).
@@ -156,7 +158,7 @@ class MasterLock(StoreBase):
             ConfigError: more than :data:`MAX_TXN_OPS` operations, or none.
             CoordinationError: etcd failed.
         """
-        num_ops = len(puts) + len(delete_prefixes)
+        num_ops = len(puts) + len(delete_prefixes) + len(delete_keys)
         if not 0 < num_ops <= MAX_TXN_OPS:
             raise ConfigError(f"a fenced write needs 1..{MAX_TXN_OPS} operations, got {num_ops}")
         txns = self._client.transactions
@@ -164,6 +166,7 @@ class MasterLock(StoreBase):
             txns.delete(prefix, range_end=prefix_range_end(prefix.encode("utf-8")))
             for prefix in delete_prefixes
         ]
+        ops.extend(txns.delete(key) for key in delete_keys)
         ops.extend(txns.put(key, value) for key, value in puts)
         succeeded, _ = self._txn(
             f"fenced write of {num_ops} key(s)",

@@ -288,6 +288,9 @@ class LocalLauncher:
         self._etcd_pid: int | None = None
         self._passes: list[dict[str, object]] = []
         self._passes_missing: list[int] = []
+        # Every pass audit seen while the job ran: the master keeps only the
+        # newest in etcd (elasticps.master.ledger.KEPT_PASS_SUMMARIES).
+        self._audits_seen: dict[int, dict[str, object]] = {}
         # A stream job's last lag (etcd stream/lag) and its final checkpoint's offsets.
         self._stream_lag: object = None
         self._stream_offsets: object = None
@@ -692,7 +695,9 @@ class LocalLauncher:
                         stream=bool(cfg.stream),
                     )
                     # Read through etcd restarts, in one snapshot of the ledger.
-                    self._passes, self._passes_missing = read_pass_audits(store, cfg.epochs)
+                    self._passes, self._passes_missing = read_pass_audits(
+                        store, cfg.epochs, seen=self._audits_seen
+                    )
                     self._restores = read_restores(store)
                     return manifest
 
@@ -865,7 +870,7 @@ class LocalLauncher:
                 )
             )
             tensors, versions = final_parameters(spec, target / "snapshot")
-            passes, _ = read_pass_audits(store, cfg.epochs, retry_s=5.0)
+            passes, _ = read_pass_audits(store, cfg.epochs, retry_s=5.0, seen=self._audits_seen)
             samples = sum(int(str(p.get("records_trained", 0))) for p in passes)
         except (OSError, ElasticPSError) as exc:
             raise CheckpointFailureError(
@@ -1306,6 +1311,11 @@ class LocalLauncher:
                 if time.monotonic() > deadline:
                     raise
 
+    def _on_audits(self, pass_ended: threading.Event, audits: dict[int, dict[str, object]]) -> None:
+        """The watch of the pass audits: keep each one, and wake the training loop."""
+        self._audits_seen.update(audits)
+        pass_ended.set()
+
     def _watch_training(self, store: JobStore) -> int:
         cfg = self.config
         master = MasterClient(
@@ -1321,7 +1331,9 @@ class LocalLauncher:
         pass_ended = threading.Event()
         passes_watch = None
         with contextlib.suppress(CoordinationError):  # then the polls alone see it
-            passes_watch = store.watch_pass_summaries(lambda _: pass_ended.set())
+            passes_watch = store.watch_pass_summaries(
+                functools.partial(self._on_audits, pass_ended)
+            )
         try:
             while True:
                 pass_ended.clear()
@@ -1816,6 +1828,7 @@ def read_pass_audits(
     store: JobStore,
     epochs: int,
     *,
+    seen: Mapping[int, dict[str, object]] | None = None,
     retry_s: float = 60.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
@@ -1831,6 +1844,8 @@ def read_pass_audits(
     Args:
         store: the job's etcd view.
         epochs: passes the job ran.
+        seen: audits read earlier (the master keeps only the newest
+            :data:`~elasticps.master.ledger.KEPT_PASS_SUMMARIES` in etcd); etcd's win.
         retry_s: how long to go on retrying an unreachable etcd, seconds.
         clock: monotonic clock, seconds.
         sleep: waits between attempts, seconds.
@@ -1849,6 +1864,7 @@ def read_pass_audits(
         clock=clock,
         sleep=sleep,
     )
+    by_pass = {**(seen or {}), **by_pass}
     audits = [by_pass[n] for n in range(epochs) if n in by_pass]
     missing = [n for n in range(epochs) if n not in by_pass]
     return audits, missing

@@ -48,6 +48,7 @@ from elasticps.master.taskqueue import (
 __all__ = [
     "CHUNK_OPS",
     "CREATE_PARALLELISM",
+    "KEPT_PASS_SUMMARIES",
     "SPEC_FORMAT",
     "Journal",
     "Ledger",
@@ -55,6 +56,7 @@ __all__ = [
     "SteppedDownError",
     "decode_object",
     "encode",
+    "ledger_deletes",
     "ledger_writes",
 ]
 
@@ -62,6 +64,15 @@ log = logging.getLogger(__name__)
 
 CHUNK_OPS: Final = 100
 """Most operations per ledger transaction (etcd accepts 128 by default)."""
+
+KEPT_PASS_SUMMARIES: Final = 8
+"""Pass audits (``passes/<n>``) kept in etcd; the master deletes older ones as
+each pass completes, so that the ledger stays the same size however many
+passes a job runs. The launcher copies every audit into ``run.json`` as it
+appears. A repair of a sealed pass needs that pass's audit (its failed
+tasks): a parameter server keeps its 3 newest checkpoints and writes one at
+every seal, so the oldest one it keeps predates at most the last 3 seals;
+the rest is margin for seals whose checkpoint could not be written."""
 
 CREATE_PARALLELISM: Final = 4
 """Transactions in flight at once while a new ledger is written."""
@@ -203,6 +214,23 @@ class LedgerSpec:
             + "; ".join(differences)
             + "); use another job name, or the configuration the job started with"
         )
+
+
+def ledger_deletes(keys: Keys, events: Sequence[TaskEvent]) -> list[str]:
+    """The pass audits that ``events`` make too old to keep (see :data:`KEPT_PASS_SUMMARIES`).
+
+    Args:
+        keys: the job's keys.
+        events: what one mutation returned.
+
+    Returns:
+        ``passes/<n - KEPT_PASS_SUMMARIES>`` for each pass ``n`` completed.
+    """
+    return [
+        keys.pass_summary(e.pass_id - KEPT_PASS_SUMMARIES)
+        for e in events
+        if e.kind is EventKind.PASS_COMPLETED and e.pass_id >= KEPT_PASS_SUMMARIES
+    ]
 
 
 def ledger_writes(
@@ -352,8 +380,11 @@ class Ledger:
                 etcd did not accept it for ``retry_s`` seconds.
         """
         writes = ledger_writes(self._keys, queue, events)
-        for start in range(0, len(writes), CHUNK_OPS):
-            self._write(writes[start : start + CHUNK_OPS])
+        deletes = ledger_deletes(self._keys, events)
+        starts = range(0, len(writes), CHUNK_OPS)
+        for start in starts:
+            last = start == starts[-1]
+            self._write(writes[start : start + CHUNK_OPS], delete_keys=deletes if last else ())
 
     def _create(self, queue: TaskQueue, spec: LedgerSpec) -> None:
         """Write a whole new ledger: every record, then spec and meta.
@@ -387,9 +418,12 @@ class Ledger:
         )
 
     def _write(
-        self, writes: Sequence[tuple[str, str]], delete_prefixes: Sequence[str] = ()
+        self,
+        writes: Sequence[tuple[str, str]],
+        delete_prefixes: Sequence[str] = (),
+        delete_keys: Sequence[str] = (),
     ) -> None:
-        if not writes and not delete_prefixes:
+        if not writes and not delete_prefixes and not delete_keys:
             return
         deadline = time.monotonic() + self._retry_s
         delay = _RETRY_FIRST_S
@@ -398,7 +432,7 @@ class Ledger:
                 raise SteppedDownError("the master's etcd lease is lost")
             try:
                 written = self._store.fenced_write(
-                    writes, self._lease, delete_prefixes=delete_prefixes
+                    writes, self._lease, delete_prefixes=delete_prefixes, delete_keys=delete_keys
                 )
             except CoordinationError as exc:
                 if not is_transient(exc):
