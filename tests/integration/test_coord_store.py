@@ -225,6 +225,21 @@ def test_watch_reports_a_registration_and_a_removal(store: JobStore, other_store
     watch.cancel()
 
 
+def test_watch_applies_every_change_of_one_revision(store: JobStore, other_store: JobStore) -> None:
+    """Keys changed in one transaction (or freed with one lease) share a revision:
+    the watch reports them all, not only the first."""
+    changes: queue.Queue[TrainerMap] = queue.Queue()
+    _, revision = store.live_trainers()
+    watch = store.watch_trainers(changes.put, revision + 1)
+    lease = other_store.grant_lease(5)
+    for name in ("t1", "t2", "t3"):
+        other_store.register_trainer(name, {}, lease)
+    assert set(next_map(changes, lambda m: len(m) == 3)) == {"t1", "t2", "t3"}
+    lease.revoke()  # one revision deletes the three
+    assert next_map(changes, lambda m: not m) == {}
+    watch.cancel()
+
+
 def test_watch_misses_no_change_between_read_and_watch(store: JobStore) -> None:
     lease = store.grant_lease(5)
     store.register_trainer("early", {}, lease)

@@ -480,6 +480,8 @@ def test_the_ledger_stays_the_same_size_however_many_passes_run(
         return sum(1 for _ in etcd_admin.get_prefix(store.keys.root, keys_only=True))
 
     counts: dict[int, int] = {}
+    seen: set[int] = set()
+    watch = store.watch_pass_summaries(lambda audits: seen.update(audits))
     try:
         for pass_id in range(passes):
             for _ in range(ROWS // RECORDS_PER_TASK):
@@ -487,7 +489,9 @@ def test_the_ledger_stays_the_same_size_however_many_passes_run(
             if pass_id + 1 in (50, passes):
                 counts[pass_id + 1] = keys()
         audits, _ = store.get_prefix_json(store.keys.passes_prefix)
+        wait_for(lambda: len(seen) == passes, "every audit seen by a watch")
     finally:
+        watch.cancel()
         service.stop()
     assert counts[passes] <= 1.2 * counts[50], counts
     assert sorted(int(k) for k in audits) == list(range(passes - KEPT_PASS_SUMMARIES, passes))

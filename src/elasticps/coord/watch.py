@@ -213,9 +213,12 @@ class Watch:
 
     def _apply(self, response: Any) -> None:
         changed = False
+        # The events of one transaction share its revision: the next revision
+        # moves past it only once all of them are applied.
+        first = self._next_revision
         for event in response.events:
             revision = int(event.mod_revision)
-            if revision < self._next_revision:
+            if revision < first:
                 continue  # already seen (replayed after a re-watch)
             key = event.key.decode("utf-8")
             name = key[len(self._prefix) :]
@@ -229,7 +232,7 @@ class Watch:
                     changed = True
                 except CoordinationError:
                     _log.warning("watch %s: ignoring undecodable value at %s", self._prefix, key)
-            self._next_revision = revision + 1
+            self._next_revision = max(self._next_revision, revision + 1)
         if changed:
             self._report()
 
