@@ -1342,9 +1342,10 @@ class LocalLauncher:
                 if cfg.stream:
                     with contextlib.suppress(ElasticPSError):
                         self._stream_lag = store.get_json(store.keys.stream_lag)
-                if passes_watch is None:  # no watch: read the audits etcd keeps now and then
-                    with contextlib.suppress(ElasticPSError):
-                        self._audits_seen.update(store.pass_summaries())
+                # The master keeps only the newest audits: read them at each look
+                # too, in case the watch was broken (an etcd restart) meanwhile.
+                with contextlib.suppress(ElasticPSError):
+                    self._audits_seen.update(store.pass_summaries())
                 with contextlib.suppress(ElasticPSError):
                     last = master.job_status()
                     self.timeline.append(

@@ -65,14 +65,15 @@ log = logging.getLogger(__name__)
 CHUNK_OPS: Final = 100
 """Most operations per ledger transaction (etcd accepts 128 by default)."""
 
-KEPT_PASS_SUMMARIES: Final = 8
+KEPT_PASS_SUMMARIES: Final = 32
 """Pass audits (``passes/<n>``) kept in etcd; the master deletes older ones as
 each pass completes, so that the ledger stays the same size however many
 passes a job runs. The launcher copies every audit into ``run.json`` as it
-appears. A repair of a sealed pass needs that pass's audit (its failed
-tasks): a parameter server keeps its 3 newest checkpoints and writes one at
-every seal, so the oldest one it keeps predates at most the last 3 seals;
-the rest is margin for seals whose checkpoint could not be written."""
+appears (it reads them several times a second; the margin covers passes of
+a fraction of a second while it reconnects to a restarted etcd). A repair of
+a sealed pass needs that pass's audit (its failed tasks): a parameter
+server keeps its 3 newest checkpoints and writes one at every seal, so the
+oldest one it keeps predates at most the last 3 seals."""
 
 CREATE_PARALLELISM: Final = 4
 """Transactions in flight at once while a new ledger is written."""
