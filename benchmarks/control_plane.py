@@ -72,6 +72,9 @@ from typing import Any
 PROJECT_TRAINERS = 10_000
 
 
+JOB = "bench-control"
+
+
 def emit(obj: object) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -173,9 +176,17 @@ async def _client_main(spec: dict[str, Any]) -> ClientStats:
 
 
 def client(spec_json: str) -> int:
-    """A client process: run its simulated trainers, print one JSON line of what it saw."""
+    """A client process: register its simulated trainers in etcd (under one lease, as the
+    master answers only registered trainers), run them, print one JSON line of what it saw."""
+    from elasticps.coord.store import JobStore
+
     spec = json.loads(spec_json)
-    stats = asyncio.run(_client_main(spec))
+    with JobStore(spec["etcd"], JOB) as store:
+        lease = store.grant_lease(60.0)
+        for i in range(spec["first_id"], spec["first_id"] + spec["count"]):
+            store.register_trainer(f"{spec['prefix']}-{i}", {}, lease)
+        stats = asyncio.run(_client_main(spec))
+        lease.revoke()
     cpu = time.process_time()
     print(
         json.dumps(
@@ -263,6 +274,7 @@ def run_phase(
         count = min(per_process, args.trainers - first)
         spec = {
             "address": address,
+            "etcd": etcd_endpoint,
             "prefix": f"sim{phase}",
             "first_id": first,
             "count": count,
@@ -386,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     store = None
     try:
         etcd.start()
-        job = "bench-control"
+        job = JOB
         env = {**os.environ, "ELASTICPS_LEDGER_ONLY": "1"}  # no parameter servers to verify
         with (workdir / "master.log").open("wb") as log:
             master = subprocess.Popen(

@@ -158,6 +158,10 @@ class UnknownTaskError(ElasticPSError):
     """A report names a task id the master never created."""
 
 
+class UnknownTrainerError(ElasticPSError):
+    """A call to the master names a trainer id that holds no live registration in etcd."""
+
+
 class LayoutMismatchError(ElasticPSError):
     """A trainer's parameter layout differs from the one a parameter server holds."""
 

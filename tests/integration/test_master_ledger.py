@@ -418,6 +418,7 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
             wait_for(lambda: "standby" in caplog.text, "the second master to wait as a standby")
 
             gone_lease.revoke()
+            store.register_trainer("new", {}, store.grant_lease(LONG_TTL_S))
             expire_lock_holder(etcd_admin, store)
             expired_at = time.monotonic()
             resolving = MasterClient(lambda: store.master_address(timeout_s=1.0), retry_s=10.0)
@@ -441,6 +442,8 @@ def test_a_standby_takes_over_when_the_active_masters_lease_expires(
                 )
             )
             # "gone" is not: its task was requeued at once and resumes at offset 6.
+            for name in ("new1", "new2", "new3"):
+                store.register_trainer(name, {}, store.grant_lease(LONG_TTL_S))
             resumed = [resolving.get_task(t).task for t in ("new1", "new2", "new3")]
             assert [(t.task_id, t.attempt, t.offset) for t in resumed] == [
                 (3, 1, 0),
@@ -481,7 +484,7 @@ def test_the_ledger_stays_the_same_size_however_many_passes_run(
 
     counts: dict[int, int] = {}
     seen: set[int] = set()
-    watch = store.watch_pass_summaries(lambda audits: seen.update(audits))
+    watch = store.watch_pass_summaries(seen.update)
     try:
         for pass_id in range(passes):
             for _ in range(ROWS // RECORDS_PER_TASK):
@@ -495,3 +498,35 @@ def test_the_ledger_stays_the_same_size_however_many_passes_run(
         service.stop()
     assert counts[passes] <= 1.2 * counts[50], counts
     assert sorted(int(k) for k in audits) == list(range(passes - KEPT_PASS_SUMMARIES, passes))
+
+
+def test_the_master_hands_no_task_to_a_trainer_id_without_a_registration(
+    stores: Callable[[], JobStore], spec: LedgerSpec
+) -> None:
+    """A made-up trainer id would hold a task until it timed out, stalling the pass."""
+    store = stores()
+    ledger = Ledger(store, become_master(store, "only"))
+    queue, _ = ledger.open(spec, QUEUE_CONFIG, time.monotonic())
+    service = MasterService(queue, ledger, is_registered=store.trainer_registered)
+    try:
+        for ghost in ("ghost", "not/an/id"):
+            with pytest.raises(AbortedError) as refused:
+                get_task(service, ghost)
+            assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert queue.stats().pending == 0
+        lease = store.grant_lease(LONG_TTL_S)
+        store.register_trainer("t1", {}, lease)
+        assert get_task(service, "t1").task_id == 0
+        service.trainers_changed(live={"t1", "t2"}, previous={"t1"})  # from etcd's watch
+        assert get_task(service, "t2").task_id == 1
+        with pytest.raises(AbortedError) as refused:
+            service.ReportProgress(
+                master_pb2.ReportProgressRequest(trainer_id="ghost", task_id=0, pass_id=0,
+                                                 attempt=1, offset=5),
+                CTX,
+            )  # fmt: skip
+        assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert queue.offset_of(0) == 0
+        lease.revoke()
+    finally:
+        service.stop()

@@ -41,6 +41,18 @@ class TrainerMembership(StoreBase):
         """
         self.put_json(self.keys.trainer(trainer_id), info, lease)
 
+    def trainer_registered(self, trainer_id: str) -> bool:
+        """Whether ``trainers/<trainer_id>`` exists (a live registration).
+
+        Raises:
+            ConfigError: the trainer id is malformed.
+            CoordinationError: etcd failed.
+        """
+        key = self.keys.trainer(trainer_id)
+        with self._etcd(f"reading {key}"):
+            raw, _ = self._client.get(key)
+        return raw is not None
+
     def live_trainers(self) -> tuple[TrainerMap, int]:
         """Read the live trainers.
 

@@ -14,6 +14,7 @@ from elasticps.errors import (
     ServiceUnavailableError,
     StaleTaskError,
     UnknownTaskError,
+    UnknownTrainerError,
 )
 from elasticps.proto import master_pb2, master_pb2_grpc
 
@@ -91,6 +92,7 @@ class MasterClient:
         tasks (see ``GetTaskRequest.wait_for_work``), up to half a second.
 
         Raises:
+            UnknownTrainerError: ``trainer_id`` holds no live registration in etcd.
             ServiceUnavailableError: no master answered within the retry budget.
         """
         reply = self._call(
@@ -116,6 +118,7 @@ class MasterClient:
             StaleTaskError: the attempt timed out and was re-dispatched (or, on
                 a retry, the first call was applied); nothing was dispatched.
             UnknownTaskError: the master does not know the task.
+            UnknownTrainerError: the trainer holds no live registration in etcd.
             ServiceUnavailableError: no master answered within the retry budget.
         """
         reply = self._call("ReportTask", request)
@@ -130,6 +133,7 @@ class MasterClient:
         Raises:
             StaleTaskError: the attempt is no longer current.
             UnknownTaskError: the master does not know the task.
+            UnknownTrainerError: the trainer holds no live registration in etcd.
             ServiceUnavailableError: no master answered within the retry budget.
         """
         self._call("ReportProgress", request)
@@ -190,6 +194,8 @@ class MasterClient:
                 raise StaleTaskError(exc.details()) from exc
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 raise UnknownTaskError(exc.details()) from exc
+            if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
+                raise UnknownTrainerError(exc.details()) from exc
             raise
 
 

@@ -201,6 +201,7 @@ def serve_master(
             on_finished=on_finished,
             on_stepped_down=step_down,
             on_pass_ready=lambda pass_id: None if verifier is None else verifier.start(pass_id),
+            is_registered=store.trainer_registered,
         )
         active = service
         verifier = PassVerifier(

@@ -27,7 +27,15 @@ from typing import TypeVar
 
 import grpc
 
-from elasticps.errors import StaleTaskError, SteppedDownError, UnknownTaskError
+from elasticps.errors import (
+    ConfigError,
+    CoordinationError,
+    ServiceUnavailableError,
+    StaleTaskError,
+    SteppedDownError,
+    UnknownTaskError,
+    UnknownTrainerError,
+)
 from elasticps.master.ledger import Journal
 from elasticps.master.taskqueue import (
     DataRange,
@@ -72,6 +80,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         on_pass_ready: called with the pass id when every task of a pass is
             done or failed and the pass waits to be checked on the parameter
             servers (``QueueConfig.verify_passes``).
+        is_registered: if given, ``GetTask``, ``ReportTask`` and
+            ``ReportProgress`` answer only trainer ids it confirms hold a live
+            registration in etcd (``trainers/<id>``), others with
+            PERMISSION_DENIED, so that a made-up id is handed no task. The
+            ids of :meth:`trainers_changed`'s ``live`` are taken without asking.
     """
 
     def __init__(
@@ -83,8 +96,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
         on_finished: Callable[[], None] | None = None,
         on_stepped_down: Callable[[str], None] | None = None,
         on_pass_ready: Callable[[int], None] | None = None,
+        is_registered: Callable[[str], bool] | None = None,
     ) -> None:
         self._queue = queue
+        self._is_registered = is_registered
+        self._live: frozenset[str] = frozenset()  # registered, as etcd's watch said last
         self._on_pass_ready = on_pass_ready
         self._journal = journal
         self._timeout_s = queue.config.task_timeout_s
@@ -121,6 +137,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             return self._queue.get_task(request.trainer_id, now, holding=request.holding)
 
         with _rpc_errors(context, request.trainer_id):
+            self._admit(request.trainer_id)
             result = self._mutate(get_task)
             result = self._hold_for_next_pass(
                 result, request.trainer_id, request.ask, request.holding, request.wait_for_work
@@ -296,6 +313,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             return result, events + more
 
         with _rpc_errors(context, request.trainer_id):
+            self._admit(request.trainer_id)
             result = self._mutate(report)
             if result is not None:
                 result = self._hold_for_next_pass(
@@ -315,6 +333,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         anything.
         """
         with _rpc_errors(context, request.trainer_id):
+            self._admit(request.trainer_id)
             self._mutate(
                 lambda now: (
                     None,
@@ -457,6 +476,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             live: the trainers registered in etcd now.
             previous: the trainers known before; those not in ``live`` are lost.
         """
+        self._live = frozenset(live)
         for trainer_id in sorted(previous - live):
             try:
                 events = self._mutate_events(
@@ -491,6 +511,27 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._timer.join(timeout=5)
 
     # --- internals ---------------------------------------------------------------
+
+    def _admit(self, trainer_id: str) -> None:
+        """Refuse a call of a trainer id with no live registration (see ``is_registered``).
+
+        Raises:
+            UnknownTrainerError: etcd holds no registration of it.
+            ServiceUnavailableError: etcd could not be asked (the caller retries).
+        """
+        if self._is_registered is None or trainer_id in self._live:
+            return
+        try:
+            registered = self._is_registered(trainer_id)
+        except ConfigError:
+            registered = False  # not even a well-formed trainer id
+        except CoordinationError as exc:
+            raise ServiceUnavailableError(f"cannot check trainer {trainer_id!r}: {exc}") from exc
+        if not registered:
+            raise UnknownTrainerError(
+                f"trainer {trainer_id!r} holds no live registration in etcd; "
+                "a trainer registers before it asks for work"
+            )
 
     def _skip_budget(self, task_id: int, pass_id: int) -> int:
         """The task's skip budget, read right after its dispatch (the lock is free again)."""
@@ -685,6 +726,11 @@ def _rpc_errors(context: grpc.ServicerContext, trainer_id: str) -> Iterator[None
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     except UnknownTaskError as exc:
         context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except UnknownTrainerError as exc:
+        log.warning("refused a call of trainer %r: no live registration", trainer_id[:64])
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+    except ServiceUnavailableError as exc:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     except SteppedDownError as exc:
         context.abort(
             grpc.StatusCode.UNAVAILABLE,
