@@ -23,7 +23,10 @@ The targets (:data:`TARGETS`):
   decoded and verified by :func:`elasticps.pserver.checkpoint.decode_shard`,
   then loaded by ``ParameterShard.from_state`` (``DataError``, ``ValueError``);
 - ``shard_metadata``: the same, with the mutations in the file's metadata
-  and a CRC-32 that matches them, so that they reach the checks behind it.
+  and a CRC-32 that matches them, so that they reach the checks behind it;
+- ``checkpoint_manifest``: the ``manifest.json`` of a consistent checkpoint,
+  read and verified against its tensors by
+  :func:`elasticps.checkpoint.load_checkpoint` (``DataError``).
 
 Used by ``tests/unit/test_fuzz.py`` (a fixed budget per target) and
 ``benchmarks/fuzz.py`` (a million inputs each).
@@ -37,6 +40,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
@@ -338,6 +342,38 @@ def _parse_shard_meta(data: bytes) -> object:
     return _parse_shard(save(tensors, metadata={"elasticps": meta_text, "crc32": str(crc)}))
 
 
+@functools.cache
+def _checkpoint() -> tuple[Path, bytes]:
+    """A consistent checkpoint in a temporary directory (removed when the process
+    exits), and its ``manifest.json`` as written."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch
+
+    from elasticps.checkpoint import save_checkpoint
+
+    path = Path(tempfile.mkdtemp(prefix="elasticps-fuzz-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    tensors = {"fc.weight": torch.ones(2, 3), "fc.bias": torch.zeros(2)}
+    save_checkpoint(path, tensors, {"job": "fuzz", "version": 12})
+    return path, (path / "manifest.json").read_bytes()
+
+
+def _manifest_seeds() -> list[bytes]:
+    return [_checkpoint()[1]]
+
+
+def _parse_manifest(data: bytes) -> object:
+    """The checkpoint with ``data`` as its manifest, loaded and verified."""
+    from elasticps.checkpoint import load_checkpoint
+
+    path, _ = _checkpoint()
+    (path / "manifest.json").write_bytes(data)
+    return load_checkpoint(path)
+
+
 def _targets() -> dict[str, Target]:
     from elasticps.errors import DataError, FrameError, InvalidRecordError
 
@@ -350,6 +386,7 @@ def _targets() -> dict[str, Target]:
             Target("kafka_record", _kafka_seeds, _parse_kafka, (DataError,)),
             Target("shard_file", _shard_seeds, _parse_shard, (DataError, ValueError)),
             Target("shard_metadata", _shard_meta_seeds, _parse_shard_meta, (DataError, ValueError)),
+            Target("checkpoint_manifest", _manifest_seeds, _parse_manifest, (DataError,)),
         )
     }
 
