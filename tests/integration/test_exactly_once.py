@@ -268,7 +268,9 @@ def test_a_spoiled_newest_checkpoint_costs_nothing(
     flipped) or deleted. The restarted server skips what it cannot read and says so
     in ``run.json`` (``checkpoint_restores``); the older file it falls back to may
     predate a pass's seal, and the master trains what it lacks of that pass again
-    for it alone. Every counter ends exact."""
+    for it alone. Every counter ends exact. (Six passes: by half of them a server has
+    sealed three, each with a checkpoint, so two damaged files leave a readable one;
+    with four passes they may leave none, and the loss is reported instead.)"""
     epochs = 6
     record, audit = run_audit(audit_dir, tmp_path / "run", mode, epochs=epochs, chaos=chaos)
     events = record["chaos"]
