@@ -13,8 +13,8 @@ The targets (:data:`TARGETS`):
 
 - ``frame_header``: :func:`elasticps.wire.frame.decode_header`, the 76 bytes
   before any body (``FrameError``);
-- ``json_body``: a JSON control body, decoded as
-  :func:`elasticps.wire.frame.recv_json` does (``FrameError``);
+- ``json_body``: a JSON control body, decoded by
+  :func:`elasticps.wire.frame.decode_json_body`, as ``recv_json`` does (``FrameError``);
 - ``task_record``: one ``tasks/<id>`` ledger value, decoded and restored
   into a :class:`~elasticps.master.taskqueue.TaskQueue` (``InvalidRecordError``);
 - ``kafka_record``: a Kafka message value, decoded by
@@ -219,17 +219,9 @@ def _json_seeds() -> list[bytes]:
 
 
 def _parse_json(data: bytes) -> object:
-    from elasticps.errors import FrameError
+    from elasticps.wire.frame import decode_json_body
 
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise FrameError(f"body is not valid UTF-8: {exc}") from exc
-    except (ValueError, RecursionError) as exc:
-        raise FrameError(f"body is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise FrameError(f"body must be a JSON object, got {type(obj).__name__}")
-    return obj
+    return decode_json_body(data, "JSON")
 
 
 def _queue_parts() -> tuple[list[object], object]:

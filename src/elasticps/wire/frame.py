@@ -203,6 +203,7 @@ __all__ = [
     "PushStatus",
     "decode_error",
     "decode_header",
+    "decode_json_body",
     "discard_body",
     "dtype_from_torch",
     "encode_header",
@@ -1034,16 +1035,30 @@ def recv_json(
         raise FrameError(f"JSON body_nbytes {header.body_nbytes} exceeds {max_json_bytes}")
     body = bytearray(header.body_nbytes)
     recv_exact_into(sock, memoryview(body))
+    return decode_json_body(body, header.msg_type.name)
+
+
+def decode_json_body(body: bytes | bytearray, what: str) -> dict[str, object]:
+    """Decode a JSON frame body (as :func:`recv_json` does, once it is received).
+
+    Args:
+        body: the body's bytes.
+        what: names the frame in error messages (its message type).
+
+    Returns:
+        The decoded JSON object.
+
+    Raises:
+        FrameError: the body is not UTF-8, not valid JSON, or not a JSON object.
+    """
     try:
         obj = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise FrameError(f"{header.msg_type.name} body is not valid UTF-8: {exc}") from exc
+        raise FrameError(f"{what} body is not valid UTF-8: {exc}") from exc
     except (ValueError, RecursionError) as exc:
-        raise FrameError(f"{header.msg_type.name} body is not valid JSON: {exc}") from exc
+        raise FrameError(f"{what} body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
-        raise FrameError(
-            f"{header.msg_type.name} body must be a JSON object, got {type(obj).__name__}"
-        )
+        raise FrameError(f"{what} body must be a JSON object, got {type(obj).__name__}")
     return obj
 
 
