@@ -102,15 +102,22 @@ def test_every_server_is_asked_at_once(store: _Store) -> None:
         controller.close()
 
 
-def verifier_of(store: _Store, completed: list[tuple[int, int]]) -> PassVerifier:
+def verifier_of(
+    store: _Store,
+    completed: list[tuple[int, int]],
+    *,
+    failed_tasks_of: Any = lambda pass_id: [],
+    repair: Any = None,
+) -> PassVerifier:
     return PassVerifier(
         store,  # type: ignore[arg-type]
         task_records=lambda: {0: 10},
         done_tasks=lambda: [0],
         reopen=lambda rewinds: None,
         complete=lambda pass_id, lost, passes: completed.append((pass_id, lost)),
-        failed_tasks_of=lambda pass_id: [],
+        failed_tasks_of=failed_tasks_of,
         stop=threading.Event(),
+        repair=repair,
     )
 
 
@@ -166,14 +173,9 @@ def test_a_shard_restored_before_a_seal_gets_repairs_of_the_oldest_pass_first(
     monkeypatch.setattr(_Client, "request", _restored_shard_answers(opaque=False))
     completed: list[tuple[int, int]] = []
     asked: list[tuple[int, dict[int, int]]] = []
-    verifier = PassVerifier(
-        store,  # type: ignore[arg-type]
-        task_records=lambda: {0: 10},
-        done_tasks=lambda: [0],
-        reopen=lambda rewinds: None,
-        complete=lambda pass_id, lost, passes: completed.append((pass_id, lost)),
-        failed_tasks_of=lambda pass_id: [],
-        stop=threading.Event(),
+    verifier = verifier_of(
+        store,
+        completed,
         repair=lambda pass_id, rewinds: (
             asked.append((pass_id, rewinds)) is None and repairs_succeed
         ),
@@ -199,14 +201,10 @@ def test_an_opaque_shard_or_a_pass_without_summary_is_not_repaired(
     monkeypatch.setattr(_Client, "request", _restored_shard_answers(opaque=opaque))
     completed: list[tuple[int, int]] = []
     asked: list[int] = []
-    verifier = PassVerifier(
-        store,  # type: ignore[arg-type]
-        task_records=lambda: {0: 10},
-        done_tasks=lambda: [0],
-        reopen=lambda rewinds: None,
-        complete=lambda pass_id, lost, passes: completed.append((pass_id, lost)),
+    verifier = verifier_of(
+        store,
+        completed,
         failed_tasks_of=lambda pass_id: [] if summary_kept else None,
-        stop=threading.Event(),
         repair=lambda pass_id, rewinds: asked.append(pass_id) is None,
     )
     try:
