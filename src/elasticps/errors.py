@@ -118,6 +118,20 @@ class RemoteError(ElasticPSError):
         self.code = code
 
 
+class AuthenticationError(ElasticPSError):
+    """A peer failed authentication, or the two sides disagree on whether to authenticate.
+
+    Attributes:
+        reason: a short code: ``bad_mac``, ``refused``, ``short``, ``timeout``, ``peer_uid``,
+            ``no_secret`` (the peer asks for one this side lacks),
+            ``unauthenticated_server``, ``bad_challenge`` or ``wrong_epoch``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class CoordinationError(ElasticPSError):
     """etcd could not be reached, or a lease, lock or slot claim failed."""
 
