@@ -38,11 +38,19 @@ from typing import Final, NamedTuple
 
 import torch
 
-from elasticps.errors import DataError, ProtocolError, RemoteError, ServiceUnavailableError
+from elasticps.errors import (
+    AuthenticationError,
+    DataError,
+    ProtocolError,
+    RemoteError,
+    ServiceUnavailableError,
+)
 from elasticps.placement import PAGE_NUMEL, even_split, page_split
 from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
+from elasticps.security import JobSecret, secret_from_env
 from elasticps.storage import Location
+from elasticps.wire.auth import client_handshake
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -90,12 +98,22 @@ class ControlClient:
         timeout_s: connect timeout and default reply deadline, seconds.
         epoch: the slot epoch the server must hold (the server refuses the
             request otherwise); 0 for any.
+        secret: the job secret the connection proves (:mod:`elasticps.wire.auth`);
+            None: this process's (:func:`~elasticps.security.secret_from_env`).
 
     Raises:
         ServiceUnavailableError: the server cannot be reached.
+        AuthenticationError: the server and this client disagree on the job secret.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        epoch: int = 0,
+        secret: JobSecret | None = None,
+    ) -> None:
         self.address = address
         self.epoch = epoch
         self._timeout_s = timeout_s
@@ -110,6 +128,20 @@ class ControlClient:
                 f"cannot connect to parameter server at {address}: {exc}"
             ) from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        job_secret = secret if secret is not None else secret_from_env()
+        key = None if job_secret is None else job_secret.tensor_plane_key()
+        try:
+            # Any epoch here: a server of another epoch answers the first request
+            # with ERROR wrong_epoch, which callers expect.
+            client_handshake(self._sock, key, 0, timeout_s=timeout_s)
+        except AuthenticationError as exc:
+            self._sock.close()
+            raise AuthenticationError(exc.reason, f"parameter server at {address}: {exc}") from exc
+        except OSError as exc:
+            self._sock.close()
+            raise ServiceUnavailableError(
+                f"parameter server at {address}: handshake failed: {exc}"
+            ) from exc
 
     def request(
         self, body: Mapping[str, object], *, timeout_s: float | None = None

@@ -34,6 +34,7 @@ from elasticps.testing import wait_for
 from elasticps.trainer import client as client_module
 from elasticps.trainer.client import ParameterClient, parse_address
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers
+from elasticps.wire.auth import client_handshake
 from elasticps.wire.frame import (
     HEADER,
     HEADER_SIZE,
@@ -156,8 +157,10 @@ class Cluster:
         return Peer(flat, client)
 
     def raw(self, index: int = 0) -> socket.socket:
-        """A plain TCP connection to server ``index``, with a receive deadline."""
+        """A TCP connection to server ``index``, past the handshake, with a receive deadline."""
         sock = socket.create_connection(parse_address(self.addresses[index]), timeout=DEADLINE_S)
+        client_handshake(sock, None, 0)
+        sock.settimeout(DEADLINE_S)
         self._socks.append(sock)
         return sock
 
@@ -638,7 +641,7 @@ def test_stats_control_op_answers_before_and_after_initialization(cluster: Clust
     send_json(sock, MsgType.CONTROL, {"op": "stats"})
     header, body = read_reply(sock)
     assert header.msg_type is MsgType.CONTROL_OK
-    assert body == {"shard": 0, "initialized": False, "stats": None}
+    assert body == {"shard": 0, "initialized": False, "stats": None, "auth_refused": {}}
 
     peer = cluster.peer(SECOND)
     peer.client.hello(initialize=True)

@@ -26,6 +26,7 @@ from elasticps.pserver.sparse import Partitioner
 from elasticps.pserver.sparse_shard import TableEntry
 from elasticps.trainer.client import ParameterClient, parse_address
 from elasticps.trainer.flat import FlatModel, bind_flat_buffers
+from elasticps.wire.auth import client_handshake
 from elasticps.wire.frame import (
     HEADER_SIZE,
     DType,
@@ -225,6 +226,8 @@ class Raw:
 
     def __init__(self, server: ParameterServer, client: ParameterClient, index: int) -> None:
         self.sock = socket.create_connection(parse_address(server.address), timeout=10)
+        client_handshake(self.sock, None, 0)
+        self.sock.settimeout(10)
         self.scratch = bytearray(HEADER_SIZE)
         conn = next(c for c in client._conns if c.layout.index == index)
         self.index = index

@@ -40,6 +40,7 @@ from elasticps.pserver.rules import make_update_rule
 from elasticps.pserver.server import ParameterServer
 from elasticps.pserver.shard import ParameterShard, ShardClosedError
 from elasticps.pserver.sparse import EvictionPolicy
+from elasticps.security import secret_from_env
 from elasticps.snapshot import load_consistent_checkpoint
 from elasticps.storage import Location
 
@@ -91,6 +92,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         holds_slot=lambda: _lease_valid(lease),
         reduction=config.sync_reduction,
         eviction=_eviction(config),
+        secret=secret_from_env(),
     )
     watch = None
     checkpointer: ShardCheckpointer | None = None

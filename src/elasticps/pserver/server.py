@@ -37,7 +37,8 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
   changes nothing; the connection stays usable.
 - ``CONTROL`` (JSON ``{"op": ...}``) -> ``CONTROL_OK``, with ops:
 
-  - ``stats``: the shard's counters.
+  - ``stats``: the shard's counters, and ``auth_refused``: the connections
+    the handshake refused, by reason.
   - ``endpoints``: ``{"shard", "unix", "host_id"}``: the AF_UNIX path the
     server also listens on (None if it does not) and
     :func:`~elasticps.wire.frame.local_host_id`, so that a client on the same
@@ -88,8 +89,13 @@ Protocol (see :mod:`elasticps.wire.frame` for the frame layout):
     the slot again instead of trusting this server's shard.
 
   A consistent checkpoint of every server is taken by
-  :func:`elasticps.snapshot.take_consistent_checkpoint`. The tensor plane is
-  trusted: ``snapshot`` writes where the client says.
+  :func:`elasticps.snapshot.take_consistent_checkpoint`. A client that
+  passed the handshake is trusted: ``snapshot`` writes where it says.
+
+Authentication: every connection, TCP or AF_UNIX, first passes the
+handshake of :mod:`elasticps.wire.auth` on the job secret (with ``secret``
+set; over AF_UNIX also the peer's uid), before any frame is read; a
+connection that fails it is closed and counted (``stats``: ``auth_refused``).
 
 Any malformed frame gets an ``ERROR`` reply and the connection is closed; a
 well-formed request that cannot be served (wrong layout, push before hello)
@@ -129,6 +135,7 @@ import torch
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import (
+    AuthenticationError,
     DataError,
     ElasticPSError,
     FrameError,
@@ -150,8 +157,10 @@ from elasticps.pserver.shard import (
 from elasticps.pserver.sparse import EvictionPolicy
 from elasticps.pserver.sparse_checkpoint import load_tables_state
 from elasticps.pserver.sparse_shard import RowGrads, ShardTables, split_counts
+from elasticps.security import JobSecret
 from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
 from elasticps.storage import Location, is_url
+from elasticps.wire.auth import check_peer_uid, server_handshake
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -218,6 +227,8 @@ class ParameterServer:
             answers them with ERROR ``fenced``, never with what it held,
             because a successor may hold the slot by then. None: always holds.
         eviction: which rows of sparse tables to evict, or None.
+        secret: the job secret every connection must prove before its first
+            frame (:mod:`elasticps.wire.auth`); None serves any client.
 
     Attributes:
         epoch: the slot epoch this server holds (set after its claim; 0
@@ -247,7 +258,11 @@ class ParameterServer:
         holds_slot: Callable[[], bool] | None = None,
         reduction: str = "mean",
         eviction: EvictionPolicy | None = None,
+        secret: JobSecret | None = None,
     ) -> None:
+        self._auth_key = None if secret is None else secret.tensor_plane_key()
+        # Connections refused by the handshake, by reason (CONTROL "stats": auth_refused).
+        self._auth_refused: dict[str, int] = {}
         self._shard_options: dict[str, Any] = {
             "frozen": frozen,
             "max_staleness": max_staleness,
@@ -403,9 +418,30 @@ class ParameterServer:
 
     # --- one connection -----------------------------------------------------
 
+    def _authenticate(self, conn: socket.socket) -> bool:
+        """Run the handshake on a new connection; count and log a refusal."""
+        try:
+            if conn.family == socket.AF_UNIX:
+                check_peer_uid(conn)
+            server_handshake(conn, self._auth_key, self.epoch)
+        except AuthenticationError as exc:
+            with self._cond:
+                self._auth_refused[exc.reason] = self._auth_refused.get(exc.reason, 0) + 1
+                refused = sum(self._auth_refused.values())
+            # At most one line per power of two: a flood of attempts cannot fill the log.
+            if refused & (refused - 1) == 0:
+                log.warning(
+                    "ps %d: refused an unauthenticated connection (%s: %s); %d refused so far",
+                    self.shard_index, exc.reason, exc, refused,
+                )  # fmt: skip
+            return False
+        return True
+
     def _serve_connection(self, conn: socket.socket) -> None:
         state = _Connection(conn)
         try:
+            if not self._authenticate(conn):
+                return
             while True:
                 max_body = self._max_body_bytes(state)
                 header = recv_header(conn, state.scratch, max_body_bytes=max_body)
@@ -805,6 +841,8 @@ class ParameterServer:
                 "initialized": shard is not None,
                 "stats": None if stats is None else stats.__dict__,
             }
+            with self._cond:
+                body["auth_refused"] = dict(self._auth_refused)
             if shard is not None and shard.tables is not None:
                 with shard.reading():
                     body["sparse_rows"] = shard.tables.rows_held()

@@ -106,6 +106,7 @@ import torch
 
 from elasticps.coord.store import PSSlot
 from elasticps.errors import (
+    AuthenticationError,
     ConfigError,
     ElasticPSError,
     ProtocolError,
@@ -116,8 +117,10 @@ from elasticps.placement import PAGE_NUMEL, Placement, ShardLayout, page_runs
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.sparse import check_id_range
 from elasticps.pserver.sparse_shard import TABLES_KEY, TableEntry
+from elasticps.security import JobSecret, secret_from_env
 from elasticps.trainer import pages as flat_pages
 from elasticps.trainer.pages import PAGE_BYTES, map_file_pages, unmap_pages
+from elasticps.wire.auth import check_peer_uid, client_handshake
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -242,8 +245,10 @@ class _ShardConnection:
         tables: Sequence[TableEntry] = (),
         shared_memory: bool = False,
         page_runs: tuple[tuple[int, int, int], ...] | None = None,
+        auth_key: bytes | None = None,
     ) -> None:
         self.layout = layout
+        self.auth_key = auth_key
         self.hello_layout: dict[str, object] = layout.describe()
         self.fingerprint = layout.fingerprint
         self.tables = tuple(tables)
@@ -294,12 +299,12 @@ class _ShardConnection:
         """
         self.release()
         self.server_offers_shared = False
-        self.sock = self._connect(slot.address, timeout_s)
+        self.sock = self._connect(slot.address, slot.epoch, timeout_s)
         self.address = slot.address
         self.epoch = slot.epoch
         self.superseded = False
 
-    def _connect(self, address: str, timeout_s: float) -> socket.socket:
+    def _connect(self, address: str, epoch: int, timeout_s: float) -> socket.socket:
         try:
             sock = socket.create_connection(parse_address(address), timeout=timeout_s)
         except OSError as exc:
@@ -308,19 +313,52 @@ class _ShardConnection:
             ) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.transport = "tcp"
-        if self.wanted_transport != "tcp":
-            try:
+        try:
+            self._authenticate(sock, address, epoch, timeout_s)
+            unix = None
+            if self.wanted_transport != "tcp":
                 unix = self._unix_peer(sock, address, timeout_s)
-            except BaseException:
-                sock.close()
-                raise
-            if unix is not None:
-                sock.close()
-                sock = unix
-                self.transport = "unix"
+                if unix is not None:
+                    try:
+                        check_peer_uid(unix)
+                        self._authenticate(unix, address, epoch, timeout_s)
+                    except BaseException:
+                        unix.close()
+                        raise
+        except BaseException:
+            sock.close()
+            raise
+        if unix is not None:
+            sock.close()
+            sock = unix
+            self.transport = "unix"
         # Blocking from here on: a sync push waits for the slowest trainer.
         sock.settimeout(None)
         return sock
+
+    def _authenticate(
+        self, sock: socket.socket, address: str, epoch: int, timeout_s: float
+    ) -> None:
+        """The tensor plane's handshake on a new connection (:mod:`elasticps.wire.auth`).
+
+        Raises:
+            AuthenticationError: the two sides disagree on the secret (not retried).
+            _ReconnectError: the server holds another epoch (resolve the slot again).
+            ServiceUnavailableError: the connection broke during the handshake.
+        """
+        try:
+            client_handshake(sock, self.auth_key, epoch, timeout_s=timeout_s)
+        except AuthenticationError as exc:
+            if exc.reason == "wrong_epoch":
+                raise _ReconnectError(f"parameter server {self.layout.index}: {exc}") from exc
+            raise AuthenticationError(
+                exc.reason, f"parameter server {self.layout.index} at {address}: {exc}"
+            ) from exc
+        except OSError as exc:
+            raise ServiceUnavailableError(
+                f"parameter server {self.layout.index} at {address}: handshake failed: {exc}"
+            ) from exc
+        sock.settimeout(timeout_s)
 
     def _unix_peer(
         self, tcp: socket.socket, address: str, timeout_s: float
@@ -1026,8 +1064,11 @@ class ParameterClient:
             the shared memory may be mapped into them (see the module
             docstring); ignored where it cannot be (a packed placement, a
             staging buffer, not Linux).
+        secret: the job secret each connection proves (:mod:`elasticps.wire.auth`);
+            None: this process's (:func:`~elasticps.security.secret_from_env`).
 
     Raises:
+        AuthenticationError: a server and this client disagree on the job secret.
         ConfigError: an unknown ``transport`` or ``grad_compression``.
         ServiceUnavailableError: a parameter server cannot be reached (at
             once if ``resolve`` is None, else after ``reconnect_timeout_s``).
@@ -1054,7 +1095,9 @@ class ParameterClient:
         tables: Sequence[TableEntry] = (),
         shared_memory: bool = True,
         map_buffers: bool = False,
+        secret: JobSecret | None = None,
     ) -> None:
+        job_secret = secret if secret is not None else secret_from_env()
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if grad_compression not in GRAD_COMPRESSIONS:
@@ -1128,6 +1171,7 @@ class ParameterClient:
                     tables=self.tables,
                     shared_memory=shared_memory and transport in ("auto", "shm"),
                     page_runs=None if runs is None else runs[layout.index],
+                    auth_key=None if job_secret is None else job_secret.tensor_plane_key(),
                 )
                 self._conns.append(conn)
                 first.append((conn, _as_slot(layout.index, addresses[layout.index])))
@@ -1149,7 +1193,7 @@ class ParameterClient:
         """Connect to ``slot``; if that fails, wait for the slot as a reconnection does."""
         try:
             conn.connect(slot, self._timeout_s)
-        except ServiceUnavailableError as exc:
+        except (ServiceUnavailableError, _ReconnectError) as exc:
             if self._resolve is None:
                 raise
             log.info("parameter server %d is not reachable yet (%s); waiting", slot.index, exc)
@@ -1374,6 +1418,8 @@ class ParameterClient:
                     conn.layout.index, slot.address, slot.epoch, conn.version,
                 )  # fmt: skip
                 return
+            except AuthenticationError:
+                raise  # the same secret next time: waiting cannot help
             except (ElasticPSError, OSError, _ReconnectError) as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
