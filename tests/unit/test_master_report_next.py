@@ -185,13 +185,17 @@ def test_the_client_numbers_every_attempt_of_a_call_that_may_dispatch() -> None:
     seen: list[tuple[str, int]] = []
 
     class Stub:
-        def GetTask(self, request: master_pb2.GetTaskRequest, timeout: float) -> object:  # noqa: N802
+        def GetTask(  # noqa: N802
+            self, request: master_pb2.GetTaskRequest, timeout: float, metadata: object = ()
+        ) -> object:
             seen.append(("GetTask", request.ask))
             if len(seen) == 1:
                 raise _Unavailable()
             return master_pb2.GetTaskResponse(wait_s=1.0)
 
-        def ReportTask(self, request: master_pb2.ReportTaskRequest, timeout: float) -> object:  # noqa: N802
+        def ReportTask(  # noqa: N802
+            self, request: master_pb2.ReportTaskRequest, timeout: float, metadata: object = ()
+        ) -> object:
             seen.append(("ReportTask", request.ask))
             return master_pb2.ReportTaskResponse()
 

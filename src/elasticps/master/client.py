@@ -10,13 +10,16 @@ import grpc
 import tenacity
 
 from elasticps.errors import (
+    AuthenticationError,
     ElasticPSError,
     ServiceUnavailableError,
     StaleTaskError,
     UnknownTaskError,
     UnknownTrainerError,
 )
+from elasticps.master.auth import TOKEN_METADATA
 from elasticps.proto import master_pb2, master_pb2_grpc
+from elasticps.security import JobSecret, secret_from_env
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -47,6 +50,9 @@ class MasterClient:
         rpc_timeout_s: deadline of one call, seconds.
         retry_s: total time to keep retrying while no master answers, seconds.
         max_backoff_s: longest wait between two attempts, seconds.
+        secret: the job secret whose token every call carries
+            (:meth:`~elasticps.security.JobSecret.grpc_token`); None: this
+            process's (:func:`~elasticps.security.secret_from_env`).
     """
 
     def __init__(
@@ -56,7 +62,12 @@ class MasterClient:
         rpc_timeout_s: float = 10.0,
         retry_s: float = 60.0,
         max_backoff_s: float = 0.5,
+        secret: JobSecret | None = None,
     ) -> None:
+        job_secret = secret if secret is not None else secret_from_env()
+        self._metadata: tuple[tuple[str, str], ...] = (
+            () if job_secret is None else ((TOKEN_METADATA, job_secret.grpc_token()),)
+        )
         self._resolve: Callable[[], str] = (
             (lambda: resolve) if isinstance(resolve, str) else resolve
         )
@@ -174,7 +185,9 @@ class MasterClient:
             # that reaches it after a later one (see GetTaskRequest.ask).
             request.ask = next(_ASKS)
         try:
-            return getattr(stub, method)(request, timeout=self._rpc_timeout_s)
+            return getattr(stub, method)(
+                request, timeout=self._rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             if _is_retryable(exc):
                 self._forget(stub)  # resolve the master again on the next attempt
@@ -196,6 +209,8 @@ class MasterClient:
                 raise UnknownTaskError(exc.details()) from exc
             if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
                 raise UnknownTrainerError(exc.details()) from exc
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                raise AuthenticationError("bad_token", f"master: {exc.details()}") from exc
             raise
 
 

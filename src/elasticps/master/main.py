@@ -40,11 +40,13 @@ from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
 from elasticps.errors import CoordinationError, DataError, PortInUseError
 from elasticps.master.align import SyncAligner
+from elasticps.master.auth import TokenInterceptor
 from elasticps.master.ledger import Ledger, LedgerSpec
 from elasticps.master.service import MasterService
 from elasticps.master.shards import PassVerifier, close_quietly
 from elasticps.master.taskqueue import QueueConfig
 from elasticps.proto import master_pb2_grpc
+from elasticps.security import secret_from_env
 
 if TYPE_CHECKING:
     from elasticps.master.stream import StreamFeeder
@@ -171,7 +173,11 @@ def serve_master(
         else:
             log.error("master of job %s stepping down: %s", job, reason)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"))
+    secret = secret_from_env()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpc"),
+        interceptors=[] if secret is None else [TokenInterceptor(secret)],
+    )
     lease: KeptLease | None = None
     watch: Watch | None = None
     verifier: PassVerifier | None = None
