@@ -40,6 +40,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from elasticps import __version__
 from elasticps.config import (
+    AUTH_MODES,
     BAD_RECORDS,
     GRAD_COMPRESSIONS,
     OPTIMIZERS,
@@ -93,6 +94,17 @@ _ROLE_COMMANDS = frozenset({"master", "ps", "trainer"})
 
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """The choices of ``--log-level`` (names of :mod:`logging`'s levels)."""
+
+
+def _add_auth(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--auth",
+        choices=AUTH_MODES,
+        default=_env("auth", "on"),
+        help="on: the job makes a secret that every connection to a parameter server and "
+        "every call to the master must prove; off: they serve any process that reaches "
+        "them (a trusted network only; the log and run.json say so)",
+    )
 
 
 def _env(flag: str, default: object) -> object:
@@ -534,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="slurm: inside a Slurm allocation (salloc, sbatch), run the PS and trainers as "
         "job steps on its nodes; etcd and the master stay on this node (default: local)",
     )
+    _add_auth(train)
     train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
@@ -811,6 +824,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         sync_reduction=args.sync_reduction,
         sparse_eviction=args.sparse_eviction,
         spawn=args.spawn,
+        auth=args.auth,
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
         overwrite=args.overwrite,
@@ -1351,6 +1365,7 @@ def _add_kubernetes_commands(sub: Any, master: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds between each PS's shard checkpoints (as for train)",
     )
+    _add_auth(submit)
     _add_refused(submit, sub.choices["train"])
     submit.add_argument("--job", default=None, help="job name (default: elasticps-<random>)")
     submit.add_argument("--image", required=True, help="container image with elasticps")
@@ -1605,6 +1620,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     from elasticps.config import KubernetesConfig
     from elasticps.launcher.kubernetes import JobRequest, submit_job
+    from elasticps.security import AUTH_OFF_WARNING, JobSecret
 
     job = args.job or f"elasticps-{uuid.uuid4().hex[:6]}"
     rng = _trainer_range(args.trainers, args.initial_trainers)
@@ -1631,7 +1647,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         standby_masters=args.standby_masters,
         stuck_after_s=args.stuck_after_s,
         checkpoint_dir=args.checkpoint_dir,
+        secret=None if args.auth == "off" else JobSecret.generate(),
     )
+    if request.secret is None:
+        print(f"elasticps submit: warning: {AUTH_OFF_WARNING}", file=sys.stderr)
     config = KubernetesConfig(
         namespace=args.namespace,
         image=args.image,

@@ -432,6 +432,9 @@ PS_TRANSPORTS = ("auto", "tcp", "unix", "shm")
 OVERLAP_PULL: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 """Values of ``--overlap-pull`` and the :attr:`TrainerConfig.overlap_pull` each stands for."""
 
+AUTH_MODES = ("on", "off")
+"""Values of ``--auth`` (:class:`JobConfig`): whether the job's planes ask for its secret."""
+
 SPAWN_METHODS = ("fork", "exec")
 """Values of ``--spawn`` (:class:`JobConfig`): how the local launcher starts role processes."""
 
@@ -646,6 +649,10 @@ class JobConfig:
         max_restarts: restarts allowed per master, PS and etcd process, >= 0.
         chaos: scheduled SIGKILLs (see :mod:`elasticps.launcher.chaos`).
         random_chaos: SIGKILLs of random roles at random moments, or None.
+        auth: ``on`` (default): the job makes a secret that every connection
+            to a PS and every call to the master must prove (see
+            :mod:`elasticps.security`); ``off``: they serve anyone, and the
+            log and ``run.json`` say so.
         spawn: how role processes start: ``fork`` from a fork server that
             has imported torch already (:mod:`elasticps.launcher.spawn`),
             or ``exec`` (each a new ``python -m elasticps``).
@@ -749,6 +756,7 @@ class JobConfig:
     advertise_address: str = ""
     etcd_replicas: int = 1
     launcher: str = "local"
+    auth: str = "on"
 
     def _check_slurm(self) -> None:
         """Refuse, by name, what a ``--launcher slurm`` job cannot take."""
@@ -804,6 +812,8 @@ class JobConfig:
             )
         _check_bad_records(self.bad_records)
         parse_model_args(self.model_args)
+        if self.auth not in AUTH_MODES:
+            raise ConfigError(f"--auth must be one of {', '.join(AUTH_MODES)}, got {self.auth!r}")
         if self.spawn not in SPAWN_METHODS:
             raise ConfigError(
                 f"--spawn must be one of {', '.join(SPAWN_METHODS)}, got {self.spawn!r}"

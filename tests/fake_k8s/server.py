@@ -4,8 +4,9 @@ It is *not* Kubernetes. It keeps just enough of the API's behaviour for the
 elasticps Kubernetes backend to be tested with the official ``kubernetes``
 client, on loopback, in milliseconds:
 
-- REST paths ``/api/v1/namespaces/{ns}/{pods|services|configmaps|persistentvolumeclaims}
-  [/{name}]`` (and ``/apis/apps/v1/...`` for the controllers below):
+- REST paths ``/api/v1/namespaces/{ns}/{pods|services|configmaps|secrets|persistentvolumeclaims}
+  [/{name}]`` (and ``/apis/apps/v1/...`` for the controllers below, and
+  ``/apis/networking.k8s.io/v1/.../networkpolicies``, stored only):
   create (POST), get, list, replace (PUT), patch (PATCH, JSON merge patch
   for objects, JSON patch for lists), delete and delete-collection, with
   ``labelSelector`` (equality-based: ``a=b``, ``a==b``, ``a!=b``, ``a``,
@@ -91,6 +92,8 @@ KINDS = {
     "pods": ("Pod", "PodList"),
     "services": ("Service", "ServiceList"),
     "configmaps": ("ConfigMap", "ConfigMapList"),
+    "secrets": ("Secret", "SecretList"),
+    "networkpolicies": ("NetworkPolicy", "NetworkPolicyList"),
     "persistentvolumeclaims": ("PersistentVolumeClaim", "PersistentVolumeClaimList"),
     "deployments": ("Deployment", "DeploymentList"),
     "statefulsets": ("StatefulSet", "StatefulSetList"),
@@ -100,6 +103,8 @@ GROUPS = {
     "pods": "api/v1",
     "services": "api/v1",
     "configmaps": "api/v1",
+    "secrets": "api/v1",
+    "networkpolicies": "apis/networking.k8s.io/v1",
     "persistentvolumeclaims": "api/v1",
     "deployments": "apis/apps/v1",
     "statefulsets": "apis/apps/v1",
@@ -130,6 +135,11 @@ _DISCOVERY: dict[str, Obj] = {
                 "name": "apps",
                 "versions": [{"groupVersion": "apps/v1", "version": "v1"}],
                 "preferredVersion": {"groupVersion": "apps/v1", "version": "v1"},
+            },
+            {
+                "name": "networking.k8s.io",
+                "versions": [{"groupVersion": "networking.k8s.io/v1", "version": "v1"}],
+                "preferredVersion": {"groupVersion": "networking.k8s.io/v1", "version": "v1"},
             },
             {
                 "name": "rbac.authorization.k8s.io",
@@ -169,6 +179,20 @@ _DISCOVERY: dict[str, Obj] = {
                 "verbs": _VERBS,
             }
             for n in CONTROLLERS
+        ],
+    },
+    "/apis/networking.k8s.io/v1": {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "networking.k8s.io/v1",
+        "resources": [
+            {
+                "name": "networkpolicies",
+                "singularName": "networkpolicy",
+                "namespaced": True,
+                "kind": "NetworkPolicy",
+                "verbs": _VERBS,
+            }
         ],
     },
     # Served for kubectl's discovery only (no REST paths): the RBAC manifests.

@@ -29,6 +29,7 @@ from elasticps.launcher.kubernetes import (
     MAX_CONFIGMAP_BYTES,
     MODEL_PATH,
     PS_PORT,
+    SECRET_DIR,
     JobRequest,
     OwnerRef,
     job_objects,
@@ -36,6 +37,7 @@ from elasticps.launcher.kubernetes import (
     to_manifests,
     worker_pod,
 )
+from elasticps.security import SECRET_FILE_ENV, JobSecret
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -91,7 +93,7 @@ def by_name(objects: list[Any]) -> dict[tuple[str, str], dict[str, Any]]:
 def test_every_object_survives_the_clients_model_classes() -> None:
     kinds = [round_trip(o)["kind"] for o in job_objects(REQUEST, CONFIG)]
     assert kinds == ["ConfigMap"] * 3 + [
-        "Service", "Service", "StatefulSet", "Service", "Deployment",
+        "NetworkPolicy", "Secret", "Service", "Service", "StatefulSet", "Service", "Deployment",
     ]  # fmt: skip
 
 
@@ -188,7 +190,7 @@ def test_worker_pods_are_owned_by_the_master_deployment_and_never_restart_in_pla
     assert env["ELASTICPS_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert container["envFrom"] == [{"configMapRef": {"name": "j-env", "optional": True}}]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"model": str(Path(MODEL_PATH).parent), "data": "/data"}
+    assert mounts == {"model": str(Path(MODEL_PATH).parent), "data": "/data", "secret": SECRET_DIR}
 
 
 def test_the_master_runs_the_kubernetes_worker_manager_under_its_service_account() -> None:
@@ -258,7 +260,9 @@ def test_the_example_job_is_what_submit_dry_run_generates() -> None:
         data=("/data/mnist/train.parquet",),
         master_args=("--epochs", "5", "--records-per-task", "512",
                      "--task-timeout-s", "60.0", "--max-task-timeouts", "3"),
-        env={doc["metadata"]["name"]: doc for doc in example}["mnist-env"]["data"],
+        env={k: v for k, v in {doc["metadata"]["name"]: doc for doc in example}["mnist-env"][
+            "data"].items() if k != SECRET_FILE_ENV},
+        secret=JobSecret(bytes(32)),  # the example's placeholder
     )  # fmt: skip
     config = KubernetesConfig(
         namespace="ml", image="elasticps:latest", volume_claim="elasticps-data"

@@ -200,6 +200,12 @@ def test_every_train_option_reaches_the_roles_in_the_pods_or_is_refused_by_name(
     if flag == "--model":  # the pods read the file from the <job>-model ConfigMap
         assert named["mnist-model"]["data"]["model.py"] == Path(value).read_text()
         return
+    if flag == "--auth":  # the Secret, and the variables that name it or say there is none
+        env = named["mnist-env"]["data"]
+        assert ("mnist-secret" in named) == (value == "on")
+        assert ("ELASTICPS_JOB_SECRET_FILE" in env) == (value == "on")
+        assert (env.get("ELASTICPS_AUTH_OFF") == "1") == (value == "off")
+        return
     if flag == "--job":
         assert all(o["metadata"]["name"].startswith(f"{value}-") for o in objects)
     elif flag == "--initial-trainers":  # the wanted count, which the master's manager reads

@@ -87,6 +87,7 @@ from elasticps.launcher.supervisor import (
 )
 from elasticps.master.client import MasterClient
 from elasticps.netutil import RUNTIME_DIR_ENV, die_with_parent_prefix
+from elasticps.security import job_credentials
 from elasticps.storage import Location
 from elasticps.updater import ps_flags
 
@@ -142,6 +143,9 @@ class ServersConfig:
         replace_trainers: whether the caller's trainers are replaced when they
             die (:attr:`SupervisorConfig.replace_trainers
             <elasticps.launcher.supervisor.SupervisorConfig.replace_trainers>`).
+        auth: the servers ask for a secret made for them (:mod:`elasticps.security`),
+            which this process's clients are given until :meth:`LocalServers.stop`;
+            False serves any process (a warning in the log).
 
     Raises:
         ConfigError: a value is out of range, or the master has no data.
@@ -166,6 +170,7 @@ class ServersConfig:
     stop_timeout_s: float = 10.0
     max_restarts: int = 3
     replace_trainers: bool = True
+    auth: bool = True
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -227,6 +232,8 @@ class LocalServers:
     def __init__(self, config: ServersConfig) -> None:
         self.config = config
         self._workdir: Path | None = None
+        # The job secret's hold on this process's environment, from start() to stop().
+        self._credentials = contextlib.ExitStack()
         self._etcd: EtcdServer | None = None
         self._children: list[_Child] = []
         self._ps_addresses: list[str] = []
@@ -538,6 +545,7 @@ class LocalServers:
         cfg = self.config
         self._workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
         try:
+            self._credentials.enter_context(job_credentials(self._workdir, auth=cfg.auth))
             self._etcd = EtcdServer(
                 EtcdServerConfig(data_dir=self._workdir / "etcd", client_port=0),
                 log_path=self._workdir / "etcd.log",
@@ -579,6 +587,7 @@ class LocalServers:
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
+        self._credentials.close()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -114,6 +114,7 @@ __all__ = [
 ]
 
 from elasticps.launcher.supervisor import FailJob
+from elasticps.security import AUTH_OFF_ENV, SECRET_FILE_ENV, SECRET_FILE_NAME, JobSecret
 from elasticps.storage import Location
 
 if TYPE_CHECKING:
@@ -142,6 +143,9 @@ MODEL_FILE = "model.py"
 MODEL_PATH = f"{MODEL_DIR}/{MODEL_FILE}"
 """Where the model file is mounted in every pod."""
 DATA_DIR = "/data"
+
+SECRET_DIR = "/etc/elasticps/secret"
+"""Where every pod of a job mounts its Secret ``<job>-secret`` (the job secret)."""
 """Where :attr:`KubernetesConfig.volume_claim` is mounted."""
 MAX_CONFIGMAP_BYTES = 1024 * 1024
 """The API server's limit on a ConfigMap's data, bytes (etcd's request size)."""
@@ -267,6 +271,16 @@ def _volumes(job: str, config: KubernetesConfig) -> tuple[list[Any], list[Any]]:
         )
     ]
     mounts = [client.V1VolumeMount(name="model", mount_path=MODEL_DIR, read_only=True)]
+    # The job secret (absent, and so skipped, for a job submitted with --auth off).
+    volumes.append(
+        client.V1Volume(
+            name="secret",
+            secret=client.V1SecretVolumeSource(
+                secret_name=f"{job}-secret", default_mode=0o400, optional=True
+            ),
+        )
+    )
+    mounts.append(client.V1VolumeMount(name="secret", mount_path=SECRET_DIR, read_only=True))
     if config.volume_claim:
         volumes.append(
             client.V1Volume(
@@ -605,6 +619,54 @@ def model_configmap(job: str, model_source: str, config: KubernetesConfig) -> An
             name=f"{job}-model", namespace=config.namespace, labels=job_labels(job, "model")
         ),
         data={MODEL_FILE: model_source},
+    )
+
+
+def secret_object(job: str, secret: JobSecret, config: KubernetesConfig) -> Any:
+    """The Secret ``<job>-secret``: the job secret, mounted into every pod at :data:`SECRET_DIR`."""
+    from kubernetes import client
+
+    return client.V1Secret(
+        api_version="v1",
+        kind="Secret",
+        metadata=client.V1ObjectMeta(
+            name=f"{job}-secret", namespace=config.namespace, labels=job_labels(job, "secret")
+        ),
+        type="Opaque",
+        string_data={SECRET_FILE_NAME: secret.key.hex() + "\n"},
+    )
+
+
+def network_policy(job: str, config: KubernetesConfig) -> Any:
+    """The NetworkPolicy ``<job>-network``: only the job's pods reach its pods (etcd, master, PS).
+
+    It selects every pod labelled with the job and admits ingress only from
+    pods labelled with the job. It takes effect where the cluster's network
+    plugin enforces NetworkPolicies; the kubelet's probes come from the node,
+    which most plugins admit.
+    """
+    from kubernetes import client
+
+    labels = {LABEL_APP: APP, LABEL_JOB: job}
+    return client.V1NetworkPolicy(
+        api_version="networking.k8s.io/v1",
+        kind="NetworkPolicy",
+        metadata=client.V1ObjectMeta(
+            name=f"{job}-network", namespace=config.namespace, labels=job_labels(job, "network")
+        ),
+        spec=client.V1NetworkPolicySpec(
+            pod_selector=client.V1LabelSelector(match_labels=labels),
+            policy_types=["Ingress"],
+            ingress=[
+                client.V1NetworkPolicyIngressRule(
+                    _from=[
+                        client.V1NetworkPolicyPeer(
+                            pod_selector=client.V1LabelSelector(match_labels=labels)
+                        )
+                    ]
+                )
+            ],
+        ),
     )
 
 
@@ -1196,6 +1258,9 @@ class JobRequest:
             no shared volume; the pods read their credentials from the
             standard places (their environment, or the role of their service
             account or node).
+        secret: the job secret, which every pod reads from the Secret
+            ``<job>-secret``; a new one by default. None: the job runs with
+            ``--auth off`` (its pods serve anyone).
 
     Raises:
         ConfigError: a bad job name, trainer range, PS count, etcd endpoint
@@ -1217,6 +1282,7 @@ class JobRequest:
     standby_masters: int = 0
     stuck_after_s: float | None = None
     checkpoint_dir: str = ""
+    secret: JobSecret | None = field(default_factory=JobSecret.generate)
 
     def __post_init__(self) -> None:
         check_kubernetes_job_name(self.job)
@@ -1276,6 +1342,10 @@ def job_objects(request: JobRequest, config: KubernetesConfig) -> list[Any]:
     if config.volume_claim:
         env["ELASTICPS_VOLUME_CLAIM"] = config.volume_claim
         env.setdefault("ELASTICPS_CHECKPOINT_DIR", f"{DATA_DIR}/checkpoints/{job}")
+    if request.secret is not None:
+        env[SECRET_FILE_ENV] = f"{SECRET_DIR}/{SECRET_FILE_NAME}"
+    else:
+        env[AUTH_OFF_ENV] = "1"
     master_args = [
         "--backend", "kubernetes",
         "--trainers", f"{request.min_trainers}:{request.max_trainers}",
@@ -1290,7 +1360,10 @@ def job_objects(request: JobRequest, config: KubernetesConfig) -> list[Any]:
         model_configmap(job, request.model_source, config),
         env_configmap(job, env, config),
         scale_configmap(job, request.initial_trainers, config),
+        network_policy(job, config),
     ]
+    if request.secret is not None:
+        objects.append(secret_object(job, request.secret, config))
     if request.etcd_endpoint is None:
         objects += [
             etcd_peer_service(job, config),
@@ -1334,6 +1407,13 @@ def _apps(api: Any) -> Any:
     return client.AppsV1Api(api.api_client)
 
 
+def _networking(api: Any) -> Any:
+    """The ``NetworkingV1Api`` on the same connection as the ``CoreV1Api`` ``api``."""
+    from kubernetes import client
+
+    return client.NetworkingV1Api(api.api_client)
+
+
 def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[str, Any]:
     """Create the objects of :func:`job_objects` in the namespace; returns at once.
 
@@ -1355,8 +1435,11 @@ def submit_job(api: Any, request: JobRequest, config: KubernetesConfig) -> dict[
 
     ns = config.namespace
     apps = _apps(api)
+    networking = _networking(api)
     create = {
         "ConfigMap": api.create_namespaced_config_map,
+        "Secret": api.create_namespaced_secret,
+        "NetworkPolicy": networking.create_namespaced_network_policy,
         "Service": api.create_namespaced_service,
         "StatefulSet": apps.create_namespaced_stateful_set,
         "Deployment": apps.create_namespaced_deployment,
@@ -1620,11 +1703,13 @@ def job_logs(
 
 
 def delete_job(api: Any, namespace: str, job: str) -> dict[str, int]:
-    """Delete every object labelled with the job: controllers, pods, Services, ConfigMaps, PVCs.
+    """Delete every object labelled with the job: controllers, pods, Services, ConfigMaps,
+    its Secret and NetworkPolicy, PVCs.
 
     The master's Deployment goes first (its worker manager must not replace
     the pods deleted next), then the etcd StatefulSet, the pods left, the
-    Services, the ConfigMaps and etcd's PersistentVolumeClaims.
+    Services, the ConfigMaps, the Secret, the NetworkPolicy and etcd's
+    PersistentVolumeClaims.
 
     Returns:
         How many objects of each kind were deleted.
@@ -1636,12 +1721,19 @@ def delete_job(api: Any, namespace: str, job: str) -> dict[str, int]:
 
     selector = job_selector(job)
     apps = _apps(api)
+    networking = _networking(api)
     kinds = (
         ("deployments", apps.list_namespaced_deployment, apps.delete_namespaced_deployment),
         ("statefulsets", apps.list_namespaced_stateful_set, apps.delete_namespaced_stateful_set),
         ("pods", api.list_namespaced_pod, api.delete_namespaced_pod),
         ("services", api.list_namespaced_service, api.delete_namespaced_service),
         ("configmaps", api.list_namespaced_config_map, api.delete_namespaced_config_map),
+        ("secrets", api.list_namespaced_secret, api.delete_namespaced_secret),
+        (
+            "networkpolicies",
+            networking.list_namespaced_network_policy,
+            networking.delete_namespaced_network_policy,
+        ),
         (
             "persistentvolumeclaims",
             api.list_namespaced_persistent_volume_claim,

@@ -147,6 +147,7 @@ from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
 from elasticps.preflight import check_resume_location
 from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.pserver.sparse import TableSpec
+from elasticps.security import AUTH_OFF_WARNING, job_credentials
 from elasticps.sharing import state_aliases
 from elasticps.snapshot import (
     load_consistent_checkpoint,
@@ -589,7 +590,8 @@ class LocalLauncher:
         spec, train, test = self.validate()
         self._lock = self.claim_output(spec)
         try:
-            return self._run(spec, train, test)
+            with job_credentials(self.config.output, auth=self.config.auth == "on"):
+                return self._run(spec, train, test)
         except BaseException as exc:
             self._mark_ended("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
@@ -649,7 +651,13 @@ class LocalLauncher:
             self._log_pid("etcd", etcd.pid)
             # Written at once, so that `elasticps scale` finds the running job.
             self._write_json(
-                "run.json", {"job": cfg.job, "etcd": etcd.endpoint, "state": "running"}
+                "run.json",
+                {
+                    "job": cfg.job,
+                    "etcd": etcd.endpoint,
+                    "state": "running",
+                    "security": self._security_record(),
+                },
             )
             with JobStore(etcd.endpoint, cfg.job) as store:
                 self._store = store
@@ -1661,6 +1669,7 @@ class LocalLauncher:
             "restarts": self._restart_counts(),
             "etcd_restarts": self._etcd_restarts,
             "decisions": self._decision_log.as_json(),
+            "security": self._security_record(),
             **exactly_once_summary(self._passes, self.config.epochs),
             "passes": self._passes,
             "passes_missing": self._passes_missing,
@@ -1678,6 +1687,11 @@ class LocalLauncher:
         self._write_json("run.json", record)
         if self.config.output_url:
             self._publish_records()
+
+    def _security_record(self) -> dict[str, object]:
+        """``run.json``'s ``security``: what is on, and a warning for each part turned off."""
+        auth = self.config.auth
+        return {"auth": auth, "warnings": [AUTH_OFF_WARNING] if auth == "off" else []}
 
     def _publish_records(self) -> None:
         """Copy ``run.json``, ``config.toml`` and ``logs/`` to ``output_url``, ``run.json`` last.

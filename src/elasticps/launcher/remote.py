@@ -4,8 +4,9 @@
 input, the *request* (at most :data:`MAX_REQUEST_BYTES`), then control lines:
 
 - ``{"run": [ARGS...], "env": {...}, "files": {NAME: BASE64}, "cwd": DIR,
-  "route_to": ADDRESS}``: write ``files`` into a new private directory, replace
-  ``@FILES@`` in every argument with that directory, and run
+  "route_to": ADDRESS}``: write ``files`` into a new private directory (each
+  file mode 0600), replace ``@FILES@`` in every argument and ``env`` value with
+  that directory, and run
   ``python -m elasticps ARGS`` with the host's own environment plus ``env``.
   ``ELASTICPS_HOST`` becomes this host's source address on its route to
   ``route_to`` (the launching machine), so the role listens where the other
@@ -155,10 +156,12 @@ def _run(request: Mapping[str, object], program: Sequence[str]) -> int:
             if "/" in name or name in ("", ".", ".."):
                 print(f"elasticps: error: bad file name {name!r} in the request", flush=True)
                 return 2
-            (workdir / name).write_bytes(base64.b64decode(data))
+            fd = os.open(workdir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(base64.b64decode(data))
         args = [a.replace(FILES_TOKEN, str(workdir)) for a in args]
         env = dict(os.environ)
-        env.update(extra)
+        env.update({k: v.replace(FILES_TOKEN, str(workdir)) for k, v in extra.items()})
         env["ELASTICPS_PARENT_PID"] = str(os.getpid())
         runtime = workdir / "run"
         runtime.mkdir()
