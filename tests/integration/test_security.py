@@ -1,0 +1,149 @@
+"""A process without the job's secret attacks a running job, and changes nothing.
+
+The job is the audit job (one counter per record, see
+:mod:`elasticps.testing.audit`) run by ``elasticps train`` with its default
+security. While it trains, :mod:`elasticps.testing.attack` runs as a separate
+process, with none of the job's files, and tries every parameter server's TCP
+port and AF_UNIX socket and the master's gRPC service. Every attempt must be
+refused, the job must finish with exit 0 and every counter exact, and the
+servers must have logged the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticps.coord.store import JobStore
+from elasticps.security import AUTH_OFF_WARNING, SECRET_FILE_ENV, JobSecret
+from elasticps.snapshot import ControlClient
+from elasticps.testing import run_train
+from elasticps.testing.audit import check_run, train_args, write_dataset
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RECORDS = 4000
+EPOCHS = 12
+
+
+def _wait_for(condition: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    assert callable(condition)
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _running(out: Path) -> dict[str, object]:
+    """The job's run.json once it runs (etcd is up), else {}."""
+    try:
+        record = json.loads((out / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if record.get("state") == "running" else {}
+
+
+class _Attack:
+    """On a thread: once the job runs, the attacker process, then the servers' counts.
+
+    The job itself runs on the test's main thread (the command server that
+    runs it must live in that thread).
+    """
+
+    def __init__(self, out: Path, cwd: Path) -> None:
+        self.out = out
+        self.cwd = cwd
+        self.record: dict[str, object] = {}
+        self.attempts: list[dict[str, str]] = []
+        self.refused: list[dict[str, int]] = []
+        self.running_after = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._attack()
+        except BaseException as exc:
+            self.error = exc
+
+    def _attack(self) -> None:
+        _wait_for(lambda: _running(self.out), 120, "the job to start")
+        self.record = record = _running(self.out)
+        env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
+        # It waits for the trainers itself, so that its imports overlap the job's start.
+        attacker = subprocess.run(
+            [sys.executable, "-m", "elasticps.testing.attack", "--wait-s", "60",
+             "--etcd", str(record["etcd"]), "--job", str(record["job"])],
+            check=False, capture_output=True, text=True, timeout=120, env=env, cwd=self.cwd,
+        )  # fmt: skip
+        assert attacker.returncode == 0, attacker.stderr[-3000:]
+        self.attempts = json.loads(attacker.stdout.strip().splitlines()[-1])["attempts"]
+        # The servers counted what they refused (asked with the job's own secret).
+        secret = JobSecret.read(self.out / "security" / "job-secret")
+        with JobStore(str(record["etcd"]), str(record["job"])) as store:
+            slots = store.ps_slots()
+        for slot in slots.values():
+            client = ControlClient(slot.address, secret=secret)
+            try:
+                refused = client.request({"op": "stats"})["auth_refused"]
+            finally:
+                client.close()
+            assert isinstance(refused, dict)
+            self.refused.append(refused)
+        self.running_after = bool(_running(self.out))
+
+    def result(self) -> None:
+        self._thread.join(timeout=150)
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_process_without_the_secret_is_refused_on_every_plane(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_dataset(data, RECORDS)
+    out = tmp_path / "run"
+    attack = _Attack(out, tmp_path)
+    line, stderr = run_train(
+        train_args(data, out, "async", EPOCHS), pids_file=out / "pids.json", timeout_s=240
+    )
+    attack.result()
+    assert attack.running_after, "the job ended during the attack: make it longer"
+    assert attack.record["security"] == {"auth": "on", "warnings": []}
+    assert (out / "security" / "job-secret").stat().st_mode & 0o777 == 0o600
+    attempts = attack.attempts
+    holes = [a for a in attempts if a["outcome"] not in ("refused", "open")]
+    assert not holes, holes
+    targets = {" ".join(a["target"].split()[:2]) for a in attempts}
+    assert {"ps-0 tcp", "ps-1 tcp", "ps-0 unix", "ps-1 unix"} <= targets, targets
+    assert sum(a["target"].startswith("master") for a in attempts) == 9  # 2 x 4 calls + health
+    assert [a["detail"] for a in attempts if a["outcome"] == "open"] == ["1"]  # SERVING
+    # Per PS: 6 raw attempts on each of TCP and AF_UNIX, and 2 clients.
+    assert [sum(r.values()) >= 14 for r in attack.refused] == [True, True], attack.refused
+
+    assert line["exactly_once"] is True
+    audit = check_run(out)
+    assert audit.exactly_once, audit.as_dict()
+    assert "refused an unauthenticated connection" in stderr
+    assert "refused a call to /elasticps.v1.Master/GetTask without the job's token" in stderr
+
+
+def test_a_job_run_with_auth_off_says_so(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_dataset(data, 400)
+    out = tmp_path / "run"
+    args = [*train_args(data, out, "sync", 1), "--auth", "off"]
+    line, stderr = run_train(args, pids_file=out / "pids.json", timeout_s=120)
+    assert line["exactly_once"] is True
+    record = json.loads((out / "run.json").read_text())
+    assert record["security"] == {"auth": "off", "warnings": [AUTH_OFF_WARNING]}
+    assert AUTH_OFF_WARNING in stderr
+    assert not (out / "security").exists()
