@@ -29,7 +29,7 @@ from elasticps.testing.audit import check_run, train_args, write_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-RECORDS = 4000
+RECORDS = 4000  # the audit model's counters
 EPOCHS = 12
 
 
@@ -76,17 +76,18 @@ class _Attack:
             self.error = exc
 
     def _attack(self) -> None:
-        _wait_for(lambda: _running(self.out), 120, "the job to start")
-        self.record = record = _running(self.out)
         env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
-        # It waits for the trainers itself, so that its imports overlap the job's start.
+        # Started with the job: it waits for the job's run.json and servers itself,
+        # so that its imports overlap the job's start.
         attacker = subprocess.run(
-            [sys.executable, "-m", "elasticps.testing.attack", "--wait-s", "60",
-             "--etcd", str(record["etcd"]), "--job", str(record["job"])],
-            check=False, capture_output=True, text=True, timeout=120, env=env, cwd=self.cwd,
+            [sys.executable, "-m", "elasticps.testing.attack", "--wait-s", "120",
+             "--output", str(self.out)],
+            check=False, capture_output=True, text=True, timeout=150, env=env, cwd=self.cwd,
         )  # fmt: skip
         assert attacker.returncode == 0, attacker.stderr[-3000:]
         self.attempts = json.loads(attacker.stdout.strip().splitlines()[-1])["attempts"]
+        self.record = record = _running(self.out)
+        assert record, "the job ended during the attack: make it longer"
         # The servers counted what they refused (asked with the job's own secret).
         secret = JobSecret.read(self.out / "security" / "job-secret")
         with JobStore(str(record["etcd"]), str(record["job"])) as store:
@@ -100,6 +101,7 @@ class _Attack:
             assert isinstance(refused, dict)
             self.refused.append(refused)
         self.running_after = bool(_running(self.out))
+        assert self.running_after, "the job ended during the attack: make it longer"
 
     def result(self) -> None:
         self._thread.join(timeout=150)

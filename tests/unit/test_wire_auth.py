@@ -27,30 +27,32 @@ KEY = JobSecret.generate().tensor_plane_key()
 OTHER = JobSecret.generate().tensor_plane_key()
 
 
-def _pair(server: Callable[[socket.socket], object]) -> tuple[socket.socket, list[object]]:
+class _Server:
+    """The server end of a socket pair, running ``handshake`` on a thread."""
+
+    def __init__(self, sock: socket.socket, handshake: Callable[[socket.socket], object]) -> None:
+        self.outcome: object = None
+        self._thread = threading.Thread(target=self._run, args=(sock, handshake), daemon=True)
+        self._thread.start()
+
+    def _run(self, sock: socket.socket, handshake: Callable[[socket.socket], object]) -> None:
+        try:
+            self.outcome = handshake(sock)
+        except BaseException as exc:
+            self.outcome = exc
+        finally:
+            sock.close()
+
+
+def _pair(server: Callable[[socket.socket], object]) -> tuple[socket.socket, _Server]:
     """The client end of a socket pair whose server end runs ``server`` on a thread."""
     a, b = socket.socketpair()
-    outcome: list[object] = []
-
-    def run() -> None:
-        try:
-            outcome.append(server(b))
-        except BaseException as exc:
-            outcome.append(exc)
-        finally:
-            b.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    outcome.append(thread)
-    return a, outcome
+    return a, _Server(b, server)
 
 
-def _server_result(outcome: list[object]) -> object:
-    thread = outcome[0]
-    assert isinstance(thread, threading.Thread)
-    thread.join(10)
-    return outcome[1]
+def _server_result(server: _Server) -> object:
+    server._thread.join(10)
+    return server.outcome
 
 
 def test_the_same_secret_on_both_sides_authenticates_both() -> None:

@@ -1,6 +1,7 @@
 """What a process without a job's secret can do to the job: the attacker of the security tests.
 
-``python -m elasticps.testing.attack --etcd HOST:PORT --job JOB`` reads where
+``python -m elasticps.testing.attack --etcd HOST:PORT --job JOB`` (or
+``--output DIR``, the job's output directory) reads where
 the job's parameter servers and master are (from etcd, which a job's
 processes on one machine share; see the README's Security section), then
 tries, with raw sockets and with the project's own client code:
@@ -25,12 +26,14 @@ process, without ``ELASTICPS_JOB_SECRET_FILE`` in its environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -147,8 +150,20 @@ def _master_calls(client: MasterClient, trainer_id: str) -> dict[str, Callable[[
     }
 
 
-def wait_for_job(etcd: str, job: str, trainer_id: str, timeout_s: float) -> None:
-    """Wait until the job's etcd answers and holds 1+ PS slot and ``trainer_id``'s registration.
+def _job_of(output: Path, deadline: float) -> tuple[str, str]:
+    """The etcd endpoint and name of the job of ``output``, once its run.json says it runs."""
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads((output / "run.json").read_text())
+            if isinstance(record, dict) and record.get("state") == "running":
+                return str(record["etcd"]), str(record["job"])
+        if time.monotonic() > deadline:
+            raise ElasticPSError(f"no running job in {output}")
+        time.sleep(0.05)
+
+
+def wait_for_job(etcd: str, job: str, timeout_s: float) -> None:
+    """Wait until the job's etcd answers and holds every PS slot it wants and a master.
 
     Raises:
         ElasticPSError: not within ``timeout_s`` seconds.
@@ -157,7 +172,9 @@ def wait_for_job(etcd: str, job: str, trainer_id: str, timeout_s: float) -> None
     while True:
         try:
             with JobStore(etcd, job, timeout_s=2.0) as store:
-                if store.ps_slots() and store.trainer_registered(trainer_id):
+                wanted = store.ps_desired()
+                if wanted and len(store.ps_slots()) >= wanted:
+                    store.master_address(timeout_s=1.0)
                     return
         except ElasticPSError:
             pass
@@ -226,8 +243,15 @@ def attack(etcd: str, job: str, trainer_id: str = "0") -> list[dict[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring); exit 0 however the attempts went."""
     parser = argparse.ArgumentParser(prog="python -m elasticps.testing.attack")
-    parser.add_argument("--etcd", required=True, help="the job's etcd endpoint, HOST:PORT")
-    parser.add_argument("--job", required=True, help="the job name")
+    parser.add_argument("--etcd", default="", help="the job's etcd endpoint, HOST:PORT")
+    parser.add_argument("--job", default="", help="the job name")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="instead of --etcd and --job: the job's output directory, whose run.json names "
+        "them once the job runs (waited for, as long as --wait-s)",
+    )
     parser.add_argument("--trainer-id", default="0", help="a registered trainer's id to pose as")
     parser.add_argument(
         "--wait-s", type=float, default=0.0, help="first wait this long for the job to train"
@@ -235,8 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get(SECRET_FILE_ENV):
         parser.error(f"run without {SECRET_FILE_ENV}: the attacker holds no secret")
+    deadline = time.monotonic() + args.wait_s
+    if args.output is not None:
+        args.etcd, args.job = _job_of(args.output, deadline)
+    if not args.etcd or not args.job:
+        parser.error("give --etcd and --job, or --output")
     if args.wait_s > 0:
-        wait_for_job(args.etcd, args.job, args.trainer_id, args.wait_s)
+        wait_for_job(args.etcd, args.job, max(1.0, deadline - time.monotonic()))
     print(json.dumps({"attempts": attack(args.etcd, args.job, args.trainer_id)}))
     return 0
 
