@@ -28,6 +28,13 @@ repetition) so that a noisy machine hurts every case alike:
     the same host): the gradient is copied into a memfd the server maps, the
     request and reply are bare headers, the server writes the parameters
     back into the memfd.
+``elasticps-tcp-auth`` / ``elasticps-unix-auth`` / ``elasticps-shm-auth``
+    ``elasticps-tcp``, ``elasticps-unix`` and ``elasticps-shm`` with the job
+    secret on both sides, as every job runs by default (``--auth on``): each
+    connection starts with the handshake of :mod:`elasticps.wire.auth`. The
+    cases without ``-auth`` are ``--auth off``. The summary gives each ratio
+    (``auth_over_off``) and the connect time of every case (``connect_ms``:
+    ``ParameterClient`` to the end of HELLO, the handshake included).
 ``elasticps-mapped``
     The same with the memfd's pages mapped into the client's page-aligned
     flat buffers (``map_buffers=True``, as a trainer's buffers are when the
@@ -85,6 +92,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from elasticps.security import JobSecret
 
 LR = 1.0  # with an all-ones gradient, every parameter is exactly -k after k round trips
 GRPC_CHUNK_BYTES = 1 << 20
@@ -217,6 +226,7 @@ def _server_process(kind: str, specs: list[dict[str, Any]], conn: Connection, th
     if kind == "elasticps":
         from elasticps.config import OptimizerConfig, UpdateMode
         from elasticps.pserver.server import ParameterServer
+        from elasticps.security import JobSecret
 
         for spec in specs:
             server = ParameterServer(
@@ -224,6 +234,7 @@ def _server_process(kind: str, specs: list[dict[str, Any]], conn: Connection, th
                 UpdateMode.ASYNC,
                 OptimizerConfig(name="sgd", lr=LR),
                 unix_path=spec.get("path"),
+                secret=JobSecret(bytes.fromhex(spec["secret"])) if "secret" in spec else None,
             )
             threading.Thread(target=server.serve_forever, daemon=True).start()
             addresses[spec["id"]] = server.address
@@ -314,6 +325,7 @@ class Case:
     client_cpu_s: float = 0.0
     server_cpu_s: float = 0.0
     done: int = 0
+    connect_ms: float = 0.0
 
 
 def _even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -434,6 +446,7 @@ def _elasticps_case(
     two_messages: bool,
     transport: str,
     mapped: bool = False,
+    secret: JobSecret | None = None,
 ) -> Case:
     from elasticps.placement import ParamSpec, plan_placement
     from elasticps.trainer.client import ParameterClient
@@ -454,10 +467,19 @@ def _elasticps_case(
         padded = page_aligned_zeros(total) if mapped else torch.zeros(total, dtype=torch.float32)
         padded[:numel].copy_(grads)
         grads = padded
+    t0 = time.perf_counter()
     client = ParameterClient(
-        placement, addresses, params, grads, trainer_id=0, transport=transport, map_buffers=mapped
+        placement,
+        addresses,
+        params,
+        grads,
+        trainer_id=0,
+        transport=transport,
+        map_buffers=mapped,
+        secret=secret,
     )
     client.hello(initialize=True)
+    connect_ms = (time.perf_counter() - t0) * 1e3
     wire = "unix" if transport == "shm" else transport
     if set(client.transports) != {wire}:
         raise RuntimeError(f"{name}: connected over {client.transports}, not {wire}")
@@ -473,7 +495,9 @@ def _elasticps_case(
         else:
             client.push(1, want_params=True)
 
-    return Case(name, num_ps, round_trip, params[:numel], servers, client.close)
+    return Case(
+        name, num_ps, round_trip, params[:numel], servers, client.close, connect_ms=connect_ms
+    )
 
 
 def _limit_case(grads: torch.Tensor) -> Case:
@@ -500,6 +524,9 @@ ALL_CASES = (
     "elasticps-unix",
     "elasticps-shm",
     "elasticps-mapped",
+    "elasticps-tcp-auth",
+    "elasticps-unix-auth",
+    "elasticps-shm-auth",
     "raw-tcp",
     "raw-tcp-2conn",
     "raw-unix",
@@ -509,7 +536,13 @@ ALL_CASES = (
 
 
 def _spawn_servers(
-    numel: int, ps_counts: Sequence[int], workdir: str, threads: int, wanted: Sequence[str]
+    numel: int,
+    ps_counts: Sequence[int],
+    workdir: str,
+    threads: int,
+    wanted: Sequence[str],
+    *,
+    secret: JobSecret,
 ) -> dict[str, ServerProcess]:
     """One process per (server kind, PS index); it hosts that index for every PS count.
 
@@ -532,6 +565,9 @@ def _spawn_servers(
                         ("elasticps-unix", {"family": "unix"}),
                         ("elasticps-shm", {"family": "unix"}),
                         ("elasticps-mapped", {"family": "unix"}),
+                        ("elasticps-tcp-auth", {"secret": secret.key.hex()}),
+                        ("elasticps-unix-auth", {"family": "unix", "secret": secret.key.hex()}),
+                        ("elasticps-shm-auth", {"family": "unix", "secret": secret.key.hex()}),
                     ],
                 ),
                 (
@@ -580,6 +616,8 @@ def _build_cases(
     grads: torch.Tensor,
     pool: ThreadPoolExecutor,
     wanted: Sequence[str],
+    *,
+    secret: JobSecret,
 ) -> list[Case]:
     cases = [_limit_case(grads)] if "limit" in wanted else []
     for num_ps in ps_counts:
@@ -596,6 +634,9 @@ def _build_cases(
             "elasticps-unix",
             "elasticps-shm",
             "elasticps-mapped",
+            "elasticps-tcp-auth",
+            "elasticps-unix-auth",
+            "elasticps-shm-auth",
         ):
             if name not in wanted:
                 continue
@@ -608,6 +649,7 @@ def _build_cases(
                     two_messages=name.endswith("2msg"),
                     transport="shm" if name == "elasticps-mapped" else name.split("-")[1],
                     mapped=name == "elasticps-mapped",
+                    secret=secret if name.endswith("-auth") else None,
                 )
             )
         for fam in ("tcp", "unix"):
@@ -697,8 +739,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers: dict[str, ServerProcess] = {}
     cases: list[Case] = []
     try:
-        servers = _spawn_servers(numel, ps_counts, workdir, args.server_threads, wanted)
-        cases = _build_cases(ps_counts, servers, grads, pool, wanted)
+        secret = JobSecret.generate()
+        servers = _spawn_servers(
+            numel, ps_counts, workdir, args.server_threads, wanted, secret=secret
+        )
+        cases = _build_cases(ps_counts, servers, grads, pool, wanted, secret=secret)
         for case in cases:
             for _ in range(args.warmup):
                 _run_once(case, measure=False)
@@ -728,6 +773,7 @@ def _report(
     nbytes = numel * 4
     medians: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, float]] = {}
+    connect: dict[str, dict[str, float]] = {}
     for case in cases:
         med = statistics.median(case.times_ms)
         moved_gb = 2 * nbytes * len(case.times_ms) / 1e9
@@ -735,6 +781,8 @@ def _report(
         key = str(case.num_ps)
         medians.setdefault(key, {})[case.name] = round(med, 2)
         cpu.setdefault(key, {})[case.name] = round(cpu_per_gb, 3)
+        if case.connect_ms:
+            connect.setdefault(key, {})[case.name] = round(case.connect_ms, 2)
         _emit(
             {
                 "bench": "tensor_plane",
@@ -750,6 +798,7 @@ def _report(
                 "client_cpu_ms": round(case.client_cpu_s * 1e3 / len(case.times_ms), 1),
                 "server_cpu_ms": round(case.server_cpu_s * 1e3 / len(case.times_ms), 1),
                 "verified_round_trips": case.done,
+                "connect_ms": round(case.connect_ms, 2),
             }
         )
     ratios: dict[str, dict[str, float]] = {}
@@ -765,6 +814,9 @@ def _report(
             "elasticps_mapped_over_shm": ("elasticps-mapped", "elasticps-shm"),
             "elasticps_mapped_over_raw_unix": ("elasticps-mapped", "raw-unix"),
             "elasticps_over_limit": ("elasticps-tcp", "limit"),
+            "auth_over_off_tcp": ("elasticps-tcp-auth", "elasticps-tcp"),
+            "auth_over_off_unix": ("elasticps-unix-auth", "elasticps-unix"),
+            "auth_over_off_shm": ("elasticps-shm-auth", "elasticps-shm"),
         }
         r = {k: round(m[a] / m[b], 3) for k, (a, b) in pairs.items() if a in m and b in m}
         if "grpc-stream" in m and "elasticps-tcp" in m:
@@ -785,6 +837,7 @@ def _report(
             "server_pids": server_pids,
             "ms_median": medians,
             "cpu_s_per_gb": cpu,
+            "connect_ms": connect,
             "ratios": ratios,
             "targets": {
                 "num_ps": int(top),
@@ -798,6 +851,8 @@ def _report(
                 "unix_at_least_2.5x_faster_than_grpc": _at_least(
                     ratios[top].get("elasticps_unix_speedup_vs_grpc"), 2.5
                 ),
+                "auth_within_2pct_unix": _at_most(ratios[top].get("auth_over_off_unix"), 1.02),
+                "auth_within_2pct_shm": _at_most(ratios[top].get("auth_over_off_shm"), 1.02),
             },
         }
     )

@@ -38,6 +38,10 @@ the cases are:
     buffers): the B side of what carrying buffers costs. Against the
     plain case it gives that cost on ``resnet``, and shows it is nothing on
     ``cnn``, which has no buffers (the summary's ``buffers`` ratios).
+``elasticps-sync-2ps-authoff`` / ``elasticps-async1-2ps-authoff``
+    The same jobs with ``--auth off``: no job secret, no handshake, no gRPC
+    token. The summary's ``security`` ratios (samples/s with the default
+    ``--auth on`` over samples/s with it off) give what security costs.
 ``ddp``
     ``torchrun --standalone --nproc_per_node 2 benchmarks/ddp_worker.py``: torch
     DDP over gloo, ``torch.set_num_threads(1)`` per process.
@@ -226,6 +230,8 @@ CASES = (
     "elasticps-async4-2ps-ledger",
     "elasticps-sync-2ps-nobuffers",
     "elasticps-async4-2ps-nobuffers",
+    "elasticps-sync-2ps-authoff",
+    "elasticps-async1-2ps-authoff",
     "elasticps-async4-1ps",
     "elasticps-async4-2ps",
     "ddp",
@@ -818,8 +824,13 @@ def run_case(
             num_ps=int(ps.removesuffix("ps")),
             epochs=epochs,
             every=every,
-            # "-pipelined": each step's gradients computed one version before it.
-            extra=("--overlap-pull", "on") if variant == ["pipelined"] else (),
+            # "-pipelined": each step's gradients computed one version before it;
+            # "-authoff": the job without its secret (the B side of what security costs).
+            extra=("--overlap-pull", "on")
+            if variant == ["pipelined"]
+            else ("--auth", "off")
+            if variant == ["authoff"]
+            else (),
             env=env,
             train_only=variant == ["nobuffers"],
         )
@@ -1079,6 +1090,15 @@ def summarize(
                     )
         for case, ratio in buffers.get(config, {}).get("cnn", {}).items():
             checks[f"{config}: cnn {case} carrying buffers costs <= 2%"] = ratio >= 0.98
+    # What security costs: samples/s with --auth on (the default) over --auth off.
+    security: dict[str, dict[str, dict[str, float]]] = {}
+    for config, per_model in medians.items():
+        for model, m in per_model.items():
+            for case in ("elasticps-sync-2ps", "elasticps-async1-2ps"):
+                if case in m and f"{case}-authoff" in m:
+                    security.setdefault(config, {}).setdefault(model, {})[case] = round(
+                        m[case] / m[f"{case}-authoff"], 3
+                    )
     tta_keys = (
         "elasticps_time_to_target_s",
         "ddp_time_to_target_s",
@@ -1099,6 +1119,7 @@ def summarize(
             "ratios": ratios,
             "time_to_accuracy": {c: {k: t.get(k) for k in tta_keys} for c, t in ttas.items()},
             "buffers": buffers,
+            "security": security,
             "targets": checks,
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         }

@@ -108,6 +108,9 @@ def test_tensor_plane_smoke_prints_every_case_and_the_ratios() -> None:
             "elasticps-tcp-2msg",
             "elasticps-unix",
             "elasticps-shm",
+            "elasticps-tcp-auth",
+            "elasticps-unix-auth",
+            "elasticps-shm-auth",
             "raw-tcp",
             "raw-unix",
             "grpc-stream",
@@ -122,6 +125,7 @@ def test_tensor_plane_smoke_prints_every_case_and_the_ratios() -> None:
         assert ratios["elasticps_over_raw_tcp"] > 0
         assert ratios["elasticps_unix_over_raw_unix"] > 0
         assert ratios["elasticps_shm_over_unix"] > 0
+        assert ratios["auth_over_off_unix"] > 0 and ratios["auth_over_off_shm"] > 0
         assert ratios["elasticps_speedup_vs_grpc"] > 0
     assert wait_until_gone(summary["server_pids"]) == []
 
