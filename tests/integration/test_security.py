@@ -31,6 +31,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 RECORDS = 4000  # the audit model's counters
 EPOCHS = 12
+# The audit model, a little slower (sleeping, not computing) so that the job runs
+# long enough for the attack on a loaded machine.
+SLOW_MODEL = """
+
+import time as _time
+
+
+class SlowModel(Model):
+    def forward(self, idx):
+        _time.sleep(0.03)
+        return super().forward(idx)
+"""
 
 
 def _wait_for(condition: object, timeout_s: float, what: str) -> None:
@@ -114,8 +126,12 @@ def test_a_process_without_the_secret_is_refused_on_every_plane(tmp_path: Path) 
     write_dataset(data, RECORDS)
     out = tmp_path / "run"
     attack = _Attack(out, tmp_path)
+    slow = data / "slow_audit_model.py"
+    slow.write_text((data / "audit_model.py").read_text() + SLOW_MODEL)
+    args = train_args(data, out, "async", EPOCHS)
+    args[args.index("--model") + 1] = str(slow)
     line, stderr = run_train(
-        train_args(data, out, "async", EPOCHS), pids_file=out / "pids.json", timeout_s=240
+        [*args, "--model-class", "SlowModel"], pids_file=out / "pids.json", timeout_s=240
     )
     attack.result()
     assert attack.running_after, "the job ended during the attack: make it longer"
