@@ -1048,7 +1048,14 @@ class LocalLauncher:
             decide=self._decide,
             on_decision=lambda event, action: self._decisions.put((event, action)),
         )
-        self._manager.start()
+        manager = self._manager
+        # Its first reads of etcd go on through an etcd restart, which this
+        # thread performs meanwhile (etcd may be killed at any moment).
+        self._while_supervising(
+            lambda: through_etcd_restarts(
+                manager.start, time.monotonic() + 60.0, "starting the worker manager"
+            )
+        )
 
     def _on_trainer_start(self, name: str, pid: int) -> None:
         with self._pid_lock:

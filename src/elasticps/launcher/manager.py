@@ -746,11 +746,18 @@ class WorkerManager:
         """Subscribe to the backend and the wanted count, and start the thread.
 
         Raises:
-            ElasticPSError: the backend or the desired-count source failed.
+            ElasticPSError: the backend or the desired-count source failed;
+                nothing stays subscribed, so ``start`` may be called again.
         """
-        self._cancels.append(self.backend.watch(self._inbox.put))
-        self._cancels.append(self._desired.watch(self._on_wanted))
-        initial = self._desired.get()
+        try:
+            self._cancels.append(self.backend.watch(self._inbox.put))
+            self._cancels.append(self._desired.watch(self._on_wanted))
+            initial = self._desired.get()
+        except BaseException:
+            for cancel in self._cancels:
+                cancel()
+            self._cancels.clear()
+            raise
         if initial is not None:
             self._wanted = initial
         now = self._clock()
