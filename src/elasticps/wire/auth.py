@@ -82,28 +82,10 @@ def _mac(key: bytes, side: bytes, nonce_s: bytes, nonce_c: bytes, epoch: int) ->
     ).digest()
 
 
-def _recv_client(sock: socket.socket, nbytes: int, what: str) -> bytes:
-    """The client's read: the server closing or stalling is a broken connection."""
+def _recv(sock: socket.socket, nbytes: int) -> bytes:
+    """Exactly ``nbytes`` bytes (raises ``ConnectionClosedError`` or ``TimeoutError``)."""
     buf = bytearray(nbytes)
-    try:
-        recv_exact_into(sock, memoryview(buf))
-    except ConnectionClosedError as exc:
-        raise ConnectionResetError(
-            f"the server closed during the handshake ({what}): {exc}"
-        ) from None
-    except TimeoutError:
-        raise TimeoutError(f"no {what} from the server within the handshake's time") from None
-    return bytes(buf)
-
-
-def _recv(sock: socket.socket, nbytes: int, what: str) -> bytes:
-    buf = bytearray(nbytes)
-    try:
-        recv_exact_into(sock, memoryview(buf))
-    except TimeoutError:
-        raise AuthenticationError("timeout", f"no {what} within the handshake's time") from None
-    except ConnectionClosedError as exc:
-        raise AuthenticationError("short", f"the peer closed before its {what}: {exc}") from None
+    recv_exact_into(sock, memoryview(buf))
     return bytes(buf)
 
 
@@ -130,7 +112,16 @@ def server_handshake(
         sock.sendall(_CHALLENGE.pack(AUTH_MAGIC, flags, epoch, nonce_s))
         if key is None:
             return
-        answer = _recv(sock, _NONCE_BYTES + _MAC_BYTES, "RESPONSE")
+        try:
+            answer = _recv(sock, _NONCE_BYTES + _MAC_BYTES)
+        except TimeoutError:
+            raise AuthenticationError(
+                "timeout", "no RESPONSE within the handshake's time"
+            ) from None
+        except ConnectionClosedError as exc:
+            raise AuthenticationError(
+                "short", f"the peer closed before its RESPONSE: {exc}"
+            ) from None
         nonce_c, mac_c = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:]
         if not hmac.compare_digest(mac_c, _mac(key, b"client", nonce_s, nonce_c, epoch)):
             with contextlib.suppress(OSError):
@@ -171,9 +162,9 @@ def client_handshake(
     """
     sock.settimeout(timeout_s)
     try:
-        magic, flags, server_epoch, nonce_s = _CHALLENGE.unpack(
-            _recv_client(sock, CHALLENGE_BYTES, "CHALLENGE")
-        )
+        # The server closing or stalling here is a broken connection, not a refusal:
+        # ConnectionClosedError becomes ConnectionResetError, TimeoutError stays.
+        magic, flags, server_epoch, nonce_s = _CHALLENGE.unpack(_recv(sock, CHALLENGE_BYTES))
         if magic != AUTH_MAGIC:
             raise AuthenticationError(
                 "bad_challenge", "the peer is not an elasticps parameter server of this version"
@@ -198,7 +189,7 @@ def client_handshake(
             )
         nonce_c = secrets.token_bytes(_NONCE_BYTES)
         sock.sendall(nonce_c + _mac(key, b"client", nonce_s, nonce_c, server_epoch))
-        mac_s = _recv_client(sock, _MAC_BYTES, "CONFIRM")
+        mac_s = _recv(sock, _MAC_BYTES)
         if mac_s == _REFUSED:
             raise AuthenticationError(
                 "refused", "the parameter server refused this process's job secret"
@@ -208,6 +199,8 @@ def client_handshake(
                 "bad_mac", "the parameter server does not hold the job secret"
             )
         return int(server_epoch)
+    except ConnectionClosedError as exc:
+        raise ConnectionResetError(f"the server closed during the handshake: {exc}") from None
     finally:
         sock.settimeout(None)
 
