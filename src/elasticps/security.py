@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,13 @@ __all__ = [
     "SECRET_FILE_ENV",
     "SECRET_FILE_NAME",
     "JobSecret",
+    "Refusals",
     "job_credentials",
     "output_secret",
     "role_env",
     "secret_from_env",
+    "secret_or_env",
+    "secret_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -173,14 +177,52 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> JobSecret | None:
     return None
 
 
+def secret_or_env(secret: JobSecret | None) -> JobSecret | None:
+    """``secret`` if given, else this process's (:func:`secret_from_env`): what a client uses.
+
+    Raises:
+        ConfigError: the variable names a file that holds no secret.
+    """
+    return secret if secret is not None else secret_from_env()
+
+
+def secret_path(output: Path) -> Path:
+    """Where the secret of the job whose output directory is ``output`` lives."""
+    return Path(output) / "security" / SECRET_FILE_NAME
+
+
 def output_secret(output: Path) -> JobSecret | None:
     """The secret of the job whose output directory is ``output``, or None if it has none.
 
     Raises:
         ConfigError: the file is there but unreadable or not a secret.
     """
-    path = Path(output) / "security" / SECRET_FILE_NAME
+    path = secret_path(output)
     return JobSecret.read(path) if path.exists() else None
+
+
+class Refusals:
+    """What one server refused, by reason, and when to say so in its log.
+
+    Thread-safe. :meth:`add` asks for a log line at the 1st, 2nd, 4th, 8th...
+    refusal, so a flood of attempts writes about ``log2(n)`` lines for ``n``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def add(self, reason: str) -> int | None:
+        """Count one refusal; return the total so far if it is time to log it, else None."""
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+            total = sum(self._counts.values())
+        return total if total & (total - 1) == 0 else None
+
+    def counts(self) -> dict[str, int]:
+        """The refusals so far, by reason."""
+        with self._lock:
+            return dict(self._counts)
 
 
 def role_env(secret_file: Path | None) -> dict[str, str]:
@@ -219,11 +261,10 @@ def job_credentials(output: Path, *, auth: bool) -> Iterator[JobSecret | None]:
     saved = {name: os.environ.get(name) for name in (SECRET_FILE_ENV, AUTH_OFF_ENV)}
     secret: JobSecret | None = None
     if auth:
-        directory = Path(output) / "security"
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        path = secret_path(output)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
         secret = JobSecret.generate()
-        path = directory / SECRET_FILE_NAME
         secret.write(path)
         variables = role_env(path.resolve())
     else:

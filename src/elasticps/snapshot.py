@@ -48,7 +48,7 @@ from elasticps.errors import (
 from elasticps.placement import PAGE_NUMEL, even_split, page_split
 from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
-from elasticps.security import JobSecret, secret_from_env
+from elasticps.security import JobSecret, secret_or_env
 from elasticps.storage import Location
 from elasticps.wire.auth import client_handshake
 from elasticps.wire.frame import (
@@ -128,7 +128,7 @@ class ControlClient:
                 f"cannot connect to parameter server at {address}: {exc}"
             ) from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        job_secret = secret if secret is not None else secret_from_env()
+        job_secret = secret_or_env(secret)
         key = None if job_secret is None else job_secret.tensor_plane_key()
         try:
             # Any epoch here: a server of another epoch answers the first request

@@ -15,6 +15,7 @@ from elasticps.security import (
     AUTH_OFF_ENV,
     SECRET_FILE_ENV,
     JobSecret,
+    Refusals,
     job_credentials,
     output_secret,
     secret_from_env,
@@ -175,3 +176,10 @@ def test_job_credentials_give_the_roles_the_secret_and_restore_the_environment(
     with job_credentials(tmp_path / "off", auth=False) as none:
         assert none is None and secret_from_env() is None
         assert not (tmp_path / "off" / "security").exists()
+
+
+def test_refusals_are_counted_by_reason_and_logged_at_each_doubling() -> None:
+    refusals = Refusals()
+    logged = [refusals.add("bad_mac" if i % 2 else "short") for i in range(1, 10)]
+    assert logged == [1, 2, None, 4, None, None, None, 8, None]
+    assert refusals.counts() == {"bad_mac": 5, "short": 4}

@@ -647,7 +647,7 @@ def network_policy(job: str, config: KubernetesConfig) -> Any:
     """
     from kubernetes import client
 
-    labels = {LABEL_APP: APP, LABEL_JOB: job}
+    labels = job_labels(job)
     return client.V1NetworkPolicy(
         api_version="networking.k8s.io/v1",
         kind="NetworkPolicy",

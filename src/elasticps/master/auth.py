@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import hmac
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any, Final
 
 import grpc
 
-from elasticps.security import JobSecret
+from elasticps.security import JobSecret, Refusals
 
 __all__ = ["HEALTH_SERVICE_PREFIX", "TOKEN_METADATA", "TokenInterceptor"]
 
@@ -42,13 +41,12 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,type-arg]
         secret: the job secret.
 
     Attributes:
-        refused: calls refused so far.
+        refusals: the calls refused so far.
     """
 
     def __init__(self, secret: JobSecret) -> None:
         self._token = secret.grpc_token().encode("ascii")
-        self._lock = threading.Lock()
-        self.refused = 0
+        self.refusals = Refusals()
 
     def intercept_service(
         self,
@@ -64,10 +62,8 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,type-arg]
                 token = value
         if hmac.compare_digest(token.encode("utf-8", "replace"), self._token):
             return continuation(handler_call_details)
-        with self._lock:
-            self.refused += 1
-            refused = self.refused
-        if refused & (refused - 1) == 0:  # at most one line per power of two
+        refused = self.refusals.add("bad_token")
+        if refused is not None:
             log.warning(
                 "master: refused a call to %s without the job's token; %d refused so far",
                 method, refused,

@@ -19,7 +19,7 @@ from elasticps.errors import (
 )
 from elasticps.master.auth import TOKEN_METADATA
 from elasticps.proto import master_pb2, master_pb2_grpc
-from elasticps.security import JobSecret, secret_from_env
+from elasticps.security import JobSecret, secret_or_env
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -64,7 +64,7 @@ class MasterClient:
         max_backoff_s: float = 0.5,
         secret: JobSecret | None = None,
     ) -> None:
-        job_secret = secret if secret is not None else secret_from_env()
+        job_secret = secret_or_env(secret)
         self._metadata: tuple[tuple[str, str], ...] = (
             () if job_secret is None else ((TOKEN_METADATA, job_secret.grpc_token()),)
         )

@@ -157,7 +157,7 @@ from elasticps.pserver.shard import (
 from elasticps.pserver.sparse import EvictionPolicy
 from elasticps.pserver.sparse_checkpoint import load_tables_state
 from elasticps.pserver.sparse_shard import RowGrads, ShardTables, split_counts
-from elasticps.security import JobSecret
+from elasticps.security import JobSecret, Refusals
 from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
 from elasticps.storage import Location, is_url
 from elasticps.wire.auth import check_peer_uid, server_handshake
@@ -261,8 +261,8 @@ class ParameterServer:
         secret: JobSecret | None = None,
     ) -> None:
         self._auth_key = None if secret is None else secret.tensor_plane_key()
-        # Connections refused by the handshake, by reason (CONTROL "stats": auth_refused).
-        self._auth_refused: dict[str, int] = {}
+        # Connections refused by the handshake (CONTROL "stats": auth_refused).
+        self._refusals = Refusals()
         self._shard_options: dict[str, Any] = {
             "frozen": frozen,
             "max_staleness": max_staleness,
@@ -425,11 +425,8 @@ class ParameterServer:
                 check_peer_uid(conn)
             server_handshake(conn, self._auth_key, self.epoch)
         except AuthenticationError as exc:
-            with self._cond:
-                self._auth_refused[exc.reason] = self._auth_refused.get(exc.reason, 0) + 1
-                refused = sum(self._auth_refused.values())
-            # At most one line per power of two: a flood of attempts cannot fill the log.
-            if refused & (refused - 1) == 0:
+            refused = self._refusals.add(exc.reason)
+            if refused is not None:
                 log.warning(
                     "ps %d: refused an unauthenticated connection (%s: %s); %d refused so far",
                     self.shard_index, exc.reason, exc, refused,
@@ -841,8 +838,7 @@ class ParameterServer:
                 "initialized": shard is not None,
                 "stats": None if stats is None else stats.__dict__,
             }
-            with self._cond:
-                body["auth_refused"] = dict(self._auth_refused)
+            body["auth_refused"] = self._refusals.counts()
             if shard is not None and shard.tables is not None:
                 with shard.reading():
                     body["sparse_rows"] = shard.tables.rows_held()

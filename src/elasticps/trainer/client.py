@@ -117,7 +117,7 @@ from elasticps.placement import PAGE_NUMEL, Placement, ShardLayout, page_runs
 from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.sparse import check_id_range
 from elasticps.pserver.sparse_shard import TABLES_KEY, TableEntry
-from elasticps.security import JobSecret, secret_from_env
+from elasticps.security import JobSecret, secret_or_env
 from elasticps.trainer import pages as flat_pages
 from elasticps.trainer.pages import PAGE_BYTES, map_file_pages, unmap_pages
 from elasticps.wire.auth import check_peer_uid, client_handshake
@@ -1097,7 +1097,7 @@ class ParameterClient:
         map_buffers: bool = False,
         secret: JobSecret | None = None,
     ) -> None:
-        job_secret = secret if secret is not None else secret_from_env()
+        job_secret = secret_or_env(secret)
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if grad_compression not in GRAD_COMPRESSIONS:
