@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,6 @@ class SlowModel(Model):
         _time.sleep(0.03)
         return super().forward(idx)
 """
-
-
-def _wait_for(condition: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    assert callable(condition)
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _running(out: Path) -> dict[str, object]:
