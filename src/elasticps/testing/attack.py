@@ -46,7 +46,15 @@ from elasticps.proto import master_pb2
 from elasticps.security import SECRET_FILE_ENV, JobSecret
 from elasticps.snapshot import ControlClient
 from elasticps.wire.auth import CHALLENGE_BYTES
-from elasticps.wire.frame import DType, FrameHeader, MsgType, encode_header, send_json
+from elasticps.wire.frame import (
+    ConnectionClosedError,
+    DType,
+    FrameHeader,
+    MsgType,
+    encode_header,
+    recv_exact_into,
+    send_json,
+)
 
 __all__ = ["attack", "main", "wait_for_job"]
 
@@ -92,12 +100,10 @@ def _raw_attempt(family: int, address: Any, send: Callable[[socket.socket], None
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.settimeout(_TIMEOUT_S)
         sock.connect(address)
-        challenge = b""
-        while len(challenge) < CHALLENGE_BYTES:
-            chunk = sock.recv(CHALLENGE_BYTES - len(challenge))
-            if not chunk:
-                return "refused"
-            challenge += chunk
+        try:
+            recv_exact_into(sock, memoryview(bytearray(CHALLENGE_BYTES)))
+        except ConnectionClosedError:
+            return "refused"
         send(sock)
         received = b""
         try:
