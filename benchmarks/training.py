@@ -800,6 +800,15 @@ class Runner:
         return results, wall
 
 
+_VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
+    # Each step's gradients computed one version before it.
+    "pipelined": ("--overlap-pull", "on"),
+    # The job without its secret (the B side of what security costs).
+    "authoff": ("--auth", "off"),
+}
+"""``elasticps train`` flags of a case's variant (``elasticps-sync-2ps-<variant>``)."""
+
+
 def run_case(
     runner: Runner, model: ModelCase, tc: TrainConfig, case: str, *, rep: int, epochs: int
 ) -> Run:
@@ -824,13 +833,7 @@ def run_case(
             num_ps=int(ps.removesuffix("ps")),
             epochs=epochs,
             every=every,
-            # "-pipelined": each step's gradients computed one version before it;
-            # "-authoff": the job without its secret (the B side of what security costs).
-            extra=("--overlap-pull", "on")
-            if variant == ["pipelined"]
-            else ("--auth", "off")
-            if variant == ["authoff"]
-            else (),
+            extra=_VARIANT_FLAGS.get("-".join(variant), ()),
             env=env,
             train_only=variant == ["nobuffers"],
         )
@@ -1030,6 +1033,21 @@ def verdicts(
     return out
 
 
+def _variant_ratios(
+    medians: dict[str, dict[str, dict[str, float]]], cases: Sequence[str], variant: str
+) -> dict[str, dict[str, dict[str, float]]]:
+    """``{config: {model: {case: rate of case / rate of case-variant}}}`` where both ran."""
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for config, per_model in medians.items():
+        for model, m in per_model.items():
+            for case in cases:
+                if case in m and f"{case}-{variant}" in m:
+                    ratios.setdefault(config, {}).setdefault(model, {})[case] = round(
+                        m[case] / m[f"{case}-{variant}"], 3
+                    )
+    return ratios
+
+
 def summarize(
     runs: list[Run],
     ttas: dict[str, dict[str, Any]],
@@ -1080,25 +1098,12 @@ def summarize(
             _emit(v)
             checks[f"{config}: {v['target']}"] = v["met"]
     # What carrying buffers costs: samples/s with them over samples/s without.
-    buffers: dict[str, dict[str, dict[str, float]]] = {}
-    for config, per_model in medians.items():
-        for model, m in per_model.items():
-            for case in ("elasticps-sync-2ps", "elasticps-async4-2ps"):
-                if case in m and f"{case}-nobuffers" in m:
-                    buffers.setdefault(config, {}).setdefault(model, {})[case] = round(
-                        m[case] / m[f"{case}-nobuffers"], 3
-                    )
+    buffers = _variant_ratios(medians, ("elasticps-sync-2ps", "elasticps-async4-2ps"), "nobuffers")
+    for config in medians:
         for case, ratio in buffers.get(config, {}).get("cnn", {}).items():
             checks[f"{config}: cnn {case} carrying buffers costs <= 2%"] = ratio >= 0.98
     # What security costs: samples/s with --auth on (the default) over --auth off.
-    security: dict[str, dict[str, dict[str, float]]] = {}
-    for config, per_model in medians.items():
-        for model, m in per_model.items():
-            for case in ("elasticps-sync-2ps", "elasticps-async1-2ps"):
-                if case in m and f"{case}-authoff" in m:
-                    security.setdefault(config, {}).setdefault(model, {})[case] = round(
-                        m[case] / m[f"{case}-authoff"], 3
-                    )
+    security = _variant_ratios(medians, ("elasticps-sync-2ps", "elasticps-async1-2ps"), "authoff")
     tta_keys = (
         "elasticps_time_to_target_s",
         "ddp_time_to_target_s",
