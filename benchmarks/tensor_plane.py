@@ -226,7 +226,6 @@ def _server_process(kind: str, specs: list[dict[str, Any]], conn: Connection, th
     if kind == "elasticps":
         from elasticps.config import OptimizerConfig, UpdateMode
         from elasticps.pserver.server import ParameterServer
-        from elasticps.security import JobSecret
 
         for spec in specs:
             server = ParameterServer(
