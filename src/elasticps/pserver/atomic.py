@@ -15,14 +15,18 @@ import tempfile
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["content_crc32", "write_atomic"]
 
 
 def content_crc32(meta_json: str, tensors: Mapping[str, torch.Tensor]) -> int:
     """CRC-32 of ``meta_json`` (UTF-8) then each tensor's bytes, tensors in name order."""
+    import torch  # here: write_atomic's users (the launcher before torch loads) need no torch
+
     crc = zlib.crc32(meta_json.encode("utf-8"))
     for name in sorted(tensors):
         tensor = tensors[name].detach().contiguous().cpu()
