@@ -50,6 +50,7 @@ from elasticps.pserver.checkpoint import decode_shard
 from elasticps.pserver.shard import OPTIM_PREFIX, VALUES_KEY
 from elasticps.security import JobSecret, secret_or_env
 from elasticps.storage import Location
+from elasticps.tls import JobTLS, is_refusal, tls_from_env
 from elasticps.wire.auth import client_handshake
 from elasticps.wire.frame import (
     HEADER_SIZE,
@@ -100,10 +101,13 @@ class ControlClient:
             request otherwise); 0 for any.
         secret: the job secret the connection proves (:mod:`elasticps.wire.auth`);
             None: this process's (:func:`~elasticps.security.secret_from_env`).
+        tls: the connection's TLS setup (:mod:`elasticps.tls`); None: this
+            process's (:func:`~elasticps.tls.tls_from_env`).
 
     Raises:
         ServiceUnavailableError: the server cannot be reached.
-        AuthenticationError: the server and this client disagree on the job secret.
+        AuthenticationError: the server and this client disagree on the job secret,
+            or one refused the other's certificate.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class ControlClient:
         timeout_s: float = 30.0,
         epoch: int = 0,
         secret: JobSecret | None = None,
+        tls: JobTLS | None = None,
     ) -> None:
         self.address = address
         self.epoch = epoch
@@ -129,8 +134,11 @@ class ControlClient:
             ) from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         job_secret = secret_or_env(secret)
+        job_tls = tls if tls is not None else tls_from_env()
         key = None if job_secret is None else job_secret.tensor_plane_key()
         try:
+            if job_tls is not None:
+                self._sock = job_tls.wrap_client(self._sock, "ps", timeout_s)
             # Any epoch here: a server of another epoch answers the first request
             # with ERROR wrong_epoch, which callers expect.
             client_handshake(self._sock, key, 0, timeout_s=timeout_s)
@@ -139,6 +147,8 @@ class ControlClient:
             raise AuthenticationError(exc.reason, f"parameter server at {address}: {exc}") from exc
         except OSError as exc:
             self._sock.close()
+            if is_refusal(exc):
+                raise AuthenticationError("tls", f"parameter server at {address}: {exc}") from exc
             raise ServiceUnavailableError(
                 f"parameter server at {address}: handshake failed: {exc}"
             ) from exc

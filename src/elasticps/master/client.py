@@ -20,6 +20,7 @@ from elasticps.errors import (
 from elasticps.master.auth import TOKEN_METADATA
 from elasticps.proto import master_pb2, master_pb2_grpc
 from elasticps.security import JobSecret, secret_or_env
+from elasticps.tls import JobTLS, role_host, tls_from_env
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -53,6 +54,9 @@ class MasterClient:
         secret: the job secret whose token every call carries
             (:meth:`~elasticps.security.JobSecret.grpc_token`); None: this
             process's (:func:`~elasticps.security.secret_from_env`).
+        tls: the channel's TLS setup (:mod:`elasticps.tls`): the master must show
+            a ``master`` certificate of the job's CA, and is shown this role's;
+            None: this process's (:func:`~elasticps.tls.tls_from_env`).
     """
 
     def __init__(
@@ -63,8 +67,11 @@ class MasterClient:
         retry_s: float = 60.0,
         max_backoff_s: float = 0.5,
         secret: JobSecret | None = None,
+        tls: JobTLS | None = None,
     ) -> None:
         job_secret = secret_or_env(secret)
+        job_tls = tls if tls is not None else tls_from_env()
+        self._credentials = None if job_tls is None else job_tls.grpc_channel_credentials()
         self._metadata: tuple[tuple[str, str], ...] = (
             () if job_secret is None else ((TOKEN_METADATA, job_secret.grpc_token()),)
         )
@@ -164,7 +171,14 @@ class MasterClient:
                     # No master right now (failover in progress): retry later.
                     raise _NoMasterYetError(str(exc)) from exc
                 self.address = address
-                self._channel = grpc.insecure_channel(address)
+                if self._credentials is None:
+                    self._channel = grpc.insecure_channel(address)
+                else:
+                    self._channel = grpc.secure_channel(
+                        address,
+                        self._credentials,
+                        options=(("grpc.ssl_target_name_override", role_host("master")),),
+                    )
                 self._stub = master_pb2_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
             return self._stub
 

@@ -47,6 +47,7 @@ from elasticps.master.shards import PassVerifier, close_quietly
 from elasticps.master.taskqueue import QueueConfig
 from elasticps.proto import master_pb2_grpc
 from elasticps.security import secret_from_env
+from elasticps.tls import JobTLS, tls_from_env
 
 if TYPE_CHECKING:
     from elasticps.master.stream import StreamFeeder
@@ -186,7 +187,7 @@ def serve_master(
     health = _add_health(server)
     stop_active: Callable[[], None] | None = None
     try:
-        address = _bind(server, config)
+        address = _bind(server, config, tls_from_env())
         lease = store.grant_lease(
             config.common.lease_ttl_s, on_lost=lambda: step_down("lease lost")
         )
@@ -321,10 +322,18 @@ def _add_health(server: grpc.Server) -> Any:
     return servicer
 
 
-def _bind(server: grpc.Server, config: MasterConfig) -> str:
-    """Bind the gRPC port (without serving yet) and return ``host:port``."""
+def _bind(server: grpc.Server, config: MasterConfig, tls: JobTLS | None) -> str:
+    """Bind the gRPC port (without serving yet) and return ``host:port``.
+
+    With ``tls``, the port speaks TLS and requires a client certificate from
+    the job's CA (:mod:`elasticps.tls`).
+    """
+    address = f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.grpc_server_credentials())
     except RuntimeError as exc:
         raise PortInUseError(
             f"--master-port {config.host}:{config.port} is already in use"

@@ -160,7 +160,8 @@ from elasticps.pserver.sparse_shard import RowGrads, ShardTables, split_counts
 from elasticps.security import JobSecret, Refusals
 from elasticps.snapshot import ConsistentCheckpoint, shard_file_name, shard_state_for_layout
 from elasticps.storage import Location, is_url
-from elasticps.wire.auth import check_peer_uid, server_handshake
+from elasticps.tls import JobTLS
+from elasticps.wire.auth import HANDSHAKE_TIMEOUT_S, check_peer_uid, server_handshake
 from elasticps.wire.frame import (
     HEADER_SIZE,
     ConnectionClosedError,
@@ -229,6 +230,8 @@ class ParameterServer:
         eviction: which rows of sparse tables to evict, or None.
         secret: the job secret every connection must prove before its first
             frame (:mod:`elasticps.wire.auth`); None serves any client.
+        tls: the TLS setup every TCP connection must complete first
+            (:mod:`elasticps.tls`); None: plain TCP.
 
     Attributes:
         epoch: the slot epoch this server holds (set after its claim; 0
@@ -259,8 +262,10 @@ class ParameterServer:
         reduction: str = "mean",
         eviction: EvictionPolicy | None = None,
         secret: JobSecret | None = None,
+        tls: JobTLS | None = None,
     ) -> None:
         self._auth_key = None if secret is None else secret.tensor_plane_key()
+        self._tls = tls
         # Connections refused by the handshake (CONTROL "stats": auth_refused).
         self._refusals = Refusals()
         self._shard_options: dict[str, Any] = {
@@ -418,6 +423,36 @@ class ParameterServer:
 
     # --- one connection -----------------------------------------------------
 
+    def _refused(self, exc: AuthenticationError) -> None:
+        refused = self._refusals.add(exc.reason)
+        if refused is not None:
+            log.warning(
+                "ps %d: refused an unauthenticated connection (%s: %s); %d refused so far",
+                self.shard_index, exc.reason, exc, refused,
+            )  # fmt: skip
+
+    def _secure(self, conn: socket.socket) -> socket.socket | None:
+        """Run TLS on a new TCP connection if the job uses it (:mod:`elasticps.tls`).
+
+        Returns:
+            The connection to serve (the TLS one, which replaces ``conn`` in the
+            set :meth:`stop` closes), or None if the handshake failed (counted).
+        """
+        if self._tls is None or conn.family == socket.AF_UNIX:
+            return conn
+        try:
+            secure = self._tls.wrap_server(conn, HANDSHAKE_TIMEOUT_S)
+        except AuthenticationError as exc:
+            self._refused(exc)
+            return None
+        with self._cond:
+            self._conns.discard(conn)
+            if self._stopping.is_set():
+                secure.close()
+                return None
+            self._conns.add(secure)
+        return secure
+
     def _authenticate(self, conn: socket.socket) -> bool:
         """Run the handshake on a new connection; count and log a refusal."""
         try:
@@ -425,16 +460,17 @@ class ParameterServer:
                 check_peer_uid(conn)
             server_handshake(conn, self._auth_key, self.epoch)
         except AuthenticationError as exc:
-            refused = self._refusals.add(exc.reason)
-            if refused is not None:
-                log.warning(
-                    "ps %d: refused an unauthenticated connection (%s: %s); %d refused so far",
-                    self.shard_index, exc.reason, exc, refused,
-                )  # fmt: skip
+            self._refused(exc)
             return False
         return True
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _serve_connection(self, accepted: socket.socket) -> None:
+        conn = self._secure(accepted)
+        if conn is None:
+            with self._cond:
+                self._conns.discard(accepted)
+            accepted.close()
+            return
         state = _Connection(conn)
         try:
             if not self._authenticate(conn):

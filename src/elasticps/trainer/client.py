@@ -118,6 +118,7 @@ from elasticps.pserver.coverage import PushKey
 from elasticps.pserver.sparse import check_id_range
 from elasticps.pserver.sparse_shard import TABLES_KEY, TableEntry
 from elasticps.security import JobSecret, secret_or_env
+from elasticps.tls import JobTLS, is_refusal, tls_from_env
 from elasticps.trainer import pages as flat_pages
 from elasticps.trainer.pages import PAGE_BYTES, map_file_pages, unmap_pages
 from elasticps.wire.auth import check_peer_uid, client_handshake
@@ -246,9 +247,11 @@ class _ShardConnection:
         shared_memory: bool = False,
         page_runs: tuple[tuple[int, int, int], ...] | None = None,
         auth_key: bytes | None = None,
+        tls: JobTLS | None = None,
     ) -> None:
         self.layout = layout
         self.auth_key = auth_key
+        self.tls = tls
         self.hello_layout: dict[str, object] = layout.describe()
         self.fingerprint = layout.fingerprint
         self.tables = tuple(tables)
@@ -314,6 +317,8 @@ class _ShardConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.transport = "tcp"
         try:
+            if self.tls is not None:
+                sock = self._wrap_tls(sock, address, timeout_s)
             self._authenticate(sock, address, epoch, timeout_s)
             unix = None
             if self.wanted_transport != "tcp":
@@ -336,6 +341,25 @@ class _ShardConnection:
         sock.settimeout(None)
         return sock
 
+    def _wrap_tls(self, sock: socket.socket, address: str, timeout_s: float) -> socket.socket:
+        """TLS on the new TCP connection ``sock`` (:mod:`elasticps.tls`).
+
+        Raises:
+            AuthenticationError: ``tls``: a certificate was refused (not retried).
+            ServiceUnavailableError: the connection broke during the handshake.
+        """
+        assert self.tls is not None
+        try:
+            return self.tls.wrap_client(sock, "ps", timeout_s)
+        except AuthenticationError as exc:
+            raise AuthenticationError(
+                exc.reason, f"parameter server {self.layout.index} at {address}: {exc}"
+            ) from exc
+        except OSError as exc:
+            raise ServiceUnavailableError(
+                f"parameter server {self.layout.index} at {address}: TLS handshake failed: {exc}"
+            ) from exc
+
     def _authenticate(
         self, sock: socket.socket, address: str, epoch: int, timeout_s: float
     ) -> None:
@@ -355,6 +379,10 @@ class _ShardConnection:
                 exc.reason, f"parameter server {self.layout.index} at {address}: {exc}"
             ) from exc
         except OSError as exc:
+            if is_refusal(exc):  # the server refused this side's certificate
+                raise AuthenticationError(
+                    "tls", f"parameter server {self.layout.index} at {address}: {exc}"
+                ) from exc
             raise ServiceUnavailableError(
                 f"parameter server {self.layout.index} at {address}: handshake failed: {exc}"
             ) from exc
@@ -1066,9 +1094,12 @@ class ParameterClient:
             staging buffer, not Linux).
         secret: the job secret each connection proves (:mod:`elasticps.wire.auth`);
             None: this process's (:func:`~elasticps.security.secret_from_env`).
+        tls: the TLS setup of TCP connections (:mod:`elasticps.tls`); None: this
+            process's (:func:`~elasticps.tls.tls_from_env`).
 
     Raises:
-        AuthenticationError: a server and this client disagree on the job secret.
+        AuthenticationError: a server and this client disagree on the job secret,
+            or one refused the other's certificate.
         ConfigError: an unknown ``transport`` or ``grad_compression``.
         ServiceUnavailableError: a parameter server cannot be reached (at
             once if ``resolve`` is None, else after ``reconnect_timeout_s``).
@@ -1096,8 +1127,10 @@ class ParameterClient:
         shared_memory: bool = True,
         map_buffers: bool = False,
         secret: JobSecret | None = None,
+        tls: JobTLS | None = None,
     ) -> None:
         job_secret = secret_or_env(secret)
+        job_tls = tls if tls is not None else tls_from_env()
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if grad_compression not in GRAD_COMPRESSIONS:
@@ -1172,6 +1205,7 @@ class ParameterClient:
                     shared_memory=shared_memory and transport in ("auto", "shm"),
                     page_runs=None if runs is None else runs[layout.index],
                     auth_key=None if job_secret is None else job_secret.tensor_plane_key(),
+                    tls=job_tls,
                 )
                 self._conns.append(conn)
                 first.append((conn, _as_slot(layout.index, addresses[layout.index])))

@@ -11,7 +11,10 @@ sockets take 48-57 ms, gRPC raw-bytes streaming 153 ms and gRPC protobuf unary
 frames over TCP (between hosts) or AF_UNIX (same host), with no pickle and no
 per-message body buffers: bodies are sent straight from the tensors' memory
 with ``sendmsg``/``sendall`` and received with ``recv_into`` into buffers the
-caller allocated once.
+caller allocated once. A TCP connection of a job with TLS on
+(:mod:`elasticps.tls`) carries the same frames inside TLS 1.3; there small
+views are joined before they are sent, and big ones are encrypted from where
+they lie.
 
 Frame layout
 ============
@@ -175,6 +178,7 @@ import json
 import mmap
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -787,11 +791,39 @@ def tensor_view(t: torch.Tensor) -> memoryview:
 # --- socket helpers ------------------------------------------------------------
 
 
+_TLS_JOIN_BYTES: Final = 64 * 1024
+"""Views smaller than this are joined before a TLS socket sends them (one record for a
+header and a small body); bigger ones are sent as they are."""
+
+
+def _send_views_tls(sock: ssl.SSLSocket, pending: list[memoryview]) -> None:
+    """``_send_views`` for a TLS socket, which has no ``sendmsg``."""
+    batch: list[memoryview] = []
+    size = 0
+    for view in pending:
+        if view.nbytes >= _TLS_JOIN_BYTES:
+            if batch:
+                sock.sendall(b"".join(batch))
+                batch, size = [], 0
+            sock.sendall(view)
+            continue
+        batch.append(view)
+        size += view.nbytes
+        if size >= _TLS_JOIN_BYTES:
+            sock.sendall(b"".join(batch))
+            batch, size = [], 0
+    if batch:
+        sock.sendall(b"".join(batch))
+
+
 def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Gather-write every byte of ``views`` (flat 'B' views) in as few syscalls as possible."""
     pending = [v for v in views if v.nbytes]
     i = 0
     try:
+        if isinstance(sock, ssl.SSLSocket):
+            _send_views_tls(sock, pending)
+            return
         if not hasattr(sock, "sendmsg"):  # pragma: no cover - non-POSIX
             for v in pending:
                 sock.sendall(v)
@@ -816,9 +848,10 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     total = sum(v.nbytes for v in pending)
     got = 0
     i = 0
+    scatter = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
     try:
         while i < len(pending):
-            if len(pending) - i == 1 or not hasattr(sock, "recvmsg_into"):
+            if len(pending) - i == 1 or not scatter:
                 n = sock.recv_into(pending[i])
             else:
                 n = sock.recvmsg_into(pending[i : i + _IOV_MAX])[0]
