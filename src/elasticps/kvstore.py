@@ -639,7 +639,7 @@ class DistKVStore(KVStore):
             raise KVStoreError(f"key {name!r} is not initialized; call kv.init first") from None
 
     def _barrier(self, label: str) -> None:
-        prefix = f"{self._store.keys.root}kvstore/barrier/{label}/"
+        prefix = f"{self._store.keys.kvstore_prefix}barrier/{label}/"
         self._store.put_json(prefix + str(self._rank), {"pid": os.getpid()})
         deadline = time.monotonic() + self._timeout_s
         while True:

@@ -25,6 +25,7 @@ from elasticps.errors import ConfigError, CoordinationError
         ("http://etcd.example:2379/", ("etcd.example", 2379)),
         ("  localhost:1  ", ("localhost", 1)),
         ("[::1]:2379", ("::1", 2379)),
+        ("https://etcd.example:2379", ("etcd.example", 2379)),
     ],
 )
 def test_parse_endpoint_accepts_host_port(endpoint: str, expected: tuple[str, int]) -> None:
@@ -34,7 +35,7 @@ def test_parse_endpoint_accepts_host_port(endpoint: str, expected: tuple[str, in
 @pytest.mark.parametrize(
     "endpoint",
     ["", "127.0.0.1", ":2379", "host:", "host:port", "host:0", "host:65536", "::1:2379",
-     "https://host:2379", "host/x:1"],
+     "ftp://host:2379", "host/x:1"],
 )  # fmt: skip
 def test_parse_endpoint_rejects_malformed_endpoints(endpoint: str) -> None:
     with pytest.raises(ConfigError):

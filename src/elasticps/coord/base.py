@@ -35,6 +35,7 @@ from elasticps.coord.keys import Keys
 from elasticps.coord.lease import KeptLease
 from elasticps.coord.watch import Watch, WatchedValue
 from elasticps.errors import ConfigError, CoordinationError
+from elasticps.jobca import Credential
 
 __all__ = ["StoreBase"]
 
@@ -51,13 +52,18 @@ class StoreBase:
         job: the job name; every key lives under ``/elasticps/<job>/``.
         timeout_s: how long to wait for etcd to answer at construction, and the
             deadline of every etcd request, in seconds.
+        tls: the TLS identity to show etcd; None: this process's
+            (:func:`~elasticps.security.etcd_tls_from_env`), if any.
 
     Raises:
-        ConfigError: the endpoint or the job name is malformed.
+        ConfigError: the endpoint or the job name is malformed, or a TLS file
+            cannot be read.
         CoordinationError: etcd did not answer within ``timeout_s``.
     """
 
-    def __init__(self, endpoint: str, job: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, endpoint: str, job: str, *, timeout_s: float = 5.0, tls: Credential | None = None
+    ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"etcd timeout_s must be > 0, got {timeout_s}")
         self.keys: Final = Keys(job)
@@ -67,7 +73,7 @@ class StoreBase:
         self._closed = False
         self._leases: list[KeptLease] = []
         self._watches: list[Watch] = []
-        self._client: Any = connect(endpoint, timeout_s)
+        self._client: Any = connect(endpoint, timeout_s, tls)
 
     # --- lifecycle ------------------------------------------------------------------
 

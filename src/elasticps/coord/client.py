@@ -21,6 +21,8 @@ from pyetcd import exceptions as etcd_exceptions
 
 from elasticps.coord.etcd_server import parse_endpoint
 from elasticps.errors import ConfigError, CoordinationError
+from elasticps.jobca import Credential
+from elasticps.security import etcd_tls_from_env
 
 __all__ = [
     "ETCD_ERRORS",
@@ -86,7 +88,7 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
     return parsed
 
 
-def connect(endpoint: str, timeout_s: float) -> Any:
+def connect(endpoint: str, timeout_s: float, tls: Credential | None = None) -> Any:
     """A pyetcd client of the etcd at ``endpoint``, once its channel is ready.
 
     With several endpoints (the members of one etcd cluster), the client
@@ -100,12 +102,15 @@ def connect(endpoint: str, timeout_s: float) -> Any:
             separated by commas.
         timeout_s: how long to wait for etcd to answer, and the deadline of
             every request made with the client, in seconds.
+        tls: the TLS identity to show etcd; None: this process's
+            (:func:`~elasticps.security.etcd_tls_from_env`), and plain TCP if
+            it has none.
 
     Returns:
         The client (``pyetcd.MultiEndpointEtcd3Client``); close it when done.
 
     Raises:
-        ConfigError: the endpoint is malformed.
+        ConfigError: the endpoint is malformed, or the TLS files cannot be read.
         CoordinationError: no member answered within ``timeout_s``.
     """
     addresses = parse_endpoints(endpoint)
@@ -114,13 +119,21 @@ def connect(endpoint: str, timeout_s: float) -> Any:
     # endpoint that would make an etcd restart fatal. Retry at once instead.
     # With several members, skip a failed one briefly, so the next try fails over.
     time_retry = 0.0 if len(addresses) == 1 else _FAILOVER_RETRY_S
+    tls = tls if tls is not None else etcd_tls_from_env()
+    options: list[tuple[str, Any]] = list(_GRPC_OPTIONS)
+    creds = None
+    if tls is not None:
+        creds = grpc.ssl_channel_credentials(tls.ca_pem, tls.key_pem, tls.cert_pem)
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
     eps = [
         pyetcd.Endpoint(
             f"[{host}]" if ":" in host else host,
             port,
-            secure=False,
+            secure=creds is not None,
+            creds=creds,
             time_retry=time_retry,
-            opts=_GRPC_OPTIONS,
+            opts=options,
         )
         for host, port in addresses
     ]

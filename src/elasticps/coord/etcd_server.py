@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import ssl
 import subprocess
 import tempfile
 import time
@@ -24,9 +25,17 @@ from types import TracebackType
 from typing import IO, Protocol, Self
 
 from elasticps.errors import ConfigError, CoordinationError, PortInUseError
+from elasticps.jobca import CA_FILE, CERT_FILE, KEY_FILE
 from elasticps.netutil import LOOPBACK, check_port_free, die_with_parent_prefix, free_port
 
-__all__ = ["EtcdProcess", "EtcdServer", "EtcdServerConfig", "etcd_binary", "parse_endpoint"]
+__all__ = [
+    "EtcdProcess",
+    "EtcdServer",
+    "EtcdServerConfig",
+    "etcd_binary",
+    "parse_endpoint",
+    "tls_flags",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +131,11 @@ class EtcdServerConfig:
             binds it). 0 picks a free one.
         host: interface to listen on. Loopback by default.
         startup_timeout_s: how long ``start()`` waits for etcd to answer, in seconds.
+        tls: a directory holding etcd's :class:`~elasticps.jobca.Credential`
+            (``ca.pem``, ``cert.pem``, ``key.pem``): clients then speak TLS and
+            must show a certificate from that CA, whose common name is the etcd
+            user they act as (``--client-cert-auth``). None: plain TCP, no
+            client check (for tests and a trusted network).
 
     Raises:
         ConfigError: a port is out of range or the timeout is not positive.
@@ -132,6 +146,7 @@ class EtcdServerConfig:
     peer_port: int = 0
     host: str = LOOPBACK
     startup_timeout_s: float = 20.0
+    tls: Path | None = None
 
     def __post_init__(self) -> None:
         for name, port in (("client_port", self.client_port), ("peer_port", self.peer_port)):
@@ -173,20 +188,27 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """Split an etcd client endpoint into host and port.
 
     Args:
-        endpoint: ``"host:port"``, optionally prefixed by ``"http://"``. An IPv6
-            host is written in brackets: ``"[::1]:2379"``.
+        endpoint: ``"host:port"``, optionally prefixed by ``"http://"`` or
+            ``"https://"`` (whether a client speaks TLS depends on its
+            credential, not on the prefix). An IPv6 host is written in
+            brackets: ``"[::1]:2379"``.
 
     Returns:
         ``(host, port)``, the host without brackets.
 
     Raises:
-        ConfigError: the endpoint is malformed or uses a scheme other than http.
+        ConfigError: the endpoint is malformed or uses a scheme other than http(s).
     """
     text = endpoint.strip()
-    if text.startswith("http://"):
-        text = text[len("http://") :]
-    elif "://" in text:
-        raise ConfigError(f"etcd endpoint {endpoint!r}: only http:// is supported")
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme) :]
+            break
+    else:
+        if "://" in text:
+            raise ConfigError(
+                f"etcd endpoint {endpoint!r}: only http:// and https:// are supported"
+            )
     text = text.rstrip("/")
     host, sep, port_text = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
@@ -421,7 +443,8 @@ class EtcdServer:
 
     def _command(self) -> list[str]:
         host = self._config.host
-        client_url = f"http://{_netloc(host, self.port)}"
+        tls = self._config.tls
+        client_url = f"{'https' if tls else 'http'}://{_netloc(host, self.port)}"
         peer_url = f"http://{_netloc(host, self.peer_port)}"
         return [
             *die_with_parent_prefix(),
@@ -447,6 +470,7 @@ class EtcdServer:
             "--log-level",
             "warn",
             *_TUNING_FLAGS,
+            *(tls_flags(tls) if tls else ()),
         ]
 
     def _open_log(self) -> IO[bytes]:
@@ -491,9 +515,13 @@ class EtcdServer:
     def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
         timeout_s = self._config.startup_timeout_s
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.endpoint}/health"
+        tls = self._config.tls
+        url = f"{'https' if tls else 'http'}://{self.endpoint}/health"
         # No proxies: the environment's http_proxy must not intercept loopback.
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if tls is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=_health_context(tls)))
+        opener = urllib.request.build_opener(*handlers)
         while True:
             if proc.poll() is not None:
                 tail = self._log_tail()
@@ -534,6 +562,35 @@ class EtcdServer:
             with contextlib.suppress(OSError):
                 self._log_file.close()
             self._log_file = None
+
+
+def tls_flags(directory: Path) -> list[str]:
+    """etcd's flags for client TLS with the credential in ``directory``, clients checked
+    against its CA and known by their certificates' common names."""
+    return [
+        "--cert-file",
+        str(directory / CERT_FILE),
+        "--key-file",
+        str(directory / KEY_FILE),
+        "--trusted-ca-file",
+        str(directory / CA_FILE),
+        "--client-cert-auth",
+        # Users are known by their certificates; their passwords are never used.
+        "--bcrypt-cost",
+        "4",
+    ]
+
+
+def _health_context(directory: Path) -> ssl.SSLContext:
+    """TLS for the ``/health`` probe: trust etcd's CA, show etcd's own certificate.
+
+    The name is not checked, only that etcd's certificate comes from the job's
+    CA: the probe dials the address this process told etcd to listen on.
+    """
+    context = ssl.create_default_context(cafile=str(directory / CA_FILE))
+    context.check_hostname = False
+    context.load_cert_chain(str(directory / CERT_FILE), str(directory / KEY_FILE))
+    return context
 
 
 def _healthy(opener: urllib.request.OpenerDirector, url: str) -> bool:

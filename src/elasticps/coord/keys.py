@@ -89,6 +89,20 @@ class Keys:
         """Prefix of the live trainers' keys."""
         return self.root + "trainers/"
 
+    @property
+    def health_prefix(self) -> str:
+        """Prefix of the parameter servers' checkpoint health records."""
+        return self.root + "health/"
+
+    def health(self, ps_index: int) -> str:
+        """Key of parameter server ``ps_index``'s checkpoint health record."""
+        return f"{self.health_prefix}ps-{ps_index}"
+
+    @property
+    def kvstore_prefix(self) -> str:
+        """Prefix of the KVStore API's keys (its workers' barriers)."""
+        return self.root + "kvstore/"
+
     def trainer(self, trainer_id: str) -> str:
         """Key of one trainer's registration.
 

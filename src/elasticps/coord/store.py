@@ -64,8 +64,11 @@ class JobStore(TrainerMembership, PSSlots, MasterLock, JobProgress):
         job: the job name; every key lives under ``/elasticps/<job>/``.
         timeout_s: how long to wait for etcd to answer at construction, and the
             deadline of every etcd request, in seconds.
+        tls: the TLS identity to show etcd; None: this process's
+            (:func:`~elasticps.security.etcd_tls_from_env`), if any.
 
     Raises:
-        ConfigError: the endpoint or the job name is malformed.
+        ConfigError: the endpoint or the job name is malformed, or a TLS file
+            cannot be read.
         CoordinationError: etcd did not answer within ``timeout_s``.
     """
