@@ -107,6 +107,25 @@ def _add_auth(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tls(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls",
+        choices=AUTH_MODES,
+        default=_env("tls", "on"),
+        help="on (with --auth on): every TCP connection to a parameter server or the master "
+        "is TLS 1.3, both sides showing a certificate of the job's own CA; off: plain TCP, "
+        "the job secret still checked (a trusted network only; the log and run.json say so)",
+    )
+    parser.add_argument(
+        "--ca",
+        type=Path,
+        default=_env("ca", None),
+        metavar="DIR",
+        help="issue the job's certificates from your own CA: DIR holds ca.pem and ca-key.pem "
+        "(mode 0600); default: a new CA for each job",
+    )
+
+
 def _env(flag: str, default: object) -> object:
     """Default of ``--flag``: ``ELASTICPS_FLAG`` if set, else ``default``."""
     return os.environ.get("ELASTICPS_" + flag.upper().replace("-", "_"), default)
@@ -547,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
         "job steps on its nodes; etcd and the master stay on this node (default: local)",
     )
     _add_auth(train)
+    _add_tls(train)
     train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
@@ -637,6 +657,14 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--job", default=_env("job", "job"))
     ck.add_argument("--etcd", default=_env("etcd", None), help="etcd endpoint host:port")
     _add_output(ck, "checkpoint directory")
+    ck.add_argument(
+        "--job-output",
+        type=Path,
+        default=None,
+        help="the running job's train --output: use its secret and root certificate "
+        "(else those of the ELASTICPS_JOB_SECRET_FILE, ELASTICPS_TLS_* and ELASTICPS_ETCD_* "
+        "variables)",
+    )
 
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on a Parquet file")
     ev.add_argument("--model", type=Path, required=True)
@@ -825,6 +853,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         sparse_eviction=args.sparse_eviction,
         spawn=args.spawn,
         auth=args.auth,
+        tls=args.tls,
+        ca=args.ca,
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
         overwrite=args.overwrite,
@@ -968,7 +998,7 @@ def _add_sync_reduction(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from elasticps.launcher.scratch import JobScratch
+    from elasticps.launcher.scratch import JobScratch, user_ca
     from elasticps.launcher.spawn import importing
     from elasticps.preflight import check_before_import
 
@@ -984,7 +1014,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     hosts = _job_hosts(config)
     # etcd starts while torch is imported (about 1.5 s); it answers by then.
     scratch = JobScratch.create(
-        config.job, config.etcd_port, host=hosts.advertise if hosts else "127.0.0.1"
+        config.job,
+        config.etcd_port,
+        host=hosts.advertise if hosts else "127.0.0.1",
+        tls=config.auth == "on" and config.etcd_replicas == 1,
+        ca=user_ca(config),
     )
     try:
         if config.etcd_replicas > 1 and hosts is not None:
@@ -1016,7 +1050,7 @@ def _hosts_etcd(
         client_port=config.etcd_port,
     )
     etcd.spawn()
-    return dataclasses.replace(scratch, etcd=etcd)
+    return dataclasses.replace(scratch, etcd=etcd, ca=None)
 
 
 def _job_hosts(config: JobConfig) -> JobHosts | None:
@@ -1108,12 +1142,20 @@ def _job_file_text(args: argparse.Namespace) -> str:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    import contextlib
+
     from elasticps.coord.store import JobStore
     from elasticps.launcher.local import checkpoint_job
+    from elasticps.security import output_credentials
 
     if not args.etcd:
         raise ConfigError("--etcd (or ELASTICPS_ETCD) is required")
-    with JobStore(args.etcd, args.job) as store:
+    credentials = (
+        output_credentials(args.job_output)
+        if args.job_output is not None
+        else contextlib.nullcontext()
+    )
+    with credentials, JobStore(args.etcd, args.job) as store:
         manifest = checkpoint_job(store, args.output, {"job": args.job})
     print(json.dumps({"checkpoint": str(args.output), "version": manifest["version"]}))
     return 0
@@ -1121,6 +1163,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def _cmd_scale(args: argparse.Namespace) -> int:
     from elasticps.coord.store import JobStore
+    from elasticps.security import output_etcd_tls
 
     endpoint = args.etcd
     if not endpoint:
@@ -1136,7 +1179,9 @@ def _cmd_scale(args: argparse.Namespace) -> int:
             raise ConfigError(f"{record_path} shows no running job; pass --etcd")
     if args.trainers < 0:
         raise ConfigError(f"--trainers must be >= 0, got {args.trainers}")
-    with JobStore(endpoint, args.job) as store:
+    # The job's own etcd credential, if it made one (else the environment's).
+    tls = output_etcd_tls(args.output) if args.output is not None else None
+    with JobStore(endpoint, args.job, tls=tls) as store:
         store.set_trainers_wanted(args.trainers)
     print(json.dumps({"job": args.job, "etcd": endpoint, "trainers_wanted": args.trainers}))
     return 0
@@ -1479,6 +1524,9 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "submitted job does not write",
     "--chaos": "fault injection kills the processes of a local job",
     "--spawn": "pods start their own interpreters",
+    "--tls": "a submitted job has no certificates: its pods speak plain TCP, and a "
+    "NetworkPolicy admits only the job's own pods",
+    "--ca": "a submitted job has no certificates",
     "--hosts": "Kubernetes places the pods on its nodes",
     "--ssh-config": "Kubernetes places the pods on its nodes",
     "--launcher": "Kubernetes places the pods on its nodes (submit --backend slurm for Slurm)",

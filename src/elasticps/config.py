@@ -653,6 +653,12 @@ class JobConfig:
             to a PS and every call to the master must prove (see
             :mod:`elasticps.security`); ``off``: they serve anyone, and the
             log and ``run.json`` say so.
+        tls: ``on`` (default, with ``auth`` on): every TCP connection to a PS
+            or the master is TLS 1.3 with certificates of the job's CA (see
+            :mod:`elasticps.tls`); ``off``: plain TCP, with a warning in the
+            log and ``run.json``.
+        ca: a directory with the user's own CA (``ca.pem``, ``ca-key.pem``) to
+            issue the job's certificates from; None: a new CA for the job.
         spawn: how role processes start: ``fork`` from a fork server that
             has imported torch already (:mod:`elasticps.launcher.spawn`),
             or ``exec`` (each a new ``python -m elasticps``).
@@ -757,6 +763,8 @@ class JobConfig:
     etcd_replicas: int = 1
     launcher: str = "local"
     auth: str = "on"
+    tls: str = "on"
+    ca: Path | None = None
 
     def _check_slurm(self) -> None:
         """Refuse, by name, what a ``--launcher slurm`` job cannot take."""
@@ -814,6 +822,12 @@ class JobConfig:
         parse_model_args(self.model_args)
         if self.auth not in AUTH_MODES:
             raise ConfigError(f"--auth must be one of {', '.join(AUTH_MODES)}, got {self.auth!r}")
+        if self.tls not in AUTH_MODES:
+            raise ConfigError(f"--tls must be one of {', '.join(AUTH_MODES)}, got {self.tls!r}")
+        if self.ca is not None and self.auth != "on":
+            raise ConfigError(
+                "--ca needs --auth on: a job without authentication has no certificates"
+            )
         if self.spawn not in SPAWN_METHODS:
             raise ConfigError(
                 f"--spawn must be one of {', '.join(SPAWN_METHODS)}, got {self.spawn!r}"

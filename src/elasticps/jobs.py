@@ -312,16 +312,20 @@ def _live_progress(run: LocalRun) -> dict[str, Any]:
         return {}
     from elasticps.coord.store import JobStore
     from elasticps.master.client import MasterClient
-    from elasticps.security import output_secret
+    from elasticps.security import output_etcd_tls, output_secret, output_tls
 
     progress: dict[str, Any] = {}
-    with contextlib.suppress(ElasticPSError), JobStore(endpoint, run.job) as store:
+    with (
+        contextlib.suppress(ElasticPSError),
+        JobStore(endpoint, run.job, tls=output_etcd_tls(run.output)) as store,
+    ):
         progress["wanted_trainers"] = store.trainers_wanted()
         master = MasterClient(
             lambda: store.master_address(timeout_s=1.0),
             retry_s=2.0,
             rpc_timeout_s=2.0,
             secret=output_secret(run.output),
+            tls=output_tls(run.output),
         )
         try:
             status = master.job_status()

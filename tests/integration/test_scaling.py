@@ -24,6 +24,7 @@ import pytest
 from elasticps.cli import main
 from elasticps.coord.store import JobStore
 from elasticps.errors import ElasticPSError
+from elasticps.security import output_etcd_tls
 from elasticps.testing import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(280)]
@@ -89,7 +90,7 @@ def test_mnist_sync_job_scaled_from_2_to_4_to_1_trains_every_record_exactly_once
             timeout_s=60,
         )
         endpoint = str((read_json(output / "run.json") or {})["etcd"])
-        with JobStore(endpoint, job) as store:
+        with JobStore(endpoint, job, tls=output_etcd_tls(output)) as store:
 
             def registered() -> int:
                 with contextlib.suppress(ElasticPSError):

@@ -58,6 +58,7 @@ from elasticps.launcher.output import STOP_FILE
 from elasticps.launcher.spawn import terminate, wait_or_kill
 from elasticps.model_file import ModelSpec, load_model_file
 from elasticps.parameters import ParameterSet
+from elasticps.security import output_etcd_tls
 from elasticps.storage import Location, is_url
 
 __all__ = ["EventSink", "LaunchRequest", "launch_request", "train_argv", "train_launched"]
@@ -485,7 +486,8 @@ class _LiveEvents(Generic[_Hub]):
                 return
             endpoint = self._etcd_endpoint()
         try:
-            self._store = JobStore(endpoint, self._job)
+            # The launcher's own credential, from the job's output directory.
+            self._store = JobStore(endpoint, self._job, tls=output_etcd_tls(self._run_dir))
             self._watches.append(self._store.watch_pass_summaries(self._passes))
             self._watches.append(self._watch_trainers(self._store, self._hub))
         except CoordinationError as exc:  # then run.json alone tells the passes

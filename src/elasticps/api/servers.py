@@ -58,7 +58,9 @@ from typing import IO, TypeVar
 import grpc
 
 from elasticps.config import OptimizerConfig, UpdateMode, check_job_name
+from elasticps.coord.etcd_auth import enable_auth
 from elasticps.coord.etcd_server import EtcdServer, EtcdServerConfig
+from elasticps.coord.keys import Keys
 from elasticps.coord.store import JobStore, PSSlot
 from elasticps.errors import (
     ConfigError,
@@ -67,6 +69,7 @@ from elasticps.errors import (
     JobFailedError,
     JobUserError,
 )
+from elasticps.jobca import JobCA
 from elasticps.launcher.local_processes import DecisionLog, release_keys
 from elasticps.launcher.spawn import child_env, run_beside, terminate, wait_or_kill
 from elasticps.launcher.supervisor import (
@@ -87,7 +90,7 @@ from elasticps.launcher.supervisor import (
 )
 from elasticps.master.client import MasterClient
 from elasticps.netutil import RUNTIME_DIR_ENV, die_with_parent_prefix
-from elasticps.security import job_credentials
+from elasticps.security import etcd_tls_from_env, job_credentials, write_etcd_server_tls
 from elasticps.storage import Location
 from elasticps.updater import ps_flags
 
@@ -146,6 +149,8 @@ class ServersConfig:
         auth: the servers ask for a secret made for them (:mod:`elasticps.security`),
             which this process's clients are given until :meth:`LocalServers.stop`;
             False serves any process (a warning in the log).
+        tls: with ``auth``, TCP connections to the PS and the master are TLS 1.3
+            with certificates of a CA made for them (:mod:`elasticps.tls`).
 
     Raises:
         ConfigError: a value is out of range, or the master has no data.
@@ -171,6 +176,7 @@ class ServersConfig:
     max_restarts: int = 3
     replace_trainers: bool = True
     auth: bool = True
+    tls: bool = True
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -545,12 +551,27 @@ class LocalServers:
         cfg = self.config
         self._workdir = Path(tempfile.mkdtemp(prefix=f"elasticps-{cfg.job}-"))
         try:
-            self._credentials.enter_context(job_credentials(self._workdir, auth=cfg.auth))
+            # etcd's certificate, and one per role, from the job's own CA.
+            ca = JobCA.generate(cfg.job) if cfg.auth else None
+            tls = write_etcd_server_tls(ca, self._workdir / "etcd-tls") if ca else None
+            self._credentials.enter_context(
+                job_credentials(
+                    self._workdir,
+                    auth=cfg.auth,
+                    tls=cfg.tls,
+                    ca=ca,
+                    etcd_tls=ca is not None,
+                    job=cfg.job,
+                )
+            )
             self._etcd = EtcdServer(
-                EtcdServerConfig(data_dir=self._workdir / "etcd", client_port=0),
+                EtcdServerConfig(data_dir=self._workdir / "etcd", client_port=0, tls=tls),
                 log_path=self._workdir / "etcd.log",
             )
             self._etcd.start()
+            root = etcd_tls_from_env()
+            if ca is not None and root is not None:
+                enable_auth(self._etcd.endpoint, Keys(cfg.job), root)
             if self._etcd.pid is not None:
                 self._started.append(self._etcd.pid)
             with JobStore(self._etcd.endpoint, cfg.job) as store:

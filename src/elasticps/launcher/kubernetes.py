@@ -1301,6 +1301,11 @@ class JobRequest:
             from elasticps.coord.etcd_server import parse_endpoint
 
             parse_endpoint(self.etcd_endpoint)
+            if self.etcd_endpoint.strip().startswith("https://"):
+                raise ConfigError(
+                    f"--etcd {self.etcd_endpoint}: an etcd over TLS is not supported on "
+                    "Kubernetes: the pods hold no client certificate for it"
+                )
         if self.etcd_replicas not in (1, 3, 5, 7):
             raise ConfigError(f"--etcd-replicas must be 1, 3, 5 or 7, got {self.etcd_replicas}")
         if not self.etcd_storage.strip():

@@ -65,7 +65,9 @@ from tqdm import tqdm
 from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
+from elasticps.coord.etcd_auth import enable_auth
 from elasticps.coord.etcd_server import EtcdProcess
+from elasticps.coord.keys import Keys
 from elasticps.coord.store import JobStore, is_transient
 from elasticps.data.kafka import load_client_config
 from elasticps.data.parquet import (
@@ -112,7 +114,7 @@ from elasticps.launcher.output import (
     table_checkpoint_bytes,
 )
 from elasticps.launcher.pass_eval import PassEvaluation, PassEvaluator
-from elasticps.launcher.scratch import JobScratch
+from elasticps.launcher.scratch import JobScratch, user_ca
 from elasticps.launcher.spawn import (
     ExecSpawner,
     ProcessHandle,
@@ -147,7 +149,12 @@ from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
 from elasticps.preflight import check_resume_location
 from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.pserver.sparse import TableSpec
-from elasticps.security import AUTH_OFF_WARNING, job_credentials
+from elasticps.security import (
+    AUTH_OFF_WARNING,
+    ETCD_PLAIN_WARNING,
+    etcd_tls_from_env,
+    job_credentials,
+)
 from elasticps.sharing import state_aliases
 from elasticps.snapshot import (
     load_consistent_checkpoint,
@@ -157,6 +164,7 @@ from elasticps.snapshot import (
 )
 from elasticps.storage import Location, dir_exists, file_exists
 from elasticps.tables import TableSet
+from elasticps.tls import TLS_OFF_WARNING
 from elasticps.updater import ps_flags
 
 log = logging.getLogger(__name__)
@@ -589,8 +597,21 @@ class LocalLauncher:
         """
         spec, train, test = self.validate()
         self._lock = self.claim_output(spec)
+        auth = self.config.auth == "on"
         try:
-            with job_credentials(self.config.output, auth=self.config.auth == "on"):
+            own_ca = user_ca(self.config)
+            if self._scratch is None:
+                self._scratch = JobScratch.create(
+                    self.config.job, self.config.etcd_port, tls=auth, ca=own_ca
+                )
+            with job_credentials(
+                self.config.output,
+                auth=auth,
+                tls=self.config.tls == "on",
+                ca=self._scratch.ca or own_ca,
+                etcd_tls=self._scratch.ca is not None,
+                job=self.config.job,
+            ):
                 return self._run(spec, train, test)
         except BaseException as exc:
             self._mark_ended("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
@@ -634,7 +655,8 @@ class LocalLauncher:
     ) -> JobResult:
         cfg = self.config
         started = time.monotonic()
-        scratch = self._scratch or JobScratch.create(cfg.job, cfg.etcd_port)
+        scratch = self._scratch
+        assert scratch is not None  # run() made it
         workdir = scratch.path
         self._workdir = workdir
         etcd = scratch.etcd
@@ -647,6 +669,9 @@ class LocalLauncher:
             for name, pid in self._spawner.pids().items():
                 self._log_pid(name, pid)
             etcd.start()  # or waits for the etcd that scratch.etcd.spawn() started
+            root = etcd_tls_from_env()
+            if scratch.ca is not None and root is not None:
+                enable_auth(etcd.endpoint, Keys(cfg.job), root)
             self._etcd_pid = etcd.pid
             self._log_pid("etcd", etcd.pid)
             # Written at once, so that `elasticps scale` finds the running job.
@@ -842,7 +867,7 @@ class LocalLauncher:
             return
         self._health_due = now + _HEALTH_POLL_S
         try:
-            records, _ = store.get_prefix_json(store.keys.root + "health/")
+            records, _ = store.get_prefix_json(store.keys.health_prefix)
         except CoordinationError:
             return  # etcd is restarting: read them next time
         verdict = self._health.update(records, time.time())
@@ -1698,7 +1723,19 @@ class LocalLauncher:
     def _security_record(self) -> dict[str, object]:
         """``run.json``'s ``security``: what is on, and a warning for each part turned off."""
         auth = self.config.auth
-        return {"auth": auth, "warnings": [AUTH_OFF_WARNING] if auth == "off" else []}
+        tls = self.config.tls if auth == "on" else "off"
+        warnings = [AUTH_OFF_WARNING] if auth == "off" else []
+        if auth == "on" and tls == "off":
+            warnings.append(TLS_OFF_WARNING)
+        etcd_tls = self._scratch is not None and self._scratch.ca is not None
+        if auth == "on" and not etcd_tls:
+            warnings.append(ETCD_PLAIN_WARNING)
+        return {
+            "auth": auth,
+            "tls": tls,
+            "etcd": "tls, one user per role" if etcd_tls else "plain",
+            "warnings": warnings,
+        }
 
     def _publish_records(self) -> None:
         """Copy ``run.json``, ``config.toml`` and ``logs/`` to ``output_url``, ``run.json`` last.

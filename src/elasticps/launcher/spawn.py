@@ -82,6 +82,7 @@ from typing import IO, NoReturn, Protocol, TypeVar
 
 from elasticps.errors import ElasticPSError
 from elasticps.netutil import die_with_parent_prefix
+from elasticps.security import role_credential_env
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, st
     Args:
         role: ``master``, ``ps`` or ``trainer`` (a ``-<i>`` suffix is dropped).
         extra: more variables; they win.
+
+    A job with certificates gives the role its own
+    (:func:`~elasticps.security.role_credential_env`).
     """
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
@@ -139,7 +143,7 @@ def child_env(role: str, extra: Mapping[str, str] | None = None) -> dict[str, st
     # The child stops itself if the launcher dies (even by SIGKILL).
     env["ELASTICPS_PARENT_PID"] = str(os.getpid())
     env.update(extra or {})
-    return env
+    return role_credential_env(env, role)
 
 
 class Stoppable(Protocol):

@@ -65,7 +65,7 @@ from elasticps.launcher.remote import FILES_TOKEN, route_address
 from elasticps.launcher.spawn import ProcessHandle, Spawner
 from elasticps.launcher.transport import Transport
 from elasticps.netutil import die_with_parent_prefix
-from elasticps.security import SECRET_FILE_ENV
+from elasticps.security import ETCD_NAMES, SECRET_FILE_ENV, TLS_NAMES
 from elasticps.storage import is_url
 
 if TYPE_CHECKING:
@@ -702,11 +702,12 @@ class SshSpawner:
         forwarded = {
             k: v for k, v in env.items() if k.startswith(FORWARDED_ENV) and k not in _LOCAL_ONLY_ENV
         }
-        secret = forwarded.get(SECRET_FILE_ENV, "")
-        if secret:
-            # The secret's content travels in the request, on the ssh session's stdin;
-            # the host writes it into the role's private directory (mode 0600).
-            forwarded[SECRET_FILE_ENV] = copy(secret)
+        for name in (SECRET_FILE_ENV, *ETCD_NAMES, *TLS_NAMES):
+            if forwarded.get(name):
+                # The secret's content and the role's keys travel in the request, on
+                # the ssh session's stdin; the host writes them into the role's private
+                # directory (mode 0600).
+                forwarded[name] = copy(forwarded[name])
         return json.dumps(
             {
                 "run": out,

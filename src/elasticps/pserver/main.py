@@ -43,6 +43,7 @@ from elasticps.pserver.sparse import EvictionPolicy
 from elasticps.security import secret_from_env
 from elasticps.snapshot import load_consistent_checkpoint
 from elasticps.storage import Location
+from elasticps.tls import tls_from_env
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         reduction=config.sync_reduction,
         eviction=_eviction(config),
         secret=secret_from_env(),
+        tls=tls_from_env(),
     )
     watch = None
     checkpointer: ShardCheckpointer | None = None
@@ -122,7 +124,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         saved_version = _restore(config, server, files)
         if files is not None:
             _publish_restore(store, files, index, epoch, saved_version)
-        health_key = store.keys.root + f"health/ps-{index}"
+        health_key = store.keys.health(index)
 
         def publish(health: CheckpointHealth) -> None:
             try:
