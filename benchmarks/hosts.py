@@ -25,6 +25,12 @@ JSON line per run and a summary line:
 The hosts share this machine's cores: the ratio shows the cost of ssh, TCP
 between network namespaces and placement, not the gain of more machines.
 
+With ``--tls`` it runs instead the main job on the hosts alternately with
+``--tls on`` (every TCP connection between hosts in TLS 1.3) and ``--tls off``
+(plain TCP), ``--reps`` times each, with ``--ps-transport tcp`` so that every
+push and pull is a TCP one (``case: "tls"``), and a summary with
+``tls_over_plain`` and ``training_tls_over_plain`` (``case: "tls-summary"``).
+
 With ``--soak N`` it runs instead one long audit job (``--mode``) under N
 host faults, one every 8-15 s (``--seed``): a host killed (link down, every
 process SIGKILLed, back 10 s later as after a reboot) or its link cut for
@@ -38,6 +44,7 @@ Usage (as root, with ``scripts/install-system-packages.sh`` run)::
     .venv/bin/python benchmarks/hosts.py                # 3 reps, 5 epochs
     .venv/bin/python benchmarks/hosts.py --quick        # 1 rep, 1 epoch, one host loss
     .venv/bin/python benchmarks/hosts.py --soak 20 --mode async --seed 1
+    .venv/bin/python benchmarks/hosts.py --tls --reps 3 --epochs 3
 """
 
 from __future__ import annotations
@@ -118,6 +125,42 @@ def main_job(
         statistics.median(rates["3-hosts"]) / statistics.median(rates["one-machine"]),
         statistics.median(training["3-hosts"]) / statistics.median(training["one-machine"]),
     )
+
+
+def tls_compare(
+    hosts: NamespaceHosts, host_file: Path, work: Path, epochs: int, reps: int
+) -> dict[str, float]:
+    """The main job on the hosts over TCP only, with TLS on and off, interleaved."""
+    data = work / "mnist"
+    if not data.exists():
+        subprocess.run([sys.executable, "-m", "elasticps", "data", "mnist", "--output", str(data)],
+                       check=True, capture_output=True, timeout=300)  # fmt: skip
+    job = ["--model", str(ROOT / "examples" / "mnist_cnn.py"), "--data", str(data),
+           "--trainers", "2", "--ps", "2", "--mode", "sync", "--epochs", str(epochs),
+           "--ps-transport", "tcp",
+           "--hosts", str(host_file), "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    training: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(reps):
+        for tls in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            out = work / f"tls-{tls}"
+            result = train([*job, "--tls", tls], out)
+            rate = float(str(result["samples_trained"])) / float(str(result["wall_s"]))
+            rates[tls].append(rate)
+            start_s, training_rate = timeline(out)
+            training[tls].append(training_rate)
+            print(json.dumps({"case": "tls", "tls": tls, "rep": rep,
+                              "samples_per_s": round(rate, 1), "wall_s": result["wall_s"],
+                              "start_s": start_s, "training_samples_per_s": training_rate,
+                              "accuracy": result.get("accuracy")}), flush=True)  # fmt: skip
+    return {
+        "tls_over_plain": round(
+            statistics.median(rates["on"]) / statistics.median(rates["off"]), 3
+        ),
+        "training_tls_over_plain": round(
+            statistics.median(training["on"]) / statistics.median(training["off"]), 3
+        ),
+    }
 
 
 def host_loss(hosts: NamespaceHosts, host_file: Path, work: Path, mode: str) -> None:
@@ -247,6 +290,9 @@ def main() -> int:
         metavar="N",
         help="instead: one audit job under N host faults",
     )
+    parser.add_argument(
+        "--tls", action="store_true", help="instead: the main job with --tls on against off"
+    )
     parser.add_argument("--mode", choices=("sync", "async"), default="async")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -269,6 +315,10 @@ def main() -> int:
         host_file.write_text("".join(f"{name} slots=3\n" for name in hosts.hosts))
         if args.soak:
             soak(hosts, host_file, work, mode=args.mode, faults=args.soak, seed=args.seed)
+            return 0
+        if args.tls:
+            ratios = tls_compare(hosts, host_file, work, epochs, reps)
+            print(json.dumps({"case": "tls-summary", **ratios}))
             return 0
         ratio, training_ratio = main_job(hosts, host_file, work, epochs, reps)
         for mode in ("async",) if args.quick else ("async", "sync"):

@@ -35,6 +35,12 @@ repetition) so that a noisy machine hurts every case alike:
     cases without ``-auth`` are ``--auth off``. The summary gives each ratio
     (``auth_over_off``) and the connect time of every case (``connect_ms``:
     ``ParameterClient`` to the end of HELLO, the handshake included).
+``elasticps-tcp-tls``
+    ``elasticps-tcp-auth`` inside TLS 1.3 (:mod:`elasticps.tls`), as every TCP
+    connection of a job runs by default between hosts (``--tls on``): a
+    certificate of one CA made here on each side. ``tls_over_tcp`` is its
+    ratio to ``elasticps-tcp-auth`` (``--tls off``), and ``tls_cpu_over_tcp``
+    the same for the CPU both sides spend per round trip.
 ``elasticps-mapped``
     The same with the memfd's pages mapped into the client's page-aligned
     flat buffers (``map_buffers=True``, as a trainer's buffers are when the
@@ -89,11 +95,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from elasticps.jobca import JobCA
 from elasticps.security import JobSecret
+from elasticps.tls import JobTLS, role_host
 
 LR = 1.0  # with an all-ones gradient, every parameter is exactly -k after k round trips
 GRPC_CHUNK_BYTES = 1 << 20
@@ -234,6 +243,7 @@ def _server_process(kind: str, specs: list[dict[str, Any]], conn: Connection, th
                 OptimizerConfig(name="sgd", lr=LR),
                 unix_path=spec.get("path"),
                 secret=JobSecret(bytes.fromhex(spec["secret"])) if "secret" in spec else None,
+                tls=JobTLS.from_dir(Path(spec["tls"])) if "tls" in spec else None,
             )
             threading.Thread(target=server.serve_forever, daemon=True).start()
             addresses[spec["id"]] = server.address
@@ -446,6 +456,7 @@ def _elasticps_case(
     transport: str,
     mapped: bool = False,
     secret: JobSecret | None = None,
+    tls: JobTLS | None = None,
 ) -> Case:
     from elasticps.placement import ParamSpec, plan_placement
     from elasticps.trainer.client import ParameterClient
@@ -476,6 +487,7 @@ def _elasticps_case(
         transport=transport,
         map_buffers=mapped,
         secret=secret,
+        tls=tls,
     )
     client.hello(initialize=True)
     connect_ms = (time.perf_counter() - t0) * 1e3
@@ -526,6 +538,7 @@ ALL_CASES = (
     "elasticps-tcp-auth",
     "elasticps-unix-auth",
     "elasticps-shm-auth",
+    "elasticps-tcp-tls",
     "raw-tcp",
     "raw-tcp-2conn",
     "raw-unix",
@@ -542,6 +555,7 @@ def _spawn_servers(
     wanted: Sequence[str],
     *,
     secret: JobSecret,
+    tls_dirs: dict[str, str],
 ) -> dict[str, ServerProcess]:
     """One process per (server kind, PS index); it hosts that index for every PS count.
 
@@ -567,6 +581,7 @@ def _spawn_servers(
                         ("elasticps-tcp-auth", {"secret": secret.key.hex()}),
                         ("elasticps-unix-auth", {"family": "unix", "secret": secret.key.hex()}),
                         ("elasticps-shm-auth", {"family": "unix", "secret": secret.key.hex()}),
+                        ("elasticps-tcp-tls", {"secret": secret.key.hex(), "tls": tls_dirs["ps"]}),
                     ],
                 ),
                 (
@@ -617,8 +632,10 @@ def _build_cases(
     wanted: Sequence[str],
     *,
     secret: JobSecret,
+    tls_dirs: dict[str, str],
 ) -> list[Case]:
     cases = [_limit_case(grads)] if "limit" in wanted else []
+    trainer_tls = JobTLS.from_dir(Path(tls_dirs["trainer"]))
     for num_ps in ps_counts:
 
         def procs(kind: str, num_ps: int = num_ps) -> list[ServerProcess]:
@@ -636,6 +653,7 @@ def _build_cases(
             "elasticps-tcp-auth",
             "elasticps-unix-auth",
             "elasticps-shm-auth",
+            "elasticps-tcp-tls",
         ):
             if name not in wanted:
                 continue
@@ -648,7 +666,8 @@ def _build_cases(
                     two_messages=name.endswith("2msg"),
                     transport="shm" if name == "elasticps-mapped" else name.split("-")[1],
                     mapped=name == "elasticps-mapped",
-                    secret=secret if name.endswith("-auth") else None,
+                    secret=secret if name.endswith(("-auth", "-tls")) else None,
+                    tls=trainer_tls if name.endswith("-tls") else None,
                 )
             )
         for fam in ("tcp", "unix"):
@@ -739,10 +758,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases: list[Case] = []
     try:
         secret = JobSecret.generate()
+        ca = JobCA.generate("tensor-plane-benchmark")
+        tls_dirs = {}
+        for role in ("ps", "trainer"):
+            directory = Path(workdir) / "tls" / role
+            ca.issue(role, dns_names=(role_host(role),)).write(directory)
+            tls_dirs[role] = str(directory)
         servers = _spawn_servers(
-            numel, ps_counts, workdir, args.server_threads, wanted, secret=secret
+            numel, ps_counts, workdir, args.server_threads, wanted, secret=secret, tls_dirs=tls_dirs
         )
-        cases = _build_cases(ps_counts, servers, grads, pool, wanted, secret=secret)
+        cases = _build_cases(
+            ps_counts, servers, grads, pool, wanted, secret=secret, tls_dirs=tls_dirs
+        )
         for case in cases:
             for _ in range(args.warmup):
                 _run_once(case, measure=False)
@@ -816,8 +843,12 @@ def _report(
             "auth_over_off_tcp": ("elasticps-tcp-auth", "elasticps-tcp"),
             "auth_over_off_unix": ("elasticps-unix-auth", "elasticps-unix"),
             "auth_over_off_shm": ("elasticps-shm-auth", "elasticps-shm"),
+            "tls_over_tcp": ("elasticps-tcp-tls", "elasticps-tcp-auth"),
         }
         r = {k: round(m[a] / m[b], 3) for k, (a, b) in pairs.items() if a in m and b in m}
+        c = cpu.get(str(num_ps), {})
+        if "elasticps-tcp-tls" in c and "elasticps-tcp-auth" in c:
+            r["tls_cpu_over_tcp"] = round(c["elasticps-tcp-tls"] / c["elasticps-tcp-auth"], 3)
         if "grpc-stream" in m and "elasticps-tcp" in m:
             r["elasticps_speedup_vs_grpc"] = round(m["grpc-stream"] / m["elasticps-tcp"], 2)
         if "grpc-stream" in m and "elasticps-unix" in m:

@@ -111,6 +111,7 @@ def test_tensor_plane_smoke_prints_every_case_and_the_ratios() -> None:
             "elasticps-tcp-auth",
             "elasticps-unix-auth",
             "elasticps-shm-auth",
+            "elasticps-tcp-tls",
             "raw-tcp",
             "raw-unix",
             "grpc-stream",
