@@ -1017,7 +1017,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         config.job,
         config.etcd_port,
         host=hosts.advertise if hosts else "127.0.0.1",
-        tls=config.auth == "on" and config.etcd_replicas == 1,
+        tls=config.auth == "on",
         ca=user_ca(config),
     )
     try:
@@ -1039,7 +1039,8 @@ def _hosts_etcd(
     spawner: SshSpawner,
     addresses: dict[str, str],
 ) -> JobScratch:
-    """``scratch`` with the job's etcd as three members on the first three hosts."""
+    """``scratch`` with the job's etcd as three members on the first three hosts (over TLS
+    from the job's CA, if it has one)."""
     from elasticps.launcher.etcd_hosts import HostsEtcd
 
     etcd = HostsEtcd(
@@ -1048,9 +1049,11 @@ def _hosts_etcd(
         addresses,
         scratch.path.name,
         client_port=config.etcd_port,
+        ca=scratch.ca,
+        tls_dir=scratch.path / "etcd-members",
     )
     etcd.spawn()
-    return dataclasses.replace(scratch, etcd=etcd, ca=None)
+    return dataclasses.replace(scratch, etcd=etcd)
 
 
 def _job_hosts(config: JobConfig) -> JobHosts | None:

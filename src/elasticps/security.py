@@ -118,7 +118,7 @@ AUTH_OFF_WARNING: Final = (
 """What a job run with ``--auth off`` writes in its log and its ``run.json``."""
 
 ETCD_PLAIN_WARNING: Final = (
-    "etcd speaks plain TCP and checks no client (a three-member etcd on the hosts): "
+    "etcd speaks plain TCP and checks no client: "
     "any process that reaches its port can read and write the job's keys"
 )
 """What a job with authentication on but its etcd without TLS writes in ``run.json``."""

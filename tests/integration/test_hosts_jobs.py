@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from elasticps.coord.client import connect
+from elasticps.security import output_etcd_tls
 from elasticps.testing import kill_leftovers, wait_for, wait_for_shard_checkpoint
 from elasticps.testing.audit import check_run, train_args, write_dataset
 from elasticps.testing.hosts import NamespaceHosts, unavailable
@@ -251,10 +252,11 @@ def _is_role(pid: int) -> bool:
     return b"elasticps" in cmdline or b"elasticps.launcher.remote" in cmdline
 
 
-def _leader_host(endpoints: str, hosts: NamespaceHosts) -> str | None:
-    """The test host whose etcd member leads, or None while there is no leader."""
+def _leader_host(endpoints: str, hosts: NamespaceHosts, out: Path) -> str | None:
+    """The test host whose etcd member leads, or None while there is no leader (asked with
+    the root certificate of the job whose output is ``out``)."""
     try:
-        client = connect(endpoints, timeout_s=3.0)
+        client = connect(endpoints, timeout_s=3.0, tls=output_etcd_tls(out))
     except Exception:
         return None
     try:
@@ -284,7 +286,7 @@ def test_losing_the_etcd_leader_host_costs_no_update(
         assert endpoints.count(",") == 2, endpoints  # three members
         found: list[str] = []
         wait_for(
-            lambda: bool(found.append(_leader_host(endpoints, hosts) or "") or found[-1]),
+            lambda: bool(found.append(_leader_host(endpoints, hosts, out) or "") or found[-1]),
             "an etcd leader",
             timeout_s=30,
         )
@@ -298,6 +300,8 @@ def test_losing_the_etcd_leader_host_costs_no_update(
         raise
     stdout, _ = finish(proc, out)
     assert_exact(out, stdout, epochs)
+    security = json.loads((out / "run.json").read_text())["security"]
+    assert security["etcd"] == "tls, one user per role" and not security["warnings"], security
     # The members were stopped, and their data removed, on the hosts left.
     for name in hosts.hosts:
         if name != victim:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,23 @@ def test_a_member_listens_and_advertises_on_its_address() -> None:
     assert flags["--listen-peer-urls"] == "http://10.0.0.2:2380"
     assert flags["--initial-cluster"] == CLUSTER
     assert flags["--initial-cluster-state"] == "new"
+
+
+def test_a_member_with_a_certificate_takes_tls_clients_and_peers_only() -> None:
+    tls = (Path("/r/ca.pem"), Path("/r/cert.pem"), Path("/r/key.pem"))
+    argv = etcd_command(
+        name="etcd-1", data_dir="/d/etcd-1", address="10.0.0.2", client_port=2379,
+        peer_port=2380, initial_cluster=CLUSTER.replace("http:", "https:"), tls=tls,
+    )  # fmt: skip
+
+    def flag(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert flag("--listen-client-urls") == "https://10.0.0.2:2379"
+    assert flag("--listen-peer-urls") == "https://10.0.0.2:2380"
+    assert flag("--trusted-ca-file") == flag("--peer-trusted-ca-file") == "/r/ca.pem"
+    assert flag("--cert-file") == flag("--peer-cert-file") == "/r/cert.pem"
+    assert "--client-cert-auth" in argv and "--peer-client-cert-auth" in argv
 
 
 def test_a_member_not_in_the_cluster_is_refused() -> None:

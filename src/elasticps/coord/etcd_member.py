@@ -9,6 +9,13 @@ already holds a member restarts that member with its keys; an empty one joins
 the cluster named by ``--initial-cluster`` as a new member. The tuning flags
 are those of the single-member etcd (:class:`~elasticps.coord.etcd_server.EtcdServer`).
 
+With its certificate in the environment (``ELASTICPS_TLS_CACERT``,
+``ELASTICPS_TLS_CERT``, ``ELASTICPS_TLS_KEY``: the files the launcher sent
+in the member's request), the member takes clients over TLS only, each
+known by its certificate (``--client-cert-auth``), and speaks TLS to its
+peers, each checked against the same CA
+(:func:`~elasticps.coord.etcd_server.member_tls_flags`).
+
 Exit status: etcd's; 2 for bad arguments (no ``ELASTICPS_HOST``, say).
 """
 
@@ -18,8 +25,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from elasticps.coord.etcd_server import _TUNING_FLAGS, etcd_binary
+from elasticps.coord.etcd_server import _TUNING_FLAGS, etcd_binary, member_tls_flags
+from elasticps.tls import TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV
 
 __all__ = ["etcd_command", "main"]
 
@@ -33,6 +42,7 @@ def etcd_command(
     peer_port: int,
     initial_cluster: str,
     state: str = "new",
+    tls: tuple[Path, Path, Path] | None = None,
 ) -> list[str]:
     """The etcd command line of one member (pure: no file or process is touched).
 
@@ -42,8 +52,11 @@ def etcd_command(
         address: the IP address it listens on and advertises.
         client_port: its client port.
         peer_port: its raft peer port.
-        initial_cluster: ``NAME=http://ADDRESS:PEERPORT,...`` of every member.
+        initial_cluster: ``NAME=http://ADDRESS:PEERPORT,...`` of every member
+            (``https://`` with ``tls``).
         state: ``new`` (the cluster is being created) or ``existing``.
+        tls: the CA, certificate and key files of the member, for its clients and
+            its peers; None: plain TCP.
 
     Raises:
         ValueError: ``name`` is not in ``initial_cluster``, or a bad state.
@@ -53,8 +66,9 @@ def etcd_command(
     if name not in {part.split("=", 1)[0] for part in initial_cluster.split(",")}:
         raise ValueError(f"member {name!r} is not in the initial cluster {initial_cluster!r}")
     host = f"[{address}]" if ":" in address else address
-    client_url = f"http://{host}:{client_port}"
-    peer_url = f"http://{host}:{peer_port}"
+    scheme = "https" if tls is not None else "http"
+    client_url = f"{scheme}://{host}:{client_port}"
+    peer_url = f"{scheme}://{host}:{peer_port}"
     return [
         str(etcd_binary()),
         "--name", name,
@@ -68,6 +82,7 @@ def etcd_command(
         "--initial-cluster-token", "elasticps",
         "--log-level", "warn",
         *_TUNING_FLAGS,
+        *(member_tls_flags(*tls, peers=True) if tls is not None else ()),
     ]  # fmt: skip
 
 
@@ -85,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not address:
         print("elasticps: error: ELASTICPS_HOST is not set", file=sys.stderr, flush=True)
         return 2
+    files = [os.environ.get(name, "") for name in (TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV)]
+    tls = (Path(files[0]), Path(files[1]), Path(files[2])) if all(files) else None
     try:
         command = etcd_command(
             name=args.name,
@@ -94,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peer_port=args.peer_port,
             initial_cluster=args.initial_cluster,
             state=args.state,
+            tls=tls,
         )
     except ValueError as exc:
         print(f"elasticps: error: {exc}", file=sys.stderr, flush=True)

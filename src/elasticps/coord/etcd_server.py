@@ -33,6 +33,7 @@ __all__ = [
     "EtcdServer",
     "EtcdServerConfig",
     "etcd_binary",
+    "member_tls_flags",
     "parse_endpoint",
     "tls_flags",
 ]
@@ -567,18 +568,37 @@ class EtcdServer:
 def tls_flags(directory: Path) -> list[str]:
     """etcd's flags for client TLS with the credential in ``directory``, clients checked
     against its CA and known by their certificates' common names."""
-    return [
+    return member_tls_flags(directory / CA_FILE, directory / CERT_FILE, directory / KEY_FILE)
+
+
+def member_tls_flags(ca: Path, cert: Path, key: Path, *, peers: bool = False) -> list[str]:
+    """etcd's flags for client TLS with the certificate ``cert`` (key ``key``), clients
+    checked against ``ca`` and known by their certificates' common names; with
+    ``peers``, the members' raft traffic over TLS with the same files too, each
+    member checked against ``ca``."""
+    flags = [
         "--cert-file",
-        str(directory / CERT_FILE),
+        str(cert),
         "--key-file",
-        str(directory / KEY_FILE),
+        str(key),
         "--trusted-ca-file",
-        str(directory / CA_FILE),
+        str(ca),
         "--client-cert-auth",
         # Users are known by their certificates; their passwords are never used.
         "--bcrypt-cost",
         "4",
     ]
+    if peers:
+        flags += [
+            "--peer-cert-file",
+            str(cert),
+            "--peer-key-file",
+            str(key),
+            "--peer-trusted-ca-file",
+            str(ca),
+            "--peer-client-cert-auth",
+        ]
+    return flags
 
 
 def _health_context(directory: Path) -> ssl.SSLContext:

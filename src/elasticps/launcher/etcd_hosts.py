@@ -18,6 +18,12 @@ etcd's death is on one machine.
 
 Each member's data directory is ``/tmp/elasticps-etcd-<token>/<member>`` on
 its host (host-local disk, as etcd wants), removed by :meth:`stop`.
+
+With the job's CA, each member gets a certificate of its own (naming its
+address and :data:`~elasticps.security.ETCD_SERVER_NAME`), sent in its
+request: the members then take clients over TLS only, each known by its
+certificate as one etcd user (:mod:`elasticps.coord.etcd_auth`), and speak
+TLS to each other.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from elasticps.coord.client import ETCD_ERRORS, connect
 from elasticps.errors import ConfigError, CoordinationError, ElasticPSError
+from elasticps.jobca import CA_FILE, CERT_FILE, KEY_FILE, JobCA
 from elasticps.launcher.ssh import SshProcess, SshSpawner
+from elasticps.security import ETCD_SERVER_NAME
+from elasticps.tls import TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV
 
 __all__ = ["MEMBERS", "HostsEtcd"]
 
@@ -54,6 +64,7 @@ class _Member:
     host: str
     address: str
     proc: SshProcess | None = None
+    env: dict[str, str] | None = None
 
 
 class HostsEtcd:
@@ -68,6 +79,10 @@ class HostsEtcd:
         client_port: the members' client port; 0 for :data:`DEFAULT_CLIENT_PORT`.
         startup_timeout_s: how long :meth:`start` and :meth:`restart` wait
             for a quorum, seconds.
+        ca: the job's CA, to issue each member's certificate from; None: the
+            members speak plain TCP and check no client.
+        tls_dir: where the members' certificates are written (one directory
+            each), on this machine; needed with ``ca``.
 
     Raises:
         ConfigError: fewer than three hosts, or a host without an address.
@@ -82,6 +97,8 @@ class HostsEtcd:
         *,
         client_port: int = 0,
         startup_timeout_s: float = 60.0,
+        ca: JobCA | None = None,
+        tls_dir: Path | None = None,
     ) -> None:
         if len(hosts) < MEMBERS:
             raise ConfigError(
@@ -97,7 +114,19 @@ class HostsEtcd:
             address = addresses.get(host, "")
             if not address:
                 raise ConfigError(f"host {host} gave no address for its etcd member")
-            self._members.append(_Member(f"etcd-{i}", host, address))
+            member = _Member(f"etcd-{i}", host, address)
+            if ca is not None:
+                if tls_dir is None:
+                    raise ConfigError("the etcd members' certificates need a directory")
+                issued = ca.issue("etcd", dns_names=(ETCD_SERVER_NAME,), ips=(address,))
+                directory = issued.write(tls_dir / member.name)
+                member.env = {
+                    TLS_CACERT_ENV: str(directory / CA_FILE),
+                    TLS_CERT_ENV: str(directory / CERT_FILE),
+                    TLS_KEY_ENV: str(directory / KEY_FILE),
+                }
+            self._members.append(member)
+        self._scheme = "https" if ca is not None else "http"
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -211,7 +240,8 @@ class HostsEtcd:
 
     def _initial_cluster(self) -> str:
         return ",".join(
-            f"{m.name}=http://{self._netloc(m.address)}:{self._port + 1}" for m in self._members
+            f"{m.name}={self._scheme}://{self._netloc(m.address)}:{self._port + 1}"
+            for m in self._members
         )
 
     def _start_member(self, member: _Member) -> None:
@@ -225,7 +255,7 @@ class HostsEtcd:
         ]  # fmt: skip
         try:
             member.proc = self._spawner.run_on(
-                member.host, args, {}, module="elasticps.coord.etcd_member"
+                member.host, args, member.env or {}, module="elasticps.coord.etcd_member"
             )
         except ElasticPSError as exc:
             log.warning("etcd member %s on %s did not start: %s", member.name, member.host, exc)
