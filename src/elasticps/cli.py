@@ -568,6 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_auth(train)
     _add_tls(train)
     train.add_argument(
+        "--metrics",
+        choices=("on", "off"),
+        default=_env("metrics", "on"),
+        help="on: every role serves Prometheus metrics on a port of its own, listed in "
+        "OUTPUT/prometheus-targets.json (docs/observability.md); off: none",
+    )
+    train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
         default=_env("spawn", "fork"),
@@ -855,6 +862,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         auth=args.auth,
         tls=args.tls,
         ca=args.ca,
+        metrics=args.metrics,
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
         overwrite=args.overwrite,
@@ -1530,6 +1538,8 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--tls": "a submitted job has no certificates: its pods speak plain TCP, and a "
     "NetworkPolicy admits only the job's own pods",
     "--ca": "a submitted job has no certificates",
+    "--metrics": "a submitted job's pods always serve their metrics (their targets are the "
+    "metrics/ keys of the job's etcd)",
     "--hosts": "Kubernetes places the pods on its nodes",
     "--ssh-config": "Kubernetes places the pods on its nodes",
     "--launcher": "Kubernetes places the pods on its nodes (submit --backend slurm for Slurm)",

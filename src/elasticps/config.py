@@ -657,6 +657,9 @@ class JobConfig:
             or the master is TLS 1.3 with certificates of the job's CA (see
             :mod:`elasticps.tls`); ``off``: plain TCP, with a warning in the
             log and ``run.json``.
+        metrics: ``on`` (default): every role serves Prometheus metrics and the
+            launcher writes ``prometheus-targets.json`` (:mod:`elasticps.metrics`);
+            ``off``: none.
         ca: a directory with the user's own CA (``ca.pem``, ``ca-key.pem``) to
             issue the job's certificates from; None: a new CA for the job.
         spawn: how role processes start: ``fork`` from a fork server that
@@ -765,6 +768,7 @@ class JobConfig:
     auth: str = "on"
     tls: str = "on"
     ca: Path | None = None
+    metrics: str = "on"
 
     def _check_slurm(self) -> None:
         """Refuse, by name, what a ``--launcher slurm`` job cannot take."""
@@ -824,6 +828,10 @@ class JobConfig:
             raise ConfigError(f"--auth must be one of {', '.join(AUTH_MODES)}, got {self.auth!r}")
         if self.tls not in AUTH_MODES:
             raise ConfigError(f"--tls must be one of {', '.join(AUTH_MODES)}, got {self.tls!r}")
+        if self.metrics not in AUTH_MODES:
+            raise ConfigError(
+                f"--metrics must be one of {', '.join(AUTH_MODES)}, got {self.metrics!r}"
+            )
         if self.ca is not None and self.auth != "on":
             raise ConfigError(
                 "--ca needs --auth on: a job without authentication has no certificates"

@@ -11,8 +11,10 @@ user       reads                   writes
 =========  ======================  =====================================
 root       everything              everything (etcd's ``root`` role)
 master     the job's keys          the job's keys
-ps         the job's keys          ``ps/``, ``restores/``, ``health/``
-trainer    the job's keys          ``trainers/``, ``kvstore/``
+ps         the job's keys          ``ps/``, ``restores/``, ``health/``,
+                                   ``metrics/``
+trainer    the job's keys          ``trainers/``, ``kvstore/``,
+                                   ``metrics/``
 =========  ======================  =====================================
 
 So a trainer's stolen key cannot write the task ledger nor take the master
@@ -87,11 +89,13 @@ def role_grants(keys: Keys) -> dict[str, tuple[Grant, ...]]:
             Grant.prefix(Access.READWRITE, keys.ps_prefix),
             Grant.prefix(Access.READWRITE, keys.restores_prefix),
             Grant.prefix(Access.READWRITE, keys.health_prefix),
+            Grant.prefix(Access.READWRITE, keys.metrics_prefix),
         ),
         "trainer": (
             read_all,
             Grant.prefix(Access.READWRITE, keys.trainers_prefix),
             Grant.prefix(Access.READWRITE, keys.kvstore_prefix),
+            Grant.prefix(Access.READWRITE, keys.metrics_prefix),
         ),
     }
 

@@ -99,6 +99,19 @@ class Keys:
         return f"{self.health_prefix}ps-{ps_index}"
 
     @property
+    def metrics_prefix(self) -> str:
+        """Prefix of the roles' metrics targets (:mod:`elasticps.metrics`)."""
+        return self.root + "metrics/"
+
+    def metrics(self, name: str) -> str:
+        """Key of one role's metrics target (``ps-0``, ``trainer-3``, ``master-<pid>``).
+
+        Raises:
+            ConfigError: the name has characters other than ``[A-Za-z0-9_.-]``.
+        """
+        return self.metrics_prefix + check_name("metrics target", name)
+
+    @property
     def kvstore_prefix(self) -> str:
         """Prefix of the KVStore API's keys (its workers' barriers)."""
         return self.root + "kvstore/"

@@ -62,6 +62,7 @@ import tenacity
 import torch
 from tqdm import tqdm
 
+from elasticps import metrics
 from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
@@ -147,6 +148,7 @@ from elasticps.master.client import MasterClient
 from elasticps.model_file import LazyModelError, ModelSpec, load_model_file
 from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
 from elasticps.preflight import check_resume_location
+from elasticps.pserver.atomic import write_atomic
 from elasticps.pserver.checkpoint import ShardFiles
 from elasticps.pserver.sparse import TableSpec
 from elasticps.security import (
@@ -174,6 +176,9 @@ _T = TypeVar("_T")
 _POLL_S = 0.25
 # Seconds between reads of the parameter servers' checkpoint health records.
 _HEALTH_POLL_S = 1.0
+
+TARGETS_FILE = "prometheus-targets.json"
+"""In the job's output: the roles' metrics targets, for Prometheus' ``file_sd_configs``."""
 # "Wait as long as it takes", in seconds, for flags that need a number.
 _FOREVER_S = 10.0 * 365 * 24 * 3600
 # After the master says the job is finished, how long trainers get to exit on their own.
@@ -333,6 +338,8 @@ class LocalLauncher:
         self._table_specs: tuple[TableSpec, ...] = ()  # the model's sparse tables
         self._health = CheckpointHealthWatch(config.checkpoint_failures_fatal_after_s)
         self._health_due = 0.0
+        self._targets_due = 0.0
+        self._targets_text = ""
         # The model constructor's keyword arguments: --model-args, or with
         # --resume those the checkpoint recorded (see model_args()).
         self._model_args: dict[str, object] | None = None
@@ -604,13 +611,16 @@ class LocalLauncher:
                 self._scratch = JobScratch.create(
                     self.config.job, self.config.etcd_port, tls=auth, ca=own_ca
                 )
-            with job_credentials(
-                self.config.output,
-                auth=auth,
-                tls=self.config.tls == "on",
-                ca=self._scratch.ca or own_ca,
-                etcd_tls=self._scratch.ca is not None,
-                job=self.config.job,
+            with (
+                job_credentials(
+                    self.config.output,
+                    auth=auth,
+                    tls=self.config.tls == "on",
+                    ca=self._scratch.ca or own_ca,
+                    etcd_tls=self._scratch.ca is not None,
+                    job=self.config.job,
+                ),
+                metrics.job_metrics(self.config.metrics == "on"),
             ):
                 return self._run(spec, train, test)
         except BaseException as exc:
@@ -854,6 +864,24 @@ class LocalLauncher:
             return cfg.fallback_output.resolve()
         base = Path(tempfile.gettempdir()) / "elasticps-fallback"
         return base / f"{cfg.job}-{self.run_id[:12]}"
+
+    def _write_targets(self, store: JobStore) -> None:
+        """Write ``OUTPUT/prometheus-targets.json`` from the roles' ``metrics/`` keys when
+        they changed (:func:`elasticps.metrics.targets_file`); at most once a second."""
+        now = time.monotonic()
+        if self.config.metrics != "on" or now < self._targets_due:
+            return
+        self._targets_due = now + _HEALTH_POLL_S
+        try:
+            records, _ = store.get_prefix_json(store.keys.metrics_prefix)
+        except CoordinationError:
+            return  # etcd is restarting: next time
+        text = metrics.targets_file(records, self.config.job)
+        if text == self._targets_text:
+            return
+        with contextlib.suppress(OSError):  # the output's own checks report a full disk
+            write_atomic(self.config.output / TARGETS_FILE, text.encode())
+            self._targets_text = text
 
     def _check_checkpoint_health(self, store: JobStore) -> None:
         """Read the PS checkpoint health records; warn once per failure spell.
@@ -1379,6 +1407,7 @@ class LocalLauncher:
                 pass_ended.clear()
                 self._supervise()
                 self._check_checkpoint_health(store)
+                self._write_targets(store)
                 if cfg.stream:
                     with contextlib.suppress(ElasticPSError):
                         self._stream_lag = store.get_json(store.keys.stream_lag)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from elasticps import metrics
 from elasticps.config import MasterConfig, UpdateMode, ledger_only
 from elasticps.coord.store import JobStore, KeptLease, Watch, is_transient
 from elasticps.data.parquet import count_rows
@@ -211,6 +212,7 @@ def serve_master(
             is_registered=store.trainer_registered,
         )
         active = service
+        _publish_metrics(store, lease, service, config.host)
         verifier = PassVerifier(
             store,
             task_records=service.task_records,
@@ -304,6 +306,23 @@ def _failed_tasks_of(store: JobStore, pass_id: int) -> list[int] | None:
     if not isinstance(failed, list):
         return None
     return [t for t in failed if isinstance(t, int)]
+
+
+def _publish_metrics(store: JobStore, lease: KeptLease, service: MasterService, host: str) -> None:
+    """Serve the active master's metrics and register them under its lease
+    (:mod:`elasticps.metrics`); the task counts are read from the queue at each scrape."""
+    if not metrics.enabled():
+        return
+
+    def count(state: str) -> Callable[[], float]:
+        return lambda: float(getattr(service.queue_stats(), state))
+
+    for state in ("todo", "pending", "done", "failed"):
+        metrics.MASTER_TASKS.labels(state).set_function(count(state))
+    metrics.MASTER_PASS.set_function(lambda: float(service.queue_stats().pass_id))
+    address = metrics.serve(host)
+    metrics.register(store, lease, "master", str(os.getpid()), address)
+    log.info("master metrics on http://%s/metrics", address)
 
 
 def _add_health(server: grpc.Server) -> Any:

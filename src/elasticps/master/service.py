@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import grpc
 
+from elasticps import metrics
 from elasticps.errors import (
     ConfigError,
     CoordinationError,
@@ -43,6 +44,7 @@ from elasticps.master.taskqueue import (
     EventKind,
     Finished,
     GetTaskResult,
+    QueueStats,
     TaskEvent,
     TaskQueue,
     Wait,
@@ -303,6 +305,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 skipped_batches=request.skipped_batches,
             )
             self._records_skipped += request.skipped
+            metrics.MASTER_TASK_REPORTS.labels("succeeded" if request.success else "failed").inc()
             if request.success:
                 self._samples_done += request.samples
                 if request.samples:
@@ -348,6 +351,11 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 )
             )
         return master_pb2.ReportProgressResponse()
+
+    def queue_stats(self) -> QueueStats:
+        """The task queue's counters now (for the metrics, read at each scrape)."""
+        with self._lock:
+            return self._queue.stats()
 
     def GetJobStatus(  # noqa: N802
         self, request: master_pb2.GetJobStatusRequest, context: grpc.ServicerContext

@@ -72,6 +72,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from elasticps import metrics
 from elasticps.errors import DataError, one_line
 from elasticps.pserver.atomic import content_crc32
 from elasticps.pserver.shard import COVERAGE_KEY, SPARSE_STATE_KEY, VALUES_KEY, ParameterShard
@@ -420,6 +421,7 @@ class ShardFiles:
         version = record.get("version")
         if not isinstance(version, int):
             raise TypeError("shard meta needs an integer 'version'")
+        started = time.monotonic()
         with self._lock:
             if not self._may_write():
                 return None
@@ -431,6 +433,9 @@ class ShardFiles:
             path.write_atomic(data)
             if prune:
                 self._prune()
+        shard = str(self.index)
+        metrics.PS_CHECKPOINT_SECONDS.labels(shard).observe(time.monotonic() - started)
+        metrics.PS_CHECKPOINT_BYTES.labels(shard).set(len(data))
         return SavedShard(_plain(path), zlib.crc32(data), len(data), version)
 
     def prune(self) -> None:

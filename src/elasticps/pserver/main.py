@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from elasticps import metrics
 from elasticps.config import PSConfig, UpdateMode, check_sparse_eviction, ledger_only
 from elasticps.coord.store import JobStore, KeptLease
 from elasticps.errors import CoordinationError, ElasticPSError
@@ -112,6 +113,10 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         index, epoch = claim.index, claim.epoch
         server.shard_index, server.epoch = index, epoch
         log.info("parameter server %d (epoch %d) serving on %s", index, epoch, server.address)
+        if metrics.enabled():
+            address = metrics.serve(config.host)
+            metrics.register(store, lease, "ps", str(index), address)
+            log.info("parameter server %d metrics on http://%s/metrics", index, address)
         if config.checkpoint_dir is not None:
             files = ShardFiles(
                 config.checkpoint_dir,

@@ -125,6 +125,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -133,6 +134,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from elasticps import metrics
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import (
     AuthenticationError,
@@ -266,6 +268,7 @@ class ParameterServer:
     ) -> None:
         self._auth_key = None if secret is None else secret.tensor_plane_key()
         self._tls = tls
+        self._shard_metrics: _ShardMetrics | None = None
         # Connections refused by the handshake (CONTROL "stats": auth_refused).
         self._refusals = Refusals()
         self._shard_options: dict[str, Any] = {
@@ -423,6 +426,13 @@ class ParameterServer:
 
     # --- one connection -----------------------------------------------------
 
+    def _metrics(self) -> _ShardMetrics:
+        """This server's metrics, labelled with the shard it holds now."""
+        current = self._shard_metrics
+        if current is None or current.shard != self.shard_index:
+            current = self._shard_metrics = _ShardMetrics(self.shard_index)
+        return current
+
     def _refused(self, exc: AuthenticationError) -> None:
         refused = self._refusals.add(exc.reason)
         if refused is not None:
@@ -481,7 +491,9 @@ class ParameterServer:
                 try:
                     self._dispatch(state, header)
                 except (LayoutMismatchError, _RequestError) as exc:
-                    send_error(conn, getattr(exc, "code", "layout_mismatch"), str(exc))
+                    code = getattr(exc, "code", "layout_mismatch")
+                    self._metrics().refused(code)
+                    send_error(conn, code, str(exc))
                 except FrozenParameterError as exc:
                     # The gradient was read in full and not applied: the
                     # connection stays usable.
@@ -541,9 +553,11 @@ class ParameterServer:
         elif kind is MsgType.PUSH:
             self._on_push(state, header)
         elif kind is MsgType.PULL:
+            started = time.perf_counter()
             shard = self._require_shard(state)
             self._pass_gate(shard)
             self._send_params(state.conn, shard)
+            self._metrics().pull_seconds.observe(time.perf_counter() - started)
         elif kind is MsgType.ROW_PULL:
             self._on_row_pull(state, header)
         elif kind is MsgType.CONTROL:
@@ -648,6 +662,7 @@ class ParameterServer:
         )
 
     def _on_push(self, state: _Connection, header: FrameHeader) -> None:
+        started = time.perf_counter()
         try:
             shard = self._require_shard(state)
         except _RequestError:
@@ -695,6 +710,7 @@ class ParameterServer:
         )
         if self._gate is not None:
             self._gate()
+        staleness = max(0, shard.version - header.model_version)
         result = shard.push(
             state.trainer_id,
             grad,
@@ -721,6 +737,13 @@ class ParameterServer:
                     status=result.status,
                 ),
             )
+        m = self._metrics()
+        m.push_seconds.observe(time.perf_counter() - started)
+        m.push_bytes.inc(shard.numel * 4 if header.flags & Flags.SHARED else header.body_nbytes)
+        m.pushes[result.status].inc()
+        m.version.set(result.version)
+        if self.mode is not UpdateMode.SYNC:
+            m.staleness.observe(staleness)
 
     # --- sparse rows ------------------------------------------------------------
 
@@ -1364,6 +1387,24 @@ class _SharedRegion:
     def __init__(self, fd: int, numel: int, params_at: int) -> None:
         self.numel = numel
         self._map, self.grads, self.params = map_shared_region(fd, numel, params_at)
+
+
+class _ShardMetrics:
+    """The children of :mod:`elasticps.metrics`' PS metrics for one shard label."""
+
+    def __init__(self, shard: int) -> None:
+        label = str(shard)
+        self.shard = shard
+        self.push_seconds = metrics.PS_PUSH_SECONDS.labels(label)
+        self.pull_seconds = metrics.PS_PULL_SECONDS.labels(label)
+        self.push_bytes = metrics.PS_PUSH_BYTES.labels(label)
+        self.pushes = {s: metrics.PS_PUSHES.labels(label, s.name.lower()) for s in PushStatus}
+        self.staleness = metrics.PS_STALENESS.labels(label)
+        self.version = metrics.PS_MODEL_VERSION.labels(label)
+        self._label = label
+
+    def refused(self, code: str) -> None:
+        metrics.PS_REFUSED.labels(self._label, code).inc()
 
 
 class _Connection:

@@ -74,6 +74,7 @@ import torch
 from torch import Tensor
 
 import elasticps.nn as enn
+from elasticps import metrics
 from elasticps.config import TrainerConfig, UpdateMode, ledger_only, parse_model_args
 from elasticps.coord.store import JobStore, KeptLease, PSSlot
 from elasticps.data.kafka import KafkaRangeReader, is_kafka_url, load_client_config
@@ -365,6 +366,7 @@ class Trainer:
         self._skip_traceback_logged = False
         self._lease_lost = threading.Event()
         self._lease: KeptLease | None = None
+        self._metrics_address: str | None = None
         # PS slot -> address, kept current by a watch on ps/; a lost PS's
         # successor is found here.
         self._ps_cond = threading.Condition()
@@ -454,6 +456,13 @@ class Trainer:
             self.config.common.lease_ttl_s, on_lost=self._lease_lost.set
         )
         self.store.register_trainer(self.name, {"pid": os.getpid()}, self._lease)
+        if metrics.enabled():
+            if self._metrics_address is None:
+                self._metrics_address = metrics.serve(_metrics_host())
+                log.info(
+                    "trainer %s metrics on http://%s/metrics", self.name, self._metrics_address
+                )
+            metrics.register(self.store, self._lease, "trainer", self.name, self._metrics_address)
 
     def _ps_slot(self, index: int) -> PSSlot:
         """The current claim of PS slot ``index``, as the watch on ``ps/`` last saw it."""
@@ -1002,6 +1011,7 @@ class Trainer:
         task the batch covers (0 outside a task: no push key).
         """
         cfg = self.config
+        started = time.perf_counter()
         on_event = self._on_event
         if on_event is not None:
             on_event(
@@ -1025,14 +1035,18 @@ class Trainer:
         acc.end += num_records
         acc.window.append((inputs, targets))
         if acc.batches % cfg.push_every == 0:
+            pushed = time.perf_counter()
             self._push(
                 client,
                 want_params=self._batches % cfg.pull_every == 0,
                 on_acknowledged=on_acknowledged,
             )
+            metrics.TRAINER_PUSH_SECONDS.observe(time.perf_counter() - pushed)
         elif self._batches % cfg.pull_every == 0:
             client.pull()
         cost = float(loss.detach())
+        metrics.TRAINER_SAMPLES.inc(len(targets))
+        metrics.TRAINER_STEP_SECONDS.observe(time.perf_counter() - started)
         if on_event is not None:
             on_event(
                 EndIteration(
@@ -1317,3 +1331,9 @@ def run_trainer(config: TrainerConfig, stop: threading.Event) -> None:
         Trainer(config, spec, store, stop).run()
     finally:
         store.close()
+
+
+def _metrics_host() -> str:
+    """The address a trainer serves its metrics on: its host's on the route to the
+    launcher (``ELASTICPS_HOST``, set on remote hosts), else 127.0.0.1."""
+    return os.environ.get("ELASTICPS_HOST", "") or "127.0.0.1"

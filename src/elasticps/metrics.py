@@ -1,0 +1,231 @@
+"""Prometheus metrics: what each role of a job publishes, and where to scrape it.
+
+Every master, parameter server and trainer serves its metrics in the
+Prometheus text format, through :mod:`prometheus_client`'s own HTTP server,
+on a free port of the address it serves on (127.0.0.1 on one machine), and
+registers ``host:port`` in etcd under ``metrics/<role>-<id>``, under its lease
+(:func:`register`): a role that dies leaves no target behind. The launcher
+turns those keys into ``OUTPUT/prometheus-targets.json``, a Prometheus
+file-based service-discovery file (:func:`targets_file`).
+
+Names follow Prometheus' conventions (``elasticps_<role>_<what>_<unit>``, a
+counter's ``_total``), and labels are bounded: ``shard`` (a PS index), and
+``result``, ``reason`` or ``state`` from fixed sets. A trainer's or a PS's
+identity is the target's own labels (``role``, ``id``), never a metric
+label, so replaced trainers do not grow any metric's label set.
+
+The metrics are module-level objects in :mod:`prometheus_client`'s default
+registry: one process is one role. Observing one costs about a microsecond
+(a lock and an add), far below a push (see ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from elasticps.coord.store import JobStore, KeptLease
+
+__all__ = [
+    "MASTER_PASS",
+    "MASTER_TASKS",
+    "MASTER_TASK_REPORTS",
+    "METRICS_OFF_ENV",
+    "PS_CHECKPOINT_BYTES",
+    "PS_CHECKPOINT_SECONDS",
+    "PS_MODEL_VERSION",
+    "PS_PULL_SECONDS",
+    "PS_PUSHES",
+    "PS_PUSH_BYTES",
+    "PS_PUSH_SECONDS",
+    "PS_REFUSED",
+    "PS_STALENESS",
+    "TRAINER_PUSH_SECONDS",
+    "TRAINER_SAMPLES",
+    "TRAINER_STEP_SECONDS",
+    "enabled",
+    "job_metrics",
+    "register",
+    "serve",
+    "targets_file",
+]
+
+log = logging.getLogger(__name__)
+
+METRICS_OFF_ENV: Final = "ELASTICPS_METRICS_OFF"
+"""Set (to ``1``) in every process of a job run with ``--metrics off``: no role serves
+metrics."""
+
+# Latencies from 100 us to 30 s: a push of a small model on one host to a sync step
+# that waits for a straggler.
+_SECONDS: Final = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
+
+# --- parameter servers ---------------------------------------------------------------
+
+PS_PUSH_SECONDS: Final = Histogram(
+    "elasticps_ps_push_seconds",
+    "Time a parameter server spends on one PUSH, from its header to its reply "
+    "(in sync-SGD, the wait for the step's other trainers included), seconds.",
+    ["shard"],
+    buckets=_SECONDS,
+)
+PS_PULL_SECONDS: Final = Histogram(
+    "elasticps_ps_pull_seconds",
+    "Time a parameter server spends on one PULL, seconds.",
+    ["shard"],
+    buckets=_SECONDS,
+)
+PS_PUSH_BYTES: Final = Counter(
+    "elasticps_ps_push_bytes",
+    "Bytes of gradients received, in PUSH bodies or in shared memory (float32 there).",
+    ["shard"],
+)
+PS_PUSHES: Final = Counter(
+    "elasticps_ps_pushes",
+    "PUSH requests handled, by result: applied, duplicate (its records were held "
+    "already: acknowledged, not applied again) or stale (not applied).",
+    ["shard", "result"],
+)
+PS_REFUSED: Final = Counter(
+    "elasticps_ps_requests_refused",
+    "Requests answered with ERROR, by its code (wrong_epoch, fenced, no_hello, ...).",
+    ["shard", "reason"],
+)
+PS_STALENESS: Final = Histogram(
+    "elasticps_ps_staleness",
+    "Model versions between the one a pushed gradient was computed on and the shard's "
+    "(async-SGD and SSP; 0 in sync-SGD).",
+    ["shard"],
+    buckets=(0, 1, 2, 3, 4, 8, 16, 32, 64, 128),
+)
+PS_MODEL_VERSION: Final = Gauge(
+    "elasticps_ps_model_version", "The shard's model version.", ["shard"]
+)
+PS_CHECKPOINT_SECONDS: Final = Histogram(
+    "elasticps_ps_checkpoint_seconds",
+    "Time to write one shard checkpoint, seconds.",
+    ["shard"],
+    buckets=_SECONDS,
+)
+PS_CHECKPOINT_BYTES: Final = Gauge(
+    "elasticps_ps_checkpoint_bytes", "Size of the last shard checkpoint written, bytes.", ["shard"]
+)
+
+# --- trainers ------------------------------------------------------------------------
+
+TRAINER_SAMPLES: Final = Counter(
+    "elasticps_trainer_samples", "Samples this trainer trained on (its rate is samples/s)."
+)
+TRAINER_STEP_SECONDS: Final = Histogram(
+    "elasticps_trainer_step_seconds",
+    "Time of one mini-batch: forward, backward, and the push and pull of that step, seconds.",
+    buckets=_SECONDS,
+)
+TRAINER_PUSH_SECONDS: Final = Histogram(
+    "elasticps_trainer_push_seconds",
+    "Time of one push to every parameter server (with the pull it asks for), as this "
+    "trainer sees it, seconds.",
+    buckets=_SECONDS,
+)
+
+# --- the master ----------------------------------------------------------------------
+
+MASTER_TASKS: Final = Gauge(
+    "elasticps_master_tasks",
+    "Tasks of the current pass, by state: todo, pending, done, failed.",
+    ["state"],
+)
+MASTER_PASS: Final = Gauge("elasticps_master_pass", "The current pass (0-based).")
+MASTER_TASK_REPORTS: Final = Counter(
+    "elasticps_master_task_reports",
+    "Task reports received, by outcome: succeeded, failed, timed_out.",
+    ["outcome"],
+)
+
+
+@contextlib.contextmanager
+def job_metrics(on: bool) -> Iterator[None]:
+    """Tell the roles a launcher starts in the block whether to serve metrics
+    (:data:`METRICS_OFF_ENV`, restored at the end; one job at a time per process)."""
+    saved = os.environ.get(METRICS_OFF_ENV)
+    if on:
+        os.environ.pop(METRICS_OFF_ENV, None)
+    else:
+        os.environ[METRICS_OFF_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(METRICS_OFF_ENV, None)
+        else:
+            os.environ[METRICS_OFF_ENV] = saved
+
+
+def enabled() -> bool:
+    """Whether this process serves metrics (:data:`METRICS_OFF_ENV` not set)."""
+    return not os.environ.get(METRICS_OFF_ENV)
+
+
+_SERVED: dict[str, str] = {}
+_SERVED_LOCK: Final = threading.Lock()
+
+
+def serve(host: str) -> str:
+    """Serve this process's metrics on a free port of ``host``; return ``host:port``.
+
+    The server runs on a daemon thread for the life of the process; a second
+    call for the same host returns the first one's address (a process that
+    runs several jobs' trainers in turn, through the Python API, serves one).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    with _SERVED_LOCK:
+        if host not in _SERVED:
+            server, _ = start_http_server(0, addr=host)
+            netloc = f"[{host}]" if ":" in host else host
+            _SERVED[host] = f"{netloc}:{int(server.server_port)}"
+        return _SERVED[host]
+
+
+def register(store: JobStore, lease: KeptLease, role: str, role_id: str, address: str) -> None:
+    """Publish ``address`` as the metrics target of ``role`` ``role_id``, under ``lease``.
+
+    Raises:
+        CoordinationError: etcd refused the write.
+    """
+    store.put_json(
+        store.keys.metrics(f"{role}-{role_id}"),
+        {"address": address, "role": role, "id": role_id},
+        lease,
+    )
+
+
+def targets_file(records: Mapping[str, Any], job: str) -> str:
+    """The Prometheus file-based service-discovery file of the ``metrics/`` records.
+
+    Returns:
+        JSON text: ``[{"targets": ["host:port"], "labels": {"job", "role", "id"}}, ...]``,
+        sorted by role and id, skipping malformed records. Pure.
+    """
+    found: list[tuple[str, str, str]] = []
+    for record in records.values():
+        if not isinstance(record, dict):
+            continue
+        fields = (record.get("role"), record.get("id"), record.get("address"))
+        if all(isinstance(v, str) and v for v in fields):
+            found.append((str(fields[0]), str(fields[1]), str(fields[2])))
+    groups = [
+        {"targets": [address], "labels": {"job": job, "role": role, "id": role_id}}
+        for role, role_id, address in sorted(found)
+    ]
+    return json.dumps(groups, indent=1) + "\n"

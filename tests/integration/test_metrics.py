@@ -1,0 +1,150 @@
+"""Prometheus metrics of a running job: every role scraped from the targets file the
+launcher writes, parsed with ``prometheus_client``'s own text parser."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elasticps.testing import run_train
+from elasticps.testing.audit import check_run, train_args, write_dataset
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+RECORDS = 4000
+EPOCHS = 8
+RECORDS_PER_TASK = 250
+SLOW_MODEL = """
+
+import time as _time
+
+
+class SlowModel(Model):
+    def forward(self, idx):
+        _time.sleep(0.02)
+        return super().forward(idx)
+"""
+# The labels a metric of the job may carry: bounded sets only (a histogram's `le`).
+ALLOWED_LABELS = {"shard", "result", "reason", "state", "outcome", "le"}
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(address: str) -> Samples:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+class _Scraper:
+    """On a thread: every 0.3 s, read the targets file and scrape every target."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.scrapes: dict[str, list[Samples]] = {}
+        self.targets: list[dict[str, object]] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.wait(0.3):
+                try:
+                    groups = json.loads((self.out / "prometheus-targets.json").read_text())
+                except (OSError, ValueError):
+                    continue
+                self.targets = groups
+                for group in groups:
+                    labels = group["labels"]
+                    name = f"{labels['role']}-{labels['id']}"
+                    try:
+                        samples = scrape(group["targets"][0])
+                    except OSError:
+                        continue  # it ended since the file was written
+                    self.scrapes.setdefault(name, []).append(samples)
+        except BaseException as exc:
+            self.error = exc
+
+    def result(self) -> None:
+        self.stop.set()
+        self._thread.join(timeout=10)
+        if self.error is not None:
+            raise self.error
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(
+        value
+        for (sample, got), value in samples.items()
+        if sample == name and set(labels.items()) <= set(got)
+    )
+
+
+def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_dataset(data, RECORDS)
+    slow = data / "slow_audit_model.py"
+    slow.write_text((data / "audit_model.py").read_text() + SLOW_MODEL)
+    out = tmp_path / "run"
+    args = train_args(data, out, "async", EPOCHS)
+    args[args.index("--model") + 1] = str(slow)
+    scraper = _Scraper(out)
+    line, _ = run_train(
+        [*args, "--model-class", "SlowModel", "--records-per-task", str(RECORDS_PER_TASK)],
+        pids_file=out / "pids.json",
+        timeout_s=180,
+    )
+    scraper.result()
+    assert line["exactly_once"] is True and check_run(out).exactly_once
+
+    roles = {name.split("-")[0] for name in scraper.scrapes}
+    assert roles == {"master", "ps", "trainer"}, sorted(scraper.scrapes)
+    job = json.loads((out / "run.json").read_text())["job"]
+    assert {t["labels"]["job"] for t in scraper.targets} == {job}  # type: ignore[index]
+    for name, scrapes in scraper.scrapes.items():
+        for samples in scrapes:
+            for (sample, labels), _ in samples.items():
+                if sample.startswith("elasticps_"):
+                    assert {k for k, _ in labels} <= ALLOWED_LABELS, (name, sample, labels)
+    for name in (n for n in scraper.scrapes if n.startswith("ps-")):
+        first, last = scraper.scrapes[name][0], scraper.scrapes[name][-1]
+        shard = name.removeprefix("ps-")
+        assert total(last, "elasticps_ps_push_seconds_count", shard=shard) > total(
+            first, "elasticps_ps_push_seconds_count", shard=shard
+        ), name
+        assert total(last, "elasticps_ps_pushes_total", shard=shard, result="applied") > 0
+        assert total(last, "elasticps_ps_push_bytes_total", shard=shard) > 0
+        assert total(last, "elasticps_ps_staleness_count", shard=shard) > 0  # async-SGD
+        assert total(last, "elasticps_ps_model_version", shard=shard) > 0
+        assert (
+            "elasticps_ps_checkpoint_seconds_count",
+            (("shard", shard),),
+        ) in last, name
+    trainers = [scrapes for name, scrapes in scraper.scrapes.items() if name.startswith("trainer")]
+    assert any(
+        total(s[-1], "elasticps_trainer_samples_total")
+        > total(s[0], "elasticps_trainer_samples_total")
+        for s in trainers
+    )
+    assert all(total(s[-1], "elasticps_trainer_step_seconds_count") > 0 for s in trainers)
+    (master,) = [s for name, s in scraper.scrapes.items() if name.startswith("master")]
+    tasks_per_pass = RECORDS // RECORDS_PER_TASK
+    for samples in master:  # every scrape a consistent count of one pass's tasks
+        states = [total(samples, "elasticps_master_tasks", state=s) for s in
+                  ("todo", "pending", "done", "failed")]  # fmt: skip
+        assert sum(states) == tasks_per_pass, states
+    assert total(master[-1], "elasticps_master_task_reports_total", outcome="succeeded") > 0
+    passes = [total(s, "elasticps_master_pass") for s in master]
+    assert passes == sorted(passes) and passes[-1] > passes[0], passes
