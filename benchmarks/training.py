@@ -40,8 +40,13 @@ the cases are:
     ``cnn``, which has no buffers (the summary's ``buffers`` ratios).
 ``elasticps-sync-2ps-authoff`` / ``elasticps-async1-2ps-authoff``
     The same jobs with ``--auth off``: no job secret, no handshake, no gRPC
-    token. The summary's ``security`` ratios (samples/s with the default
-    ``--auth on`` over samples/s with it off) give what security costs.
+    token, no TLS, etcd without TLS. The summary's ``security`` ratios
+    (samples/s with the default ``--auth on`` over samples/s with it off)
+    give what security costs.
+``elasticps-sync-2ps-metricsoff`` / ``elasticps-async1-2ps-metricsoff``
+    The same jobs with ``--metrics off``: no role serves or updates its
+    Prometheus metrics. The summary's ``metrics`` ratios (on over off) give
+    what the metrics cost (scraped or not: a scrape is the reader's work).
 ``ddp``
     ``torchrun --standalone --nproc_per_node 2 benchmarks/ddp_worker.py``: torch
     DDP over gloo, ``torch.set_num_threads(1)`` per process.
@@ -232,6 +237,8 @@ CASES = (
     "elasticps-async4-2ps-nobuffers",
     "elasticps-sync-2ps-authoff",
     "elasticps-async1-2ps-authoff",
+    "elasticps-sync-2ps-metricsoff",
+    "elasticps-async1-2ps-metricsoff",
     "elasticps-async4-1ps",
     "elasticps-async4-2ps",
     "ddp",
@@ -805,6 +812,8 @@ _VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
     "pipelined": ("--overlap-pull", "on"),
     # The job without its secret (the B side of what security costs).
     "authoff": ("--auth", "off"),
+    # No role serves metrics (the B side of what they cost).
+    "metricsoff": ("--metrics", "off"),
 }
 """``elasticps train`` flags of a case's variant (``elasticps-sync-2ps-<variant>``)."""
 
@@ -1104,6 +1113,8 @@ def summarize(
             checks[f"{config}: cnn {case} carrying buffers costs <= 2%"] = ratio >= 0.98
     # What security costs: samples/s with --auth on (the default) over --auth off.
     security = _variant_ratios(medians, ("elasticps-sync-2ps", "elasticps-async1-2ps"), "authoff")
+    # What the metrics cost: samples/s with --metrics on (the default) over off.
+    metrics = _variant_ratios(medians, ("elasticps-sync-2ps", "elasticps-async1-2ps"), "metricsoff")
     tta_keys = (
         "elasticps_time_to_target_s",
         "ddp_time_to_target_s",
@@ -1125,6 +1136,7 @@ def summarize(
             "time_to_accuracy": {c: {k: t.get(k) for k in tta_keys} for c, t in ttas.items()},
             "buffers": buffers,
             "security": security,
+            "metrics": metrics,
             "targets": checks,
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         }
