@@ -575,6 +575,14 @@ def build_parser() -> argparse.ArgumentParser:
         "OUTPUT/prometheus-targets.json (docs/observability.md); off: none",
     )
     train.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=_env("tensorboard", None),
+        metavar="DIR",
+        help="write TensorBoard scalars (loss, samples/s, each pass's audit and test metrics, "
+        "stream lag) into DIR, from the launcher: one curve each across restarts",
+    )
+    train.add_argument(
         "--spawn",
         choices=SPAWN_METHODS,
         default=_env("spawn", "fork"),
@@ -863,6 +871,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         tls=args.tls,
         ca=args.ca,
         metrics=args.metrics,
+        tensorboard=args.tensorboard,
         eval_each_pass=args.eval_each_pass,
         bad_records=args.bad_records,
         overwrite=args.overwrite,
@@ -1538,6 +1547,8 @@ NOT_SUBMITTABLE: dict[str, str] = {
     "--tls": "a submitted job has no certificates: its pods speak plain TCP, and a "
     "NetworkPolicy admits only the job's own pods",
     "--ca": "a submitted job has no certificates",
+    "--tensorboard": "the launcher writes the scalars; a submitted job has none on the "
+    "submitting machine",
     "--metrics": "a submitted job's pods always serve their metrics (their targets are the "
     "metrics/ keys of the job's etcd)",
     "--hosts": "Kubernetes places the pods on its nodes",

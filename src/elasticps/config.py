@@ -660,6 +660,8 @@ class JobConfig:
         metrics: ``on`` (default): every role serves Prometheus metrics and the
             launcher writes ``prometheus-targets.json`` (:mod:`elasticps.metrics`);
             ``off``: none.
+        tensorboard: a directory the launcher writes TensorBoard scalars into
+            (:mod:`elasticps.launcher.tensorboard`); None: none.
         ca: a directory with the user's own CA (``ca.pem``, ``ca-key.pem``) to
             issue the job's certificates from; None: a new CA for the job.
         spawn: how role processes start: ``fork`` from a fork server that
@@ -769,6 +771,7 @@ class JobConfig:
     tls: str = "on"
     ca: Path | None = None
     metrics: str = "on"
+    tensorboard: Path | None = None
 
     def _check_slurm(self) -> None:
         """Refuse, by name, what a ``--launcher slurm`` job cannot take."""

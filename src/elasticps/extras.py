@@ -7,6 +7,7 @@ rest comes with extras, declared in ``pyproject.toml``:
   ``status``/``logs``/``scale``/``delete`` with ``--backend kubernetes``);
 - ``kafka``: training from a Kafka stream (``--data kafka://HOST:PORT/topic``);
 - ``examples``: the example data sets and scripts (``elasticps data mnist``);
+- ``tensorboard``: TensorBoard scalars of a job (``train --tensorboard DIR``);
 - ``dev``: tests, linters and the documentation site;
 - ``all``: all of them.
 
@@ -27,6 +28,7 @@ EXTRA_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "kubernetes": ("kubernetes", "yaml"),
     "examples": ("mlxtend",),
     "kafka": ("confluent_kafka",),
+    "tensorboard": ("tensorboard",),
 }
 """The modules each extra brings that elasticps imports (by import name)."""
 

@@ -56,7 +56,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NoReturn, TypeVar, cast
+from typing import IO, TYPE_CHECKING, NoReturn, TypeVar, cast
 
 import tenacity
 import torch
@@ -143,6 +143,8 @@ from elasticps.launcher.supervisor import (
     SupervisorConfig,
     error_line,
 )
+from elasticps.launcher.tensorboard import JobScalars
+from elasticps.launcher.tensorboard import check_available as check_tensorboard
 from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
 from elasticps.master.client import MasterClient
 from elasticps.model_file import LazyModelError, ModelSpec, load_model_file
@@ -168,6 +170,9 @@ from elasticps.storage import Location, dir_exists, file_exists
 from elasticps.tables import TableSet
 from elasticps.tls import TLS_OFF_WARNING
 from elasticps.updater import ps_flags
+
+if TYPE_CHECKING:
+    from elasticps.proto import master_pb2
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +345,8 @@ class LocalLauncher:
         self._health_due = 0.0
         self._targets_due = 0.0
         self._targets_text = ""
+        self._scalars: JobScalars | None = None
+        self._evaluator: PassEvaluator | None = None
         # The model constructor's keyword arguments: --model-args, or with
         # --resume those the checkpoint recorded (see model_args()).
         self._model_args: dict[str, object] | None = None
@@ -398,6 +405,8 @@ class LocalLauncher:
                 one-line user errors.
         """
         cfg = self.config
+        if cfg.tensorboard is not None:
+            check_tensorboard()
         spec = load_model_file(cfg.model_path, cfg.model_class, self.model_args())
         train: tuple[Location, ...] = ()
         test: Location | None = None
@@ -622,7 +631,11 @@ class LocalLauncher:
                 ),
                 metrics.job_metrics(self.config.metrics == "on"),
             ):
-                return self._run(spec, train, test)
+                try:
+                    return self._run(spec, train, test)
+                finally:
+                    if self._scalars is not None:
+                        self._scalars.close()
         except BaseException as exc:
             self._mark_ended("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
@@ -703,6 +716,9 @@ class LocalLauncher:
                 if cfg.eval_each_pass and test is not None:
                     evaluator = PassEvaluator(store, spec, cfg.seed, test, workdir / "pass-eval")
                     evaluator.start()
+                self._evaluator = evaluator
+                if cfg.tensorboard is not None:
+                    self._scalars = JobScalars(cfg.tensorboard)
                 self._start_trainers(store)
                 self._wait_for_master(store, timeout_s=60)
                 publisher = None
@@ -728,6 +744,10 @@ class LocalLauncher:
                 if evaluator is not None:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
+                if self._scalars is not None:
+                    self._scalars.evaluations(self._pass_evaluations)
+                    with contextlib.suppress(ElasticPSError):
+                        self._scalars.passes(store.pass_summaries())
 
                 # A server may still die here: go on restarting it meanwhile.
                 def take_snapshot() -> dict[str, object]:
@@ -864,6 +884,21 @@ class LocalLauncher:
             return cfg.fallback_output.resolve()
         base = Path(tempfile.gettempdir()) / "elasticps-fallback"
         return base / f"{cfg.job}-{self.run_id[:12]}"
+
+    def _record_scalars(self, status: master_pb2.JobStatus) -> None:
+        """Hand the progress just read to the TensorBoard writer, if the job has one."""
+        scalars = self._scalars
+        if scalars is None:
+            return
+        lag = self._stream_lag.get("records_behind") if isinstance(self._stream_lag, dict) else None
+        scalars.progress(
+            int(status.samples_done),
+            float(status.last_loss),
+            lag=int(lag) if isinstance(lag, int) else None,
+        )
+        scalars.passes(self._audits_seen)
+        if self._evaluator is not None:
+            scalars.evaluations(self._evaluator.results())
 
     def _write_targets(self, store: JobStore) -> None:
         """Write ``OUTPUT/prometheus-targets.json`` from the roles' ``metrics/`` keys when
@@ -1420,6 +1455,7 @@ class LocalLauncher:
                     self.timeline.append(
                         (round(time.time(), 3), last.tasks_done_all_passes, last.samples_done)
                     )
+                    self._record_scalars(last)
                     if last.tasks_done_all_passes > done_seen:
                         if done_seen >= 0:
                             self._decide(Progressed())

@@ -132,6 +132,11 @@ class PassEvaluator:
             thread.start()
         self._watch = self._store.watch_pass_summaries(self._on_passes)
 
+    def results(self) -> list[PassEvaluation]:
+        """The evaluations finished so far, by pass (a copy)."""
+        with self._lock:
+            return list(self._results)
+
     def close(self) -> list[PassEvaluation]:
         """Stop following passes, finish the evaluations already due, and return all results.
 
