@@ -239,6 +239,10 @@ def test_a_label_out_of_range_stops_the_job_with_one_line_naming_the_model_line_
     assert trainer.startswith("trainer-"), line
     log = (output / "logs" / f"{trainer}.log").read_text()
     assert "Traceback" in log and "Target 10 is out of bounds" in log
+    # run.json names the first fault: that trainer, its exit status and its error line.
+    cause = json.loads((output / "run.json").read_text())["root_cause"]
+    assert (cause["worker"], cause["happened"]) == (trainer, "exit 2"), cause
+    assert "Target 10 is out of bounds" in cause["message"] and cause["host"], cause
     pids = job_pids(output)
     assert any(role.startswith("trainer-") for role in pids), pids
     wait_for(lambda: all(pid_gone(p) for p in pids.values()), "every process gone", GONE_DEADLINE_S)
@@ -458,6 +462,12 @@ def test_an_internal_failure_exits_1_with_one_line_naming_the_log(
     launcher_log = output / "logs" / "launcher.log"
     assert str(launcher_log.resolve()) in lines[0]
     assert "Traceback" in launcher_log.read_text()
+    # run.json names the first fault: the PS's SIGKILL, not what the trainer did after.
+    record = json.loads((output / "run.json").read_text())
+    cause = record["root_cause"]
+    assert (cause["worker"], cause["happened"]) == ("ps-0", "signal 9"), record["decisions"]
+    assert cause["host"] == socket.gethostname()
+    assert all(c["at"] >= cause["at"] for c in record["consequences"])
 
 
 # --- a full disk ----------------------------------------------------------------------------

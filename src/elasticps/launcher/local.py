@@ -48,6 +48,7 @@ import queue
 import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -129,6 +130,7 @@ from elasticps.launcher.stream_output import LatestPublisher, offsets_of, stream
 from elasticps.launcher.supervisor import (
     EXIT_USER_ERROR,
     Action,
+    Decision,
     Event,
     Exited,
     FailJob,
@@ -142,6 +144,7 @@ from elasticps.launcher.supervisor import (
     Supervisor,
     SupervisorConfig,
     error_line,
+    root_cause,
 )
 from elasticps.launcher.tensorboard import JobScalars
 from elasticps.launcher.tensorboard import check_available as check_tensorboard
@@ -1352,6 +1355,21 @@ class LocalLauncher:
             self._log_pid(f"etcd.restart{self._etcd_restarts}", etcd.pid)
             return
 
+    def _fault_record(self, decision: Decision) -> dict[str, object]:
+        """A fault for ``run.json``: the decision, and the host its process ran on."""
+        return {**decision.as_dict(), "host": self._host_of(decision.worker)}
+
+    def _host_of(self, worker: str) -> str:
+        """The host ``worker``'s last process ran on: this machine's name for a local
+        process, the host's for a live session on a host, "" once that session ended."""
+        host_of = getattr(self._spawner, "host_of", None)
+        if not callable(host_of) or worker == "etcd" or worker.startswith("master"):
+            return socket.gethostname()  # local processes (and the master, on hosts)
+        with self._pid_lock:
+            pids = [pid for key, pid in self._pid_log.items() if key.split(".")[0] == worker]
+        found = host_of(pids[-1]) if pids else None
+        return found if isinstance(found, str) else ""
+
     def _fail(self, action: FailJob, role: str | None = None) -> None:
         """End the job as the policy decided: record it in ``run.json``, then raise.
 
@@ -1364,13 +1382,20 @@ class LocalLauncher:
             JobFailedError: otherwise.
         """
         file_only(logging.ERROR, f"[launcher] the job fails: {action.message}", name=__name__)
+        cause, after = root_cause(self._decision_log.records(), role)
+        message = action.message
+        if cause is not None and cause.worker != role:
+            when = time.strftime("%H:%M:%S", time.localtime(cause.at))
+            message += f"; the first fault: {cause.worker} {cause.happened} at {when}"
         with contextlib.suppress(OSError):
             self._write_json(
                 "run.json",
                 {
                     "job": self.config.job,
                     "state": "failed",
-                    "error": action.message,
+                    "error": message,
+                    "root_cause": None if cause is None else self._fault_record(cause),
+                    "consequences": [self._fault_record(d) for d in after],
                     "exit_code": action.exit_code,
                     "chaos": self.chaos_log,
                     "restarts": self._restart_counts(),
@@ -1382,8 +1407,8 @@ class LocalLauncher:
         if role is not None and role != "etcd":
             where = f" (its log: {self._log_path(role)})"
         if action.exit_code == EXIT_USER_ERROR:
-            raise JobUserError(action.message + where)
-        raise JobFailedError(action.message + where, decisions=self._decision_log.as_json())
+            raise JobUserError(message + where)
+        raise JobFailedError(message + where, decisions=self._decision_log.as_json())
 
     def _restart_counts(self) -> dict[str, int]:
         return {c.role: c.restarts for c in self.children if c.restarts}

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -73,6 +73,7 @@ from elasticps.errors import (
 )
 
 __all__ = [
+    "CAUSE_WINDOW_S",
     "EXIT_FAILURE",
     "EXIT_OK",
     "EXIT_STEPPED_DOWN",
@@ -100,6 +101,7 @@ __all__ = [
     "exit_status_for",
     "exited_from_reason",
     "relayed_returncode",
+    "root_cause",
 ]
 
 EXIT_OK: Final = 0
@@ -562,6 +564,7 @@ class Decision:
             ``restart failed: ...``, ``finished``).
         decided: what the policy decided (``restart 1/3``, ``replace``,
             ``fail (exit 2): ...``, ``ignore: ...``).
+        message: the process's last error line, if it printed one.
     """
 
     at: float
@@ -569,16 +572,21 @@ class Decision:
     worker: str
     happened: str
     decided: str
+    message: str = ""
 
     def as_dict(self) -> dict[str, object]:
-        """The record as JSON-ready values (``at`` rounded to milliseconds)."""
-        return {
+        """The record as JSON-ready values (``at`` rounded to milliseconds; ``message``
+        only if there is one)."""
+        record: dict[str, object] = {
             "at": round(self.at, 3),
             "role": self.role,
             "worker": self.worker,
             "happened": self.happened,
             "decided": self.decided,
         }
+        if self.message:
+            record["message"] = self.message
+        return record
 
 
 def decision_of(at: float, event: Event, action: Action) -> Decision | None:
@@ -598,11 +606,65 @@ def decision_of(at: float, event: Event, action: Action) -> Decision | None:
         role, worker, happened = "job", "job", "finished"
     elif isinstance(event, Exited):
         role, worker, happened = event.kind.value, event.name, event.describe()
+        return Decision(at, role, worker, happened, _describe_action(action), event.message)
     elif isinstance(event, Deleted):
         role, worker, happened = event.kind.value, event.name, "deleted"
     else:
         role, worker, happened = event.kind.value, event.name, f"restart failed: {event.reason}"
     return Decision(at, role, worker, happened, _describe_action(action))
+
+
+# Which faults may cause which: a trainer ends when its parameter server or its master
+# does, and every role when etcd does; not the other way round.
+_DEPTH: Final[dict[str, int]] = {"etcd": 0, "master": 1, "ps": 1, "trainer": 2}
+
+CAUSE_WINDOW_S: Final = 10.0
+"""How long before the failing role's first fault another role's fault may have caused
+it, seconds (a few lease TTLs)."""
+
+
+def root_cause(
+    decisions: Sequence[Decision], failed: str | None, *, window_s: float = CAUSE_WINDOW_S
+) -> tuple[Decision | None, list[Decision]]:
+    """The first fault of a failed job, and the faults that followed it. Pure.
+
+    The chain starts at the first fault of the worker whose end failed the
+    job (``failed``; without one, the worker of the decision that failed it).
+    A fault of a role it depends on (etcd for every role; a parameter server
+    or the master for a trainer) within ``window_s`` seconds before that is
+    the cause instead, the earliest of the deepest: a trainer that ends
+    because its parameter server vanished is not the root cause.
+
+    Args:
+        decisions: the supervision decisions, oldest first (``run.json``'s).
+        failed: the worker whose end failed the job, or None.
+        window_s: how far back a cause may lie, seconds.
+
+    Returns:
+        The root cause (None when no process fault is recorded: the job failed
+        on its own, a full disk say), and every later fault, oldest first.
+    """
+    faults = [d for d in decisions if d.role != "job"]
+    if failed is None:
+        failing = [d for d in faults if d.decided.startswith("fail")]
+        failed = failing[-1].worker if failing else None
+    own = [d for d in faults if d.worker == failed]
+    if not own:
+        return (faults[0], faults[1:]) if faults else (None, [])
+    first = own[0]
+    depth = _DEPTH.get(first.role, 2)
+    causes = [
+        d
+        for d in faults
+        if first.at - window_s <= d.at <= first.at
+        and d.worker != failed
+        and _DEPTH.get(d.role, 2) < depth
+    ]
+    if causes:
+        deepest = min(_DEPTH.get(d.role, 2) for d in causes)
+        first = next(d for d in causes if _DEPTH.get(d.role, 2) == deepest)
+    after = [d for d in faults if d is not first and d.at >= first.at]
+    return first, after
 
 
 def _describe_action(action: Action) -> str:
