@@ -138,6 +138,10 @@ def cmd_status(args: argparse.Namespace, core_api: Callable[[argparse.Namespace]
     accuracy = "" if status["accuracy"] is None else f", accuracy {status['accuracy']}"
     print(f"job {status['job']} (output {status['output']}): {status['state']}{progress}"
           f"{accuracy}, wanted trainers: {status['wanted_trainers']}")  # fmt: skip
+    if status.get("stragglers"):
+        steps = status["trainer_step_s"]
+        slow = ", ".join(f"trainer {t} ({steps[t]:.3f} s a step)" for t in status["stragglers"])
+        print(f"stragglers: {slow}")
     _print_workers(status["processes"], "no processes")
     return 0
 

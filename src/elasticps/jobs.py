@@ -343,9 +343,37 @@ def _live_progress(run: LocalRun) -> dict[str, Any]:
     return progress
 
 
+def _trainer_steps(run: LocalRun) -> dict[str, Any]:
+    """Each live trainer's mean step time, scraped from its metrics (the targets the
+    launcher lists in ``OUTPUT/prometheus-targets.json``), and the stragglers among them."""
+    import urllib.request
+
+    from elasticps import metrics
+
+    groups = _read_json(run.output / "prometheus-targets.json")
+    if not isinstance(groups, list):
+        return {}
+    steps: dict[str, float] = {}
+    for group in groups:
+        labels = group.get("labels", {}) if isinstance(group, dict) else {}
+        targets = group.get("targets", []) if isinstance(group, dict) else []
+        if labels.get("role") != "trainer" or not targets:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{targets[0]}/metrics", timeout=2) as reply:
+                mean = metrics.mean_step_s(reply.read().decode())
+        except (OSError, ValueError):
+            continue  # it ended since the file was written
+        if mean is not None:
+            steps[str(labels.get("id"))] = round(mean, 4)
+    if not steps:
+        return {}
+    return {"trainer_step_s": steps, "stragglers": metrics.stragglers(steps)}
+
+
 def _progress(run: LocalRun) -> dict[str, Any]:
     if run.state in ("running", "stopping"):
-        return _live_progress(run)
+        return {**_live_progress(run), **_trainer_steps(run)}
     recorded = run.record.get("progress")
     progress = dict(recorded) if isinstance(recorded, dict) else {}
     if "samples" in run.record:
@@ -405,9 +433,13 @@ def run_status(run: LocalRun) -> dict[str, Any]:
     Returns:
         ``{"job", "output", "state", "started", "wanted_trainers", "pass",
         "passes", "tasks_done_all_passes", "tasks_all_passes", "accuracy",
+        "trainer_step_s", "stragglers",
         "processes": [{"name", "role", "pid", "phase", "state", "reason"}...]}``;
         progress keys are missing when neither the master nor ``run.json``
-        has them.
+        has them; ``trainer_step_s`` (each live trainer's mean step time,
+        seconds, from its metrics) and ``stragglers`` (the trainers above
+        :data:`~elasticps.metrics.STRAGGLER_FACTOR` times the median) only
+        while the job runs with metrics on.
     """
     progress = _progress(run)
     trainers = run.record.get("trainers")

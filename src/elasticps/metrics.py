@@ -48,13 +48,16 @@ __all__ = [
     "PS_PUSH_SECONDS",
     "PS_REFUSED",
     "PS_STALENESS",
+    "STRAGGLER_FACTOR",
     "TRAINER_PUSH_SECONDS",
     "TRAINER_SAMPLES",
     "TRAINER_STEP_SECONDS",
     "enabled",
     "job_metrics",
+    "mean_step_s",
     "register",
     "serve",
+    "stragglers",
     "targets_file",
 ]
 
@@ -208,6 +211,49 @@ def register(store: JobStore, lease: KeptLease, role: str, role_id: str, address
         {"address": address, "role": role, "id": role_id},
         lease,
     )
+
+
+STRAGGLER_FACTOR: Final = 2.0
+"""A trainer whose mean step time is this many times the median of all trainers'
+is a straggler."""
+
+
+def stragglers(step_s: Mapping[str, float], factor: float = STRAGGLER_FACTOR) -> list[str]:
+    """The trainers whose mean step time is above ``factor`` times the median. Pure.
+
+    Args:
+        step_s: each trainer's mean step time, seconds, by trainer id.
+        factor: how far above the median, > 1.
+
+    Returns:
+        The stragglers' ids, sorted; none with fewer than 3 trainers (no median
+        to stand out from).
+    """
+    if len(step_s) < 3:
+        return []
+    values = sorted(step_s.values())
+    middle = len(values) // 2
+    median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    return sorted(t for t, v in step_s.items() if median > 0 and v > factor * median)
+
+
+def mean_step_s(text: str) -> float | None:
+    """A trainer's mean step time from its metrics (Prometheus text), or None before its
+    first step.
+
+    Raises:
+        ValueError: ``text`` is not the Prometheus text format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "elasticps_trainer_step_seconds_sum":
+                total = sample.value
+            elif sample.name == "elasticps_trainer_step_seconds_count":
+                count = sample.value
+    return total / count if count else None
 
 
 def targets_file(records: Mapping[str, Any], job: str) -> str:

@@ -7,10 +7,12 @@ import json
 import threading
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elasticps.jobs import _trainer_steps
 from elasticps.testing import run_train
 from elasticps.testing.audit import check_run, train_args, write_dataset
 
@@ -52,6 +54,7 @@ class _Scraper:
         self.out = out
         self.scrapes: dict[str, list[Samples]] = {}
         self.targets: list[dict[str, object]] = []
+        self.steps: list[dict[str, object]] = []  # what `elasticps status` shows of them
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -65,6 +68,9 @@ class _Scraper:
                 except (OSError, ValueError):
                     continue
                 self.targets = groups
+                steps = _trainer_steps(SimpleNamespace(output=self.out))  # type: ignore[arg-type]
+                if steps:
+                    self.steps.append(steps)
                 for group in groups:
                     labels = group["labels"]
                     name = f"{labels['role']}-{labels['id']}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from elasticps.metrics import targets_file
+from elasticps.metrics import mean_step_s, stragglers, targets_file
 
 
 def test_the_targets_file_lists_each_well_formed_record_once() -> None:
@@ -19,3 +19,20 @@ def test_the_targets_file_lists_each_well_formed_record_once() -> None:
         {"targets": ["127.0.0.1:9000"], "labels": {"job": "j", "role": "ps", "id": "0"}},
         {"targets": ["127.0.0.1:9001"], "labels": {"job": "j", "role": "ps", "id": "1"}},
     ]
+
+
+def test_a_trainer_far_above_the_median_step_time_is_a_straggler() -> None:
+    assert stragglers({"0": 0.1, "1": 0.11, "2": 0.5}) == ["2"]
+    assert stragglers({"0": 0.1, "1": 0.11, "2": 0.19, "3": 0.1}) == []
+    assert stragglers({"0": 0.1, "1": 5.0}) == []  # two: no median to stand out from
+
+
+def test_the_mean_step_time_is_read_from_a_trainer_s_metrics() -> None:
+    text = (
+        "# TYPE elasticps_trainer_step_seconds histogram\n"
+        'elasticps_trainer_step_seconds_bucket{le="+Inf"} 4.0\n'
+        "elasticps_trainer_step_seconds_count 4.0\n"
+        "elasticps_trainer_step_seconds_sum 2.0\n"
+    )
+    assert mean_step_s(text) == 0.5
+    assert mean_step_s("# TYPE x counter\nx_total 1.0\n") is None
