@@ -470,6 +470,26 @@ def test_an_internal_failure_exits_1_with_one_line_naming_the_log(
     assert all(c["at"] >= cause["at"] for c in record["consequences"])
 
 
+def test_an_etcd_that_cannot_be_restarted_is_the_root_cause_not_the_roles_that_lost_it(
+    mnist_dir: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "out"
+
+    outcome = train(
+        "--trainers", "2", "--ps", "1", "--epochs", "3", "--max-restarts", "0",
+        "--chaos", "kill:etcd@30%", data=mnist_dir, output=output,
+    )  # fmt: skip
+
+    assert outcome.returncode == 1, outcome.stderr[-4000:]
+    record = json.loads((output / "run.json").read_text())
+    cause = record["root_cause"]
+    assert (cause["worker"], cause["happened"]) == ("etcd", "signal 9"), record["decisions"]
+    assert all(c["at"] >= cause["at"] for c in record["consequences"])
+    assert all(c["worker"] != "etcd" or c["at"] > cause["at"] for c in record["consequences"])
+    # The failing process is the root cause: the closing line says it once.
+    assert "the first fault" not in record["error"], record["error"]
+
+
 # --- a full disk ----------------------------------------------------------------------------
 
 

@@ -1382,9 +1382,13 @@ class LocalLauncher:
             JobFailedError: otherwise.
         """
         file_only(logging.ERROR, f"[launcher] the job fails: {action.message}", name=__name__)
-        cause, after = root_cause(self._decision_log.records(), role)
+        decisions = self._decision_log.records()
+        cause, after = root_cause(decisions, role)
+        failing = role or next(
+            (d.worker for d in reversed(decisions) if d.decided.startswith("fail")), None
+        )
         message = action.message
-        if cause is not None and cause.worker != role:
+        if cause is not None and cause.worker != failing:
             when = time.strftime("%H:%M:%S", time.localtime(cause.at))
             message += f"; the first fault: {cause.worker} {cause.happened} at {when}"
         with contextlib.suppress(OSError):
