@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from elasticps.errors import ConfigError
-from elasticps.pserver.atomic import write_atomic
+from elasticps.pserver.atomic import read_private, write_atomic
 
 __all__ = ["CA_FILE", "CA_KEY_FILE", "CERT_FILE", "KEY_FILE", "Credential", "JobCA"]
 
@@ -125,20 +124,12 @@ class Credential:
             ConfigError: a file is missing or unreadable, or the key file may be
                 read by others than its owner.
         """
-        data: list[bytes] = []
-        for path in (Path(ca), Path(cert), Path(key)):
-            try:
-                with path.open("rb") as handle:
-                    mode = os.fstat(handle.fileno()).st_mode
-                    data.append(handle.read())
-            except OSError as exc:
-                raise ConfigError(f"cannot read the TLS file {path}: {exc.strerror}") from exc
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"the TLS key {key} is readable by others (mode {stat.filemode(mode)}); "
-                "it must be 0600"
-            )
-        return cls(data[0], data[1], data[2], server_name)
+        return cls(
+            read_private(ca, "the TLS file", private=False),
+            read_private(cert, "the TLS file", private=False),
+            read_private(key, "the TLS key"),
+            server_name,
+        )
 
     @classmethod
     def read_dir(cls, directory: Path, server_name: str = "") -> Credential:

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import secrets
-import stat
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -50,14 +49,16 @@ from typing import Final
 
 from elasticps.errors import ConfigError
 from elasticps.jobca import CA_FILE, CERT_FILE, KEY_FILE, Credential, JobCA
-from elasticps.pserver.atomic import write_atomic
+from elasticps.pserver.atomic import read_private, write_atomic
 from elasticps.tls import (
     TLS_CACERT_ENV,
     TLS_CERT_ENV,
     TLS_KEY_ENV,
+    TLS_NAMES,
     TLS_OFF_ENV,
     TLS_OFF_WARNING,
     JobTLS,
+    env_files,
     role_host,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "TLS_ROLES_ENV",
     "JobSecret",
     "Refusals",
+    "credential_env",
     "etcd_tls_env",
     "etcd_tls_from_env",
     "job_credentials",
@@ -199,17 +201,7 @@ class JobSecret:
                 read or write it, or it does not hold a secret.
         """
         path = Path(path)
-        try:
-            with path.open("rb") as handle:
-                mode = os.fstat(handle.fileno()).st_mode
-                data = handle.read(4 * SECRET_BYTES)
-        except OSError as exc:
-            raise ConfigError(f"cannot read the job secret {path}: {exc.strerror}") from exc
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"the job secret {path} is readable by others (mode {stat.filemode(mode)}); "
-                "it must be 0600"
-            )
+        data = read_private(path, "the job secret", limit=4 * SECRET_BYTES)
         try:
             key = bytes.fromhex(data.decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):
@@ -303,11 +295,10 @@ def role_env(secret_file: Path | None) -> dict[str, str]:
 
 ETCD_NAMES: Final = (ETCD_CACERT_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV)
 """The variables that name a process's etcd CA, certificate and key files."""
-TLS_NAMES: Final = (TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
-"""The variables that name a process's job CA, certificate and key files."""
 
 
-def _tls_files(names: tuple[str, str, str], directory: Path) -> dict[str, str]:
+def credential_env(names: tuple[str, str, str], directory: Path) -> dict[str, str]:
+    """The variables ``names`` naming the CA, certificate and key files in ``directory``."""
     files = (directory / CA_FILE, directory / CERT_FILE, directory / KEY_FILE)
     return dict(zip(names, (str(path) for path in files), strict=True))
 
@@ -396,7 +387,7 @@ def job_credentials(
             variables.update(etcd_tls_env(roles_dir / "root"))
         if tls:
             variables[TLS_ROLES_ENV] = str(roles_dir)
-            variables.update(_tls_files(TLS_NAMES, roles_dir / "root"))
+            variables.update(credential_env(TLS_NAMES, roles_dir / "root"))
         else:
             log.warning("%s", TLS_OFF_WARNING)
             variables[TLS_OFF_ENV] = "1"
@@ -418,7 +409,7 @@ def job_credentials(
 
 def etcd_tls_env(directory: Path, server_name: str = ETCD_SERVER_NAME) -> dict[str, str]:
     """The variables that give a process the etcd credential in ``directory``."""
-    return {**_tls_files(ETCD_NAMES, Path(directory)), ETCD_SERVER_NAME_ENV: server_name}
+    return {**credential_env(ETCD_NAMES, Path(directory)), ETCD_SERVER_NAME_ENV: server_name}
 
 
 def etcd_tls_from_env(env: Mapping[str, str] | None = None) -> Credential | None:
@@ -436,16 +427,8 @@ def etcd_tls_from_env(env: Mapping[str, str] | None = None) -> Credential | None
         ConfigError: only some of the three are set, or a file cannot be read.
     """
     env = os.environ if env is None else env
-    names = (ETCD_CACERT_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV)
-    paths = [env.get(name, "") for name in names]
-    if not any(paths):
-        return None
-    if not all(paths):
-        missing = ", ".join(name for name, path in zip(names, paths, strict=True) if not path)
-        raise ConfigError(f"etcd TLS needs all of {', '.join(names)}; {missing} not set")
-    return Credential.read(
-        Path(paths[0]), Path(paths[1]), Path(paths[2]), env.get(ETCD_SERVER_NAME_ENV, "")
-    )
+    files = env_files(env, ETCD_NAMES, "etcd TLS")
+    return None if files is None else Credential.read(*files, env.get(ETCD_SERVER_NAME_ENV, ""))
 
 
 def role_credential_env(env: Mapping[str, str], role: str) -> dict[str, str]:
@@ -472,7 +455,7 @@ def role_credential_env(env: Mapping[str, str], role: str) -> dict[str, str]:
         for name in names:
             out.pop(name, None)
         if own:
-            out.update(_tls_files(names, Path(roles_dir) / kind))
+            out.update(credential_env(names, Path(roles_dir) / kind))
     return out
 
 
@@ -538,7 +521,7 @@ def output_credentials(output: Path) -> Iterator[None]:
     if output_etcd_tls(output) is not None:
         variables.update(etcd_tls_env(root))
     if output_tls(output) is not None:
-        variables.update(_tls_files(TLS_NAMES, root))
+        variables.update(credential_env(TLS_NAMES, root))
     saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     try:

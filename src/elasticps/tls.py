@@ -49,9 +49,11 @@ __all__ = [
     "TLS_CACERT_ENV",
     "TLS_CERT_ENV",
     "TLS_KEY_ENV",
+    "TLS_NAMES",
     "TLS_OFF_ENV",
     "TLS_OFF_WARNING",
     "JobTLS",
+    "env_files",
     "is_refusal",
     "role_host",
     "tls_from_env",
@@ -63,6 +65,8 @@ TLS_CERT_ENV: Final = "ELASTICPS_TLS_CERT"
 """The variable that names the role's certificate (PEM)."""
 TLS_KEY_ENV: Final = "ELASTICPS_TLS_KEY"
 """The variable that names the role's private key (PEM, mode 0600)."""
+TLS_NAMES: Final = (TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
+"""The variables that name a process's job CA, certificate and key files."""
 TLS_OFF_ENV: Final = "ELASTICPS_TLS_OFF"
 """Set (to ``1``) in every process of a job run with ``--tls off``."""
 
@@ -253,11 +257,30 @@ def tls_from_env(env: Mapping[str, str] | None = None) -> JobTLS | None:
     env = os.environ if env is None else env
     if env.get(TLS_OFF_ENV):
         return None
-    names = (TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
+    files = env_files(env, TLS_NAMES, "TLS")
+    return None if files is None else JobTLS(*files)
+
+
+def env_files(
+    env: Mapping[str, str], names: tuple[str, str, str], what: str
+) -> tuple[Path, Path, Path] | None:
+    """The CA, certificate and key files three variables of ``env`` name, all or none.
+
+    Args:
+        env: the environment to read.
+        names: the three variables, in that order.
+        what: what they are for, in the message (``TLS``, ``etcd TLS``).
+
+    Returns:
+        The three paths, or None if none of the variables is set.
+
+    Raises:
+        ConfigError: only some of the three are set.
+    """
     paths = [env.get(name, "") for name in names]
     if not any(paths):
         return None
     if not all(paths):
         missing = ", ".join(name for name, path in zip(names, paths, strict=True) if not path)
-        raise ConfigError(f"TLS needs all of {', '.join(names)}; {missing} not set")
-    return JobTLS(Path(paths[0]), Path(paths[1]), Path(paths[2]))
+        raise ConfigError(f"{what} needs all of {', '.join(names)}; {missing} not set")
+    return Path(paths[0]), Path(paths[1]), Path(paths[2])

@@ -40,10 +40,10 @@ from pathlib import Path
 
 from elasticps.coord.client import ETCD_ERRORS, connect
 from elasticps.errors import ConfigError, CoordinationError, ElasticPSError
-from elasticps.jobca import CA_FILE, CERT_FILE, KEY_FILE, JobCA
+from elasticps.jobca import JobCA
 from elasticps.launcher.ssh import SshProcess, SshSpawner
-from elasticps.security import ETCD_SERVER_NAME
-from elasticps.tls import TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV
+from elasticps.security import ETCD_SERVER_NAME, credential_env
+from elasticps.tls import TLS_NAMES
 
 __all__ = ["MEMBERS", "HostsEtcd"]
 
@@ -119,12 +119,7 @@ class HostsEtcd:
                 if tls_dir is None:
                     raise ConfigError("the etcd members' certificates need a directory")
                 issued = ca.issue("etcd", dns_names=(ETCD_SERVER_NAME,), ips=(address,))
-                directory = issued.write(tls_dir / member.name)
-                member.env = {
-                    TLS_CACERT_ENV: str(directory / CA_FILE),
-                    TLS_CERT_ENV: str(directory / CERT_FILE),
-                    TLS_KEY_ENV: str(directory / KEY_FILE),
-                }
+                member.env = credential_env(TLS_NAMES, issued.write(tls_dir / member.name))
             self._members.append(member)
         self._scheme = "https" if ca is not None else "http"
         self._lock = threading.Lock()
