@@ -144,6 +144,7 @@ from elasticps.launcher.supervisor import (
     Supervisor,
     SupervisorConfig,
     error_line,
+    failing_worker,
     root_cause,
 )
 from elasticps.launcher.tensorboard import JobScalars
@@ -1384,9 +1385,7 @@ class LocalLauncher:
         file_only(logging.ERROR, f"[launcher] the job fails: {action.message}", name=__name__)
         decisions = self._decision_log.records()
         cause, after = root_cause(decisions, role)
-        failing = role or next(
-            (d.worker for d in reversed(decisions) if d.decided.startswith("fail")), None
-        )
+        failing = role or failing_worker(decisions)
         message = action.message
         if cause is not None and cause.worker != failing:
             when = time.strftime("%H:%M:%S", time.localtime(cause.at))

@@ -100,6 +100,7 @@ __all__ = [
     "error_line",
     "exit_status_for",
     "exited_from_reason",
+    "failing_worker",
     "relayed_returncode",
     "root_cause",
 ]
@@ -623,6 +624,11 @@ CAUSE_WINDOW_S: Final = 10.0
 it, seconds (a few lease TTLs)."""
 
 
+def failing_worker(decisions: Sequence[Decision]) -> str | None:
+    """The worker of the last decision that failed the job, or None. Pure."""
+    return next((d.worker for d in reversed(decisions) if d.decided.startswith("fail")), None)
+
+
 def root_cause(
     decisions: Sequence[Decision], failed: str | None, *, window_s: float = CAUSE_WINDOW_S
 ) -> tuple[Decision | None, list[Decision]]:
@@ -646,8 +652,7 @@ def root_cause(
     """
     faults = [d for d in decisions if d.role != "job"]
     if failed is None:
-        failing = [d for d in faults if d.decided.startswith("fail")]
-        failed = failing[-1].worker if failing else None
+        failed = failing_worker(faults)
     own = [d for d in faults if d.worker == failed]
     if not own:
         return (faults[0], faults[1:]) if faults else (None, [])
