@@ -58,8 +58,9 @@ class Model(nn.Module):
         self.layer = nn.Linear(300, 300)
 
 
-@pytest.fixture
-def server(job: dict[str, JobTLS]) -> Iterator[ParameterServer]:
+@contextlib.contextmanager
+def serving(tls: JobTLS) -> Iterator[ParameterServer]:
+    """A parameter server with ``tls`` and the job secret, in a thread, stopped at the end."""
     ps = ParameterServer(
         0,
         UpdateMode.ASYNC,
@@ -68,7 +69,7 @@ def server(job: dict[str, JobTLS]) -> Iterator[ParameterServer]:
         port=0,
         init_timeout_s=DEADLINE_S,
         secret=SECRET,
-        tls=job["ps"],
+        tls=tls,
     )
     thread = threading.Thread(target=ps.serve_forever, daemon=True)
     thread.start()
@@ -78,6 +79,12 @@ def server(job: dict[str, JobTLS]) -> Iterator[ParameterServer]:
         ps.stop()
         thread.join(timeout=DEADLINE_S)
         assert not thread.is_alive()
+
+
+@pytest.fixture
+def server(job: dict[str, JobTLS]) -> Iterator[ParameterServer]:
+    with serving(job["ps"]) as ps:
+        yield ps
 
 
 SECRET = JobSecret.generate()
@@ -148,35 +155,23 @@ def test_a_peer_of_another_ca_or_without_tls_is_refused_before_any_frame(
 def test_a_server_of_another_ca_is_refused_by_the_trainer(
     job: dict[str, JobTLS],
 ) -> None:
-    impostor = ParameterServer(
-        0, UpdateMode.ASYNC, SGD_LR1, host=LOOPBACK, port=0, secret=SECRET, tls=job["other-ps"]
-    )
-    thread = threading.Thread(target=impostor.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(AuthenticationError, match="certificate verify failed") as refused:
-            client(impostor.address, job["trainer"])
-        assert refused.value.reason == "tls"
-    finally:
-        impostor.stop()
-        thread.join(timeout=DEADLINE_S)
+    with (
+        serving(job["other-ps"]) as impostor,
+        pytest.raises(AuthenticationError, match="certificate verify failed") as refused,
+    ):
+        client(impostor.address, job["trainer"])
+    assert refused.value.reason == "tls"
 
 
 def test_a_trainer_certificate_cannot_pose_as_a_parameter_server(
     job: dict[str, JobTLS],
 ) -> None:
-    impostor = ParameterServer(
-        0, UpdateMode.ASYNC, SGD_LR1, host=LOOPBACK, port=0, secret=SECRET, tls=job["trainer"]
-    )
-    thread = threading.Thread(target=impostor.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(AuthenticationError, match=r"ps\.elasticps\.internal") as refused:
-            client(impostor.address, job["master"])
-        assert refused.value.reason == "tls"
-    finally:
-        impostor.stop()
-        thread.join(timeout=DEADLINE_S)
+    with (
+        serving(job["trainer"]) as impostor,
+        pytest.raises(AuthenticationError, match=r"ps\.elasticps\.internal") as refused,
+    ):
+        client(impostor.address, job["master"])
+    assert refused.value.reason == "tls"
 
 
 def test_grpc_answers_a_job_certificate_only(job: dict[str, JobTLS]) -> None:
