@@ -227,12 +227,18 @@ def test_random_kill_soak(audit_dir: Path, tmp_path: Path, mode: str) -> None:
     assert len(kills) >= 50, f"only {len(kills)} kills found a process"
 
 
-@pytest.mark.parametrize("chaos", ["lose:ps-0@55%", f"damage:ps-0@55%:{KEEP_CHECKPOINTS}"])
+EVERY_FILE = 10 * KEEP_CHECKPOINTS
+"""A count of files to damage beyond what a server ever holds: besides the newest
+``KEEP_CHECKPOINTS`` it may hold one not yet pruned (a save answers before it
+prunes) and an older epoch's files until it has written enough of its own."""
+
+
+@pytest.mark.parametrize("chaos", ["lose:ps-0@55%", f"damage:ps-0@55%:{EVERY_FILE}"])
 def test_a_shard_lost_with_its_checkpoints_is_reported_not_hidden(
     audit_dir: Path, tmp_path: Path, chaos: str
 ) -> None:
     """Beyond what recovery can undo: PS 0's checkpoint files are deleted, or every
-    one it keeps is damaged, and it is killed. The job goes on, says which passes
+    one it holds is damaged, and it is killed. The job goes on, says which passes
     lost records and how many, and does not claim exactly-once; the counters agree
     with what it says."""
     record, audit = run_audit(audit_dir, tmp_path / "run", "async", epochs=6, chaos=chaos)
