@@ -1774,6 +1774,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return cmd_list(args, _core_api)
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from elasticps.cli_jobs import cmd_dashboard
+
+    return cmd_dashboard(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from elasticps.cli_jobs import cmd_report
+
+    return cmd_report(args)
+
+
 def _cmd_delete(args: argparse.Namespace) -> int:
     from elasticps.launcher.kubernetes import delete_job
 
@@ -1845,6 +1857,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "logs": _cmd_logs,
     "stop": _cmd_stop,
     "list": _cmd_list,
+    "dashboard": _cmd_dashboard,
+    "report": _cmd_report,
     "delete": _cmd_delete,
 }
 

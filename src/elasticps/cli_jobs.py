@@ -1,4 +1,5 @@
-"""The job commands of the command line: ``status``, ``logs``, ``stop``, ``list``.
+"""The job commands of the command line: ``status``, ``logs``, ``stop``, ``list``,
+``dashboard``, ``report``.
 
 The same verbs, flags and output for local jobs (the default, ``--backend
 local``: see :mod:`elasticps.jobs`) and Kubernetes jobs (``--backend
@@ -21,7 +22,15 @@ from typing import Any
 from elasticps.errors import ConfigError
 from elasticps.jobs import ROLES
 
-__all__ = ["add_job_commands", "cmd_list", "cmd_logs", "cmd_status", "cmd_stop"]
+__all__ = [
+    "add_job_commands",
+    "cmd_dashboard",
+    "cmd_list",
+    "cmd_logs",
+    "cmd_report",
+    "cmd_status",
+    "cmd_stop",
+]
 
 _BACKENDS = ("local", "kubernetes", "slurm")
 _LIST_COLUMNS = ("job", "state", "pass", "accuracy", "started", "output")
@@ -61,6 +70,25 @@ def add_job_commands(sub: Any, add_cluster: Callable[[argparse.ArgumentParser], 
     stop.add_argument("--timeout-s", type=float, default=300.0,
                       help="how long to wait for the job to stop, seconds")  # fmt: skip
 
+    dash = sub.add_parser(
+        "dashboard", help="serve a local job's live dashboard on 127.0.0.1 (until Ctrl-C)"
+    )
+    dash.add_argument("job", nargs="?", default=None, help="the job name (train --job)")
+    dash.add_argument("--output", type=Path, default=None,
+                      help="the job's output directory (instead of JOB)")  # fmt: skip
+    dash.add_argument("--port", type=int, default=0,
+                      help="TCP port on 127.0.0.1 (default: a free one, printed)")  # fmt: skip
+    dash.add_argument("--interval-s", type=float, default=2.0,
+                      help="seconds between reads of the job and page refreshes")  # fmt: skip
+
+    report = sub.add_parser(
+        "report", help="write one self-contained HTML report of a finished or failed job"
+    )
+    report.add_argument("output", type=Path, metavar="OUTPUT",
+                        help="the job's output directory")  # fmt: skip
+    report.add_argument("--to", type=Path, default=None, metavar="FILE",
+                        help="where to write it (default OUTPUT/report.html)")  # fmt: skip
+
     listing = sub.add_parser("list", help="list local runs (or a namespace's Kubernetes jobs)")
     listing.add_argument(
         "dirs",
@@ -73,6 +101,48 @@ def add_job_commands(sub: Any, add_cluster: Callable[[argparse.ArgumentParser], 
     listing.add_argument("--backend", choices=_BACKENDS, default="local")
     add_cluster(listing)
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """``elasticps dashboard``: serve until interrupted.
+
+    Raises:
+        ConfigError: no such job, or a bad ``--interval-s`` or ``--port``.
+        MissingExtraError: the ``dashboard`` extra is not installed.
+    """
+    from elasticps.dashboard import serve
+    from elasticps.jobs import find_run
+
+    if args.interval_s <= 0:
+        raise ConfigError(f"--interval-s must be > 0, got {args.interval_s}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    run = find_run(args.job, args.output)
+
+    def ready(url: str) -> None:
+        print(f"dashboard of job {run.job}: {url} (Ctrl-C to stop)", flush=True)
+
+    try:
+        serve(run.output, port=args.port, interval_s=args.interval_s, on_ready=ready)
+    except KeyboardInterrupt:
+        return 0
+    except OSError as exc:
+        raise ConfigError(f"cannot serve the dashboard on 127.0.0.1:{args.port}: {exc}") from None
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """``elasticps report``: write the HTML file and print its path.
+
+    Raises:
+        ConfigError: OUTPUT holds no readable ``run.json``.
+        MissingExtraError: the ``dashboard`` extra is not installed.
+        OSError: the file cannot be written.
+    """
+    from elasticps.report import write_report
+
+    print(write_report(args.output, args.to))
+    return 0
 
 
 def _check_local(args: argparse.Namespace) -> None:

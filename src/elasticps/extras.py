@@ -8,6 +8,8 @@ rest comes with extras, declared in ``pyproject.toml``:
 - ``kafka``: training from a Kafka stream (``--data kafka://HOST:PORT/topic``);
 - ``examples``: the example data sets and scripts (``elasticps data mnist``);
 - ``tensorboard``: TensorBoard scalars of a job (``train --tensorboard DIR``);
+- ``dashboard``: the live dashboard and the HTML report of a job
+  (``elasticps dashboard``, ``elasticps report``);
 - ``dev``: tests, linters and the documentation site;
 - ``all``: all of them.
 
@@ -29,6 +31,7 @@ EXTRA_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "examples": ("mlxtend",),
     "kafka": ("confluent_kafka",),
     "tensorboard": ("tensorboard",),
+    "dashboard": ("aiohttp", "plotly", "jinja2"),
 }
 """The modules each extra brings that elasticps imports (by import name)."""
 

@@ -57,6 +57,7 @@ __all__ = [
     "iter_table",
     "list_runs",
     "log_files",
+    "metrics_targets",
     "print_logs",
     "read_run",
     "register_run",
@@ -343,6 +344,23 @@ def _live_progress(run: LocalRun) -> dict[str, Any]:
     return progress
 
 
+def metrics_targets(output: Path, role: str) -> list[tuple[str, str]]:
+    """``(id, "host:port")`` of each ``role`` process serving metrics, from the
+    ``OUTPUT/prometheus-targets.json`` the launcher keeps ([] without one)."""
+    try:
+        groups = json.loads((output / "prometheus-targets.json").read_text())
+    except (OSError, ValueError):
+        return []
+    found = []
+    group: Any
+    for group in groups if isinstance(groups, list) else []:
+        labels = group.get("labels", {}) if isinstance(group, dict) else {}
+        targets = group.get("targets", []) if isinstance(group, dict) else []
+        if isinstance(labels, dict) and labels.get("role") == role and targets:
+            found.append((str(labels.get("id")), str(targets[0])))
+    return found
+
+
 def _trainer_steps(run: LocalRun) -> dict[str, Any]:
     """Each live trainer's mean step time, scraped from its metrics (the targets the
     launcher lists in ``OUTPUT/prometheus-targets.json``), and the stragglers among them."""
@@ -350,22 +368,15 @@ def _trainer_steps(run: LocalRun) -> dict[str, Any]:
 
     from elasticps import metrics
 
-    groups = _read_json(run.output / "prometheus-targets.json")
-    if not isinstance(groups, list):
-        return {}
     steps: dict[str, float] = {}
-    for group in groups:
-        labels = group.get("labels", {}) if isinstance(group, dict) else {}
-        targets = group.get("targets", []) if isinstance(group, dict) else []
-        if labels.get("role") != "trainer" or not targets:
-            continue
+    for role_id, address in metrics_targets(run.output, "trainer"):
         try:
-            with urllib.request.urlopen(f"http://{targets[0]}/metrics", timeout=2) as reply:
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as reply:
                 mean = metrics.mean_step_s(reply.read().decode())
         except (OSError, ValueError):
             continue  # it ended since the file was written
         if mean is not None:
-            steps[str(labels.get("id"))] = round(mean, 4)
+            steps[role_id] = round(mean, 4)
     if not steps:
         return {}
     return {"trainer_step_s": steps, "stragglers": metrics.stragglers(steps)}

@@ -57,6 +57,7 @@ __all__ = [
     "mean_step_s",
     "register",
     "serve",
+    "shard_load",
     "stragglers",
     "targets_file",
 ]
@@ -254,6 +255,46 @@ def mean_step_s(text: str) -> float | None:
             elif sample.name == "elasticps_trainer_step_seconds_count":
                 count = sample.value
     return total / count if count else None
+
+
+def shard_load(text: str) -> dict[str, dict[str, float]]:
+    """Each shard's load in a parameter server's metrics (Prometheus text). Pure.
+
+    Returns:
+        By shard index: ``pushes`` (applied, duplicate and stale), ``push_bytes``
+        (bytes), ``push_mean_s`` and ``pull_mean_s`` (mean seconds, 0.0 before
+        the first), ``staleness_mean`` (model versions), ``refused`` (requests
+        answered with ERROR), ``version`` (the shard's model version).
+
+    Raises:
+        ValueError: ``text`` is not the Prometheus text format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            shard = sample.labels.get("shard")
+            if shard is not None and sample.name.startswith("elasticps_ps_"):
+                key = (shard, sample.name.removeprefix("elasticps_ps_"))
+                sums[key] = sums.get(key, 0.0) + sample.value
+
+    def mean(shard: str, name: str) -> float:
+        count = sums.get((shard, f"{name}_count"), 0.0)
+        return sums.get((shard, f"{name}_sum"), 0.0) / count if count else 0.0
+
+    return {
+        shard: {
+            "pushes": sums.get((shard, "pushes_total"), 0.0),
+            "push_bytes": sums.get((shard, "push_bytes_total"), 0.0),
+            "push_mean_s": mean(shard, "push_seconds"),
+            "pull_mean_s": mean(shard, "pull_seconds"),
+            "staleness_mean": mean(shard, "staleness"),
+            "refused": sums.get((shard, "requests_refused_total"), 0.0),
+            "version": sums.get((shard, "model_version"), 0.0),
+        }
+        for shard in sorted({shard for shard, _ in sums}, key=int)
+    }
 
 
 def targets_file(records: Mapping[str, Any], job: str) -> str:

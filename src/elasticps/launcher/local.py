@@ -99,6 +99,7 @@ from elasticps.evaluate import checkpoint_tables, evaluate
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
+from elasticps.launcher.job_events import JobEvents
 from elasticps.launcher.local_backend import LocalBackend
 from elasticps.launcher.local_processes import DecisionLog, release_keys, returncode_of
 from elasticps.launcher.manager import EtcdDesiredCount, LedgerProgress, WorkerManager
@@ -318,6 +319,8 @@ class LocalLauncher:
         self._stream_lag: object = None
         self._stream_offsets: object = None
         self._pass_evaluations: list[PassEvaluation] = []
+        self._passes_logged: set[int] = set()  # in the event log already
+        self._evaluations_logged: set[int] = set()
         self._bar: tqdm[object] | None = None
         self._out_lock = threading.Lock()
         self._pid_lock = threading.Lock()
@@ -328,7 +331,12 @@ class LocalLauncher:
         # worker manager's thread (trainers); its decisions on trainers come
         # back through _decisions, for _supervise on the main thread.
         self._policy = Supervisor(SupervisorConfig(max_restarts=config.max_restarts))
-        self._decision_log = DecisionLog()  # run.json's "decisions"; it asks the policy
+        # OUTPUT/events.jsonl: decisions, chaos and evaluations as they happen.
+        self.events = JobEvents(config.output)
+        # run.json's "decisions"; it asks the policy.
+        self._decision_log = DecisionLog(
+            on_record=lambda d: self.events.append("decision", d.as_dict())
+        )
         self._decisions: queue.SimpleQueue[tuple[WorkerEvent, Action]] = queue.SimpleQueue()
         self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
@@ -638,6 +646,7 @@ class LocalLauncher:
                 try:
                     return self._run(spec, train, test)
                 finally:
+                    self.events.close()
                     if self._scalars is not None:
                         self._scalars.close()
         except BaseException as exc:
@@ -752,6 +761,7 @@ class LocalLauncher:
                     self._scalars.evaluations(self._pass_evaluations)
                     with contextlib.suppress(ElasticPSError):
                         self._scalars.passes(store.pass_summaries())
+                self._log_new_events()
 
                 # A server may still die here: go on restarting it meanwhile.
                 def take_snapshot() -> dict[str, object]:
@@ -888,6 +898,19 @@ class LocalLauncher:
             return cfg.fallback_output.resolve()
         base = Path(tempfile.gettempdir()) / "elasticps-fallback"
         return base / f"{cfg.job}-{self.run_id[:12]}"
+
+    def _log_new_events(self) -> None:
+        """Append the pass audits and test evaluations not yet in the event log."""
+        for pass_id in sorted(set(self._audits_seen) - self._passes_logged):
+            self._passes_logged.add(pass_id)
+            self.events.append("pass", {"pass": pass_id, **self._audits_seen[pass_id]})
+        if self._evaluator is None:
+            return
+        for evaluation in self._evaluator.results():
+            if evaluation.pass_id not in self._evaluations_logged:
+                self._evaluations_logged.add(evaluation.pass_id)
+                fields = {"pass": evaluation.pass_id, "metrics": evaluation.metrics}
+                self.events.append("evaluation", fields, at=evaluation.time)
 
     def _record_scalars(self, status: master_pb2.JobStatus) -> None:
         """Hand the progress just read to the TensorBoard writer, if the job has one."""
@@ -1404,6 +1427,11 @@ class LocalLauncher:
                     "restarts": self._restart_counts(),
                     "etcd_restarts": self._etcd_restarts,
                     "decisions": self._decision_log.as_json(),
+                    "timeline": self.timeline,
+                    "passes": [self._audits_seen[p] for p in sorted(self._audits_seen)],
+                    "pass_evaluations": [
+                        e.as_dict() for e in (self._evaluator.results() if self._evaluator else [])
+                    ],
                 },
             )
         where = ""
@@ -1484,6 +1512,7 @@ class LocalLauncher:
                         (round(time.time(), 3), last.tasks_done_all_passes, last.samples_done)
                     )
                     self._record_scalars(last)
+                    self._log_new_events()
                     if last.tasks_done_all_passes > done_seen:
                         if done_seen >= 0:
                             self._decide(Progressed())
@@ -1600,6 +1629,7 @@ class LocalLauncher:
             "wall_clock_s": time.time(),
         }
         self.chaos_log.append(record)
+        self.events.append("chaos", record, at=time.time())
         self._emit(f"[launcher] chaos: SIGKILL {role} (pid {pid}) at {elapsed:.1f} s (random)")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -1679,6 +1709,7 @@ class LocalLauncher:
             "wall_clock_s": time.time(),
         }
         self.chaos_log.append(record)
+        self.events.append("chaos", record, at=time.time())
         if pid is None:
             self._emit(f"[launcher] chaos: no running {event.target} to kill")
             return

@@ -100,10 +100,17 @@ class DecisionLog:
 
     Args:
         clock: seconds since the epoch (:func:`time.time` by default).
+        on_record: called with each decision as it is recorded (the job's
+            event log), outside the log's lock.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        on_record: Callable[[Decision], None] | None = None,
+    ) -> None:
         self._clock = clock
+        self._on_record = on_record
         self._lock = threading.Lock()
         self._decide_lock = threading.Lock()
         self._records: list[Decision] = []
@@ -120,6 +127,8 @@ class DecisionLog:
         if decision is not None:
             with self._lock:
                 self._records.append(decision)
+            if self._on_record is not None:
+                self._on_record(decision)
         return decision
 
     def decide(self, policy: Supervisor, event: Event) -> Action:

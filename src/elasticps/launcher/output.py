@@ -77,7 +77,10 @@ PREVIOUS_RUN_FILES: Final = (
 )
 """Entries whose presence means the directory holds a previous run's state."""
 
-RUN_FILES: Final = (*PREVIOUS_RUN_FILES, "pids.json", "logs", "config.toml", "latest", "models")
+RUN_FILES: Final = (
+    *PREVIOUS_RUN_FILES, "pids.json", "logs", "config.toml", "latest", "models",
+    "events.jsonl", "report.html",
+)  # fmt: skip
 """Everything a job writes in its output directory (``--overwrite`` removes these, nothing else)."""
 
 CHECKPOINT_COPIES: Final = 3
