@@ -35,7 +35,10 @@ if TYPE_CHECKING:
     from elasticps.coord.store import JobStore, KeptLease
 
 __all__ = [
+    "LAUNCHER_DECISIONS",
     "MASTER_PASS",
+    "MASTER_STREAM_AGE_SECONDS",
+    "MASTER_STREAM_LAG_RECORDS",
     "MASTER_TASKS",
     "MASTER_TASK_REPORTS",
     "METRICS_OFF_ENV",
@@ -47,7 +50,13 @@ __all__ = [
     "PS_PUSH_BYTES",
     "PS_PUSH_SECONDS",
     "PS_REFUSED",
+    "PS_SLOT_EPOCH",
     "PS_STALENESS",
+    "PS_SYNC_WAIT_SECONDS",
+    "PS_TABLE_ADMITTED",
+    "PS_TABLE_BYTES",
+    "PS_TABLE_EVICTED",
+    "PS_TABLE_ROWS",
     "STRAGGLER_FACTOR",
     "TRAINER_PUSH_SECONDS",
     "TRAINER_SAMPLES",
@@ -114,6 +123,39 @@ PS_STALENESS: Final = Histogram(
 PS_MODEL_VERSION: Final = Gauge(
     "elasticps_ps_model_version", "The shard's model version.", ["shard"]
 )
+PS_SYNC_WAIT_SECONDS: Final = Histogram(
+    "elasticps_ps_sync_wait_seconds",
+    "In sync-SGD, time a PUSH waits at the step's barrier for the other trainers' pushes "
+    "(part of elasticps_ps_push_seconds), seconds.",
+    ["shard"],
+    buckets=_SECONDS,
+)
+PS_SLOT_EPOCH: Final = Gauge(
+    "elasticps_ps_slot_epoch",
+    "The epoch of the slot this server holds: each server that takes the slot over "
+    "(after a restart or a fencing) holds a higher one.",
+    ["shard"],
+)
+PS_TABLE_ROWS: Final = Gauge(
+    "elasticps_ps_table_rows", "Rows a sparse table holds on this shard.", ["shard", "table"]
+)
+PS_TABLE_BYTES: Final = Gauge(
+    "elasticps_ps_table_bytes",
+    "Bytes a sparse table's storage takes on this shard (chunks and id index, read every "
+    "64 steps).",
+    ["shard", "table"],
+)
+PS_TABLE_ADMITTED: Final = Counter(
+    "elasticps_ps_table_admitted_rows",
+    "Rows a sparse table added on this shard (ids updated for the first time, or again "
+    "after an eviction).",
+    ["shard", "table"],
+)
+PS_TABLE_EVICTED: Final = Counter(
+    "elasticps_ps_table_evicted_rows",
+    "Rows a sparse table's eviction policy removed on this shard.",
+    ["shard", "table"],
+)
 PS_CHECKPOINT_SECONDS: Final = Histogram(
     "elasticps_ps_checkpoint_seconds",
     "Time to write one shard checkpoint, seconds.",
@@ -149,10 +191,28 @@ MASTER_TASKS: Final = Gauge(
     ["state"],
 )
 MASTER_PASS: Final = Gauge("elasticps_master_pass", "The current pass (0-based).")
+MASTER_STREAM_LAG_RECORDS: Final = Gauge(
+    "elasticps_master_stream_lag_records",
+    "Records of a Kafka stream not trained yet (behind the head, over all partitions).",
+)
+MASTER_STREAM_AGE_SECONDS: Final = Gauge(
+    "elasticps_master_stream_oldest_untrained_age_seconds",
+    "Age of a Kafka stream's oldest untrained record, seconds (0 when none is known).",
+)
 MASTER_TASK_REPORTS: Final = Counter(
     "elasticps_master_task_reports",
     "Task reports received, by outcome: succeeded, failed, timed_out.",
     ["outcome"],
+)
+
+# --- the launcher --------------------------------------------------------------------
+
+LAUNCHER_DECISIONS: Final = Counter(
+    "elasticps_launcher_decisions",
+    "The supervisor's decisions on processes that ended, by role and action: restart "
+    "(etcd, a master, a PS: restarted under its name), replace (a trainer), fail (the "
+    "job), ignore (a clean exit, or an end the job does not need).",
+    ["role", "action"],
 )
 
 

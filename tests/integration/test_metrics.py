@@ -32,7 +32,7 @@ class SlowModel(Model):
         return super().forward(idx)
 """
 # The labels a metric of the job may carry: bounded sets only (a histogram's `le`).
-ALLOWED_LABELS = {"shard", "result", "reason", "state", "outcome", "le"}
+ALLOWED_LABELS = {"shard", "result", "reason", "state", "outcome", "le", "role", "action"}
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -107,8 +107,9 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
     args = train_args(data, out, "async", EPOCHS)
     args[args.index("--model") + 1] = str(slow)
     scraper = _Scraper(out)
+    extra = ["--model-class", "SlowModel", "--records-per-task", str(RECORDS_PER_TASK)]
     line, _ = run_train(
-        [*args, "--model-class", "SlowModel", "--records-per-task", str(RECORDS_PER_TASK)],
+        [*args, *extra, "--chaos", "kill:trainer@40%"],
         pids_file=out / "pids.json",
         timeout_s=180,
     )
@@ -116,7 +117,7 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
     assert line["exactly_once"] is True and check_run(out).exactly_once
 
     roles = {name.split("-")[0] for name in scraper.scrapes}
-    assert roles == {"master", "ps", "trainer"}, sorted(scraper.scrapes)
+    assert roles == {"launcher", "master", "ps", "trainer"}, sorted(scraper.scrapes)
     job = json.loads((out / "run.json").read_text())["job"]
     assert {t["labels"]["job"] for t in scraper.targets} == {job}  # type: ignore[index]
     for name, scrapes in scraper.scrapes.items():
@@ -134,6 +135,7 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
         assert total(last, "elasticps_ps_push_bytes_total", shard=shard) > 0
         assert total(last, "elasticps_ps_staleness_count", shard=shard) > 0  # async-SGD
         assert total(last, "elasticps_ps_model_version", shard=shard) > 0
+        assert total(last, "elasticps_ps_slot_epoch", shard=shard) >= 1
         assert (
             "elasticps_ps_checkpoint_seconds_count",
             (("shard", shard),),
@@ -154,3 +156,7 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
     assert total(master[-1], "elasticps_master_task_reports_total", outcome="succeeded") > 0
     passes = [total(s, "elasticps_master_pass") for s in master]
     assert passes == sorted(passes) and passes[-1] > passes[0], passes
+    # The launcher counts the supervisor's decisions: the killed trainer was replaced.
+    launcher = scraper.scrapes["launcher-0"][-1]
+    assert total(launcher, "elasticps_launcher_decisions_total", role="trainer",
+                 action="replace") >= 1  # fmt: skip

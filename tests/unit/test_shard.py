@@ -224,6 +224,9 @@ def test_sync_push_waits_for_every_live_trainer(
 
     assert first.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
     assert second.result(TIMEOUT_S) == PushResult(accepted=True, version=1)
+    # What the barrier cost each (the metric elasticps_ps_sync_wait_seconds): the
+    # first waited past the 0.2 s above, for the second.
+    assert first.result().waited_s >= 0.2 > second.result().waited_s >= 0.0
 
 
 def test_sync_step_applies_the_sample_weighted_mean_gradient(

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from elasticps.config import OptimizerConfig, UpdateMode
 from elasticps.errors import FrozenParameterError, LayoutMismatchError, SparseTableError
@@ -272,14 +273,26 @@ def test_an_optimizer_without_a_lazy_rule_is_refused_at_hello(shards: list[Param
         make(shards, optimizer=OptimizerConfig(name="torch", torch_class="RMSprop"))
 
 
+def table_metric(name: str) -> float:
+    """``name``'s value for table ``emb`` of shard 0 in this process's metrics."""
+    labels = {"shard": "0", "table": "emb"}
+    return REGISTRY.get_sample_value(f"elasticps_ps_table_{name}", labels) or 0.0
+
+
 def test_rows_not_updated_for_a_while_are_evicted(shards: list[ParameterShard]) -> None:
     s = make(shards, eviction=EvictionPolicy(expire_versions=3))
     assert s.tables is not None
+    admitted, evicted = table_metric("admitted_rows_total"), table_metric("evicted_rows_total")
     s.push(0, torch.zeros(2), 0, 1, rows=grads(s.tables, {1: 1.0, 2: 1.0}))
     for _ in range(4):
         s.push(0, torch.zeros(2), 0, 1, rows=grads(s.tables, {2: 1.0}))
     assert s.tables.tables["emb"].ids().tolist() == [2]
     assert s.tables.evicted == 1
+    # The metrics say the same: two rows admitted, one evicted, one held.
+    assert table_metric("admitted_rows_total") - admitted == 2
+    assert table_metric("evicted_rows_total") - evicted == 1
+    assert table_metric("rows") == 1
+    assert table_metric("bytes") > 0
     expected = torch.from_numpy(initial_rows(SPEC, np.array([1], np.int64)))
     assert torch.equal(rows_of(s, "emb", [1]), expected)  # back to its initial value
 

@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -334,9 +335,7 @@ class LocalLauncher:
         # OUTPUT/events.jsonl: decisions, chaos and evaluations as they happen.
         self.events = JobEvents(config.output)
         # run.json's "decisions"; it asks the policy.
-        self._decision_log = DecisionLog(
-            on_record=lambda d: self.events.append("decision", d.as_dict())
-        )
+        self._decision_log = DecisionLog(on_record=self._on_decision)
         self._decisions: queue.SimpleQueue[tuple[WorkerEvent, Action]] = queue.SimpleQueue()
         self._random_chaos = _RandomKills(config.random_chaos)
         # Names this run's checkpoint files: a PS never loads another run's.
@@ -357,6 +356,7 @@ class LocalLauncher:
         self._health_due = 0.0
         self._targets_due = 0.0
         self._targets_text = ""
+        self._metrics_address: str | None = None  # the launcher's own metrics (restarts)
         self._scalars: JobScalars | None = None
         self._evaluator: PassEvaluator | None = None
         # The model constructor's keyword arguments: --model-args, or with
@@ -720,6 +720,10 @@ class LocalLauncher:
                     "security": self._security_record(),
                 },
             )
+            if cfg.metrics == "on":
+                # Where etcd listens is where the other hosts reach this one.
+                host = urllib.parse.urlsplit(etcd.endpoint.split(",")[0]).hostname
+                self._metrics_address = metrics.serve(host or "127.0.0.1")
             with JobStore(etcd.endpoint, cfg.job) as store:
                 self._store = store
                 store.set_ps_desired(cfg.ps)
@@ -938,6 +942,11 @@ class LocalLauncher:
             records, _ = store.get_prefix_json(store.keys.metrics_prefix)
         except CoordinationError:
             return  # etcd is restarting: next time
+        if self._metrics_address is not None:
+            own: dict[str, object] = {
+                "role": "launcher", "id": "0", "address": self._metrics_address
+            }  # fmt: skip
+            records = {**records, "launcher": own}
         text = metrics.targets_file(records, self.config.job)
         if text == self._targets_text:
             return
@@ -1342,6 +1351,13 @@ class LocalLauncher:
             else:
                 child.ended = True
         return list(self._backend.pids(Role.TRAINER)) if self._backend is not None else []
+
+    def _on_decision(self, decision: Decision) -> None:
+        """Each decision as it is recorded: into the event log and the launcher's metrics."""
+        self.events.append("decision", decision.as_dict())
+        if decision.role != "job":
+            action = decision.decided.split()[0].rstrip(":") if decision.decided else "ignore"
+            metrics.LAUNCHER_DECISIONS.labels(decision.role, action).inc()
 
     def _decide(self, event: Event) -> Action:
         """The policy's answer to ``event`` (from any thread)."""

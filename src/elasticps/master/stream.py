@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from elasticps import metrics
 from elasticps.coord.store import JobStore
 from elasticps.data.kafka import KafkaSource, StreamLimits, WindowCutter, consumer_settings
 from elasticps.errors import CoordinationError, DataError, ElasticPSError
@@ -390,6 +391,9 @@ class StreamFeeder:
         lag = lag_of(cutter.heads(), cutter.cut_offsets(), untrained, arrived, time.time())
         for key in [k for k in arrived if _trained(k, untrained)]:
             del arrived[key]
+        behind, age = lag["records_behind"], lag["oldest_untrained_age_s"]
+        metrics.MASTER_STREAM_LAG_RECORDS.set(behind if isinstance(behind, int) else 0)
+        metrics.MASTER_STREAM_AGE_SECONDS.set(age if isinstance(age, int | float) else 0.0)
         try:
             self._store.put_json(self._store.keys.stream_lag, lag)
         except CoordinationError as exc:

@@ -114,6 +114,7 @@ def run_ps(config: PSConfig, stop: threading.Event) -> None:
         server.shard_index, server.epoch = index, epoch
         log.info("parameter server %d (epoch %d) serving on %s", index, epoch, server.address)
         if metrics.enabled():
+            metrics.PS_SLOT_EPOCH.labels(str(index)).set(epoch)
             address = metrics.serve(config.host)
             metrics.register(store, lease, "ps", str(index), address)
             log.info("parameter server %d metrics on http://%s/metrics", index, address)

@@ -744,6 +744,8 @@ class ParameterServer:
         m.version.set(result.version)
         if self.mode is not UpdateMode.SYNC:
             m.staleness.observe(staleness)
+        else:
+            m.sync_wait.observe(result.waited_s)
 
     # --- sparse rows ------------------------------------------------------------
 
@@ -1401,6 +1403,7 @@ class _ShardMetrics:
         self.pushes = {s: metrics.PS_PUSHES.labels(label, s.name.lower()) for s in PushStatus}
         self.staleness = metrics.PS_STALENESS.labels(label)
         self.version = metrics.PS_MODEL_VERSION.labels(label)
+        self.sync_wait = metrics.PS_SYNC_WAIT_SECONDS.labels(label)
         self._label = label
 
     def refused(self, code: str) -> None:

@@ -80,8 +80,9 @@ import contextlib
 import fnmatch
 import json
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -235,11 +236,14 @@ class PushResult:
             sync mode, after the step it joined was applied).
         status: APPLIED (also for empty pushes), DUPLICATE (its key was held:
             acknowledged, not applied) or STALE (not applied: compute again).
+        waited_s: in sync-SGD, how long the push waited at the step's barrier
+            for the other trainers' pushes, seconds (0.0 in async-SGD).
     """
 
     accepted: bool
     version: int
     status: PushStatus = PushStatus.APPLIED
+    waited_s: float = field(default=0.0, compare=False)
 
     @property
     def acknowledged(self) -> bool:
@@ -1090,14 +1094,16 @@ class ParameterShard:
             self._contributors.add(trainer_id)
             my_round = self._round
             self._maybe_complete_round()
+            barrier = time.monotonic()
             while self._round == my_round:
                 if self._closed:
                     raise ShardClosedError("parameter server is shutting down")
                 self._cond.wait()
+            waited = time.monotonic() - barrier
             if my_round in self._discarded:
                 self._stale += 1
-                return PushResult(False, self._version, PushStatus.STALE)
-            return PushResult(applies, self._version, status)
+                return PushResult(False, self._version, PushStatus.STALE, waited)
+            return PushResult(applies, self._version, status, waited)
 
     def _maybe_complete_round(self) -> None:
         # Caller holds self._cond.

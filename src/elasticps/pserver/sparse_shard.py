@@ -46,6 +46,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import torch
 
+from elasticps import metrics
 from elasticps.errors import (
     ConfigError,
     FrozenParameterError,
@@ -88,6 +89,9 @@ PARTITION_KINDS: Final = ("hash", "range")
 
 MAX_TABLES: Final = 4096
 """Most sparse tables a layout may declare (a bound on what a HELLO may ask a server to build)."""
+
+_BYTES_EVERY_STEPS: Final = 64
+"""Steps between two readings of a table's bytes for its metric (the sum walks every chunk)."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,8 @@ class ShardTables:
         self._evict_every = max(1, evict_every)
         self._steps = 0
         self.evicted = 0
+        self._rows_seen: dict[str, int] = {}  # rows per table after the last step
+        self._metrics: dict[str, _TableMetrics] = {}
         # The open sync round: per table, (ids, weighted grads) of each push.
         self._round: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.entries]
         # For checking every table's ids at once (see split_ids): each table's
@@ -524,9 +530,22 @@ class ShardTables:
 
     def _after_step(self) -> None:
         self._steps += 1
-        if self.eviction is not None and self._steps % self._evict_every == 0:
-            for table in self.tables.values():
-                self.evicted += len(table.evict(self.eviction))
+        evicting = self.eviction is not None and self._steps % self._evict_every == 0
+        for name, table in self.tables.items():
+            evicted = len(table.evict(self.eviction)) if evicting and self.eviction else 0
+            self.evicted += evicted
+            rows = len(table)
+            # Rows the step added: what the table grew by, and what eviction took back.
+            admitted = rows + evicted - self._rows_seen.get(name, 0)
+            self._rows_seen[name] = rows
+            m = self._metrics.get(name) or self._metrics.setdefault(name, _TableMetrics(self, name))
+            m.rows.set(rows)
+            if admitted > 0:
+                m.admitted.inc(admitted)
+            if evicted:
+                m.evicted.inc(evicted)
+            if evicted or self._steps % _BYTES_EVERY_STEPS == 1:
+                m.bytes.set(table.nbytes)
 
     # --- checkpoints --------------------------------------------------------------
 
@@ -575,7 +594,19 @@ class ShardTables:
     def install(self, tables: Mapping[str, SparseTable]) -> None:
         """Use ``tables`` (from :meth:`check_state`); the open round is dropped."""
         self.tables = dict(tables)
+        self._rows_seen = {name: len(t) for name, t in self.tables.items()}  # not admitted
         self.clear_round()
+
+
+class _TableMetrics:
+    """The children of :mod:`elasticps.metrics`' sparse-table metrics for one table."""
+
+    def __init__(self, tables: ShardTables, name: str) -> None:
+        labels = (str(tables.shard), name)
+        self.rows = metrics.PS_TABLE_ROWS.labels(*labels)
+        self.bytes = metrics.PS_TABLE_BYTES.labels(*labels)
+        self.admitted = metrics.PS_TABLE_ADMITTED.labels(*labels)
+        self.evicted = metrics.PS_TABLE_EVICTED.labels(*labels)
 
 
 def _own_rows(chunks: Sequence[RowChunk], part: Partitioner, shard: int) -> Iterator[RowChunk]:
