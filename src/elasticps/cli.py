@@ -71,11 +71,15 @@ from elasticps.launcher.chaos import parse_chaos, parse_random_chaos
 from elasticps.launcher.checkpoint_health import DEFAULT_FATAL_AFTER_S
 from elasticps.launcher.supervisor import exit_status_for
 from elasticps.logs import (
+    LOG_FORMAT_ENV,
+    LOG_FORMATS,
     NonBlockingStream,
     active_log_file,
     environment_log_file,
     file_only,
     log_to_file,
+    process_fields,
+    use_json_logs,
 )
 from elasticps.placement import DEFAULT_BIG_ARRAY_BOUND, DEFAULT_PLACEMENT, PLACEMENTS
 from elasticps.storage import Location, is_url, path_or_url
@@ -447,6 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         default=_env("log-level", "INFO"),
         help="the level of this command's log lines (default: %(default)s, or ELASTICPS_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_env("log-format", "text"),
+        help="text lines, or one JSON object a line with role, index, host, job and time, "
+        "for this command and every process of a job it launches (default: %(default)s, "
+        "or ELASTICPS_LOG_FORMAT)",
     )
     parser.add_argument("--version", action="version", version=f"elasticps {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -854,8 +866,10 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         threads=args.threads,
         etcd_port=args.etcd_port,
         master_port=args.master_port,
-        # A bar redrawn into a file or a pipe only clutters the log lines around it.
-        progress=not args.no_progress and sys.stderr.isatty(),
+        # A bar redrawn into a file or a pipe only clutters the log lines around it:
+        # there, progress comes as lines. JSON logs get lines too, as JSON.
+        progress=not args.no_progress and sys.stderr.isatty() and args.log_format == "text",
+        progress_lines=not args.no_progress,
         standby_masters=args.standby_masters,
         standby_ps=args.standby_ps,
         max_restarts=args.max_restarts,
@@ -1926,6 +1940,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
             stream=sys.stderr,
         )
+        if args.log_format == "json":
+            os.environ[LOG_FORMAT_ENV] = "json"  # for every process it starts
+            name = "launcher" if args.command == "train" else role
+            use_json_logs(process_fields(name, getattr(args, "job", None)))
         log_file = environment_log_file()
         if log_file is not None and args.command in _ROLE_COMMANDS:
             log_to_file(log_file)

@@ -643,7 +643,12 @@ class JobConfig:
         threads: torch threads per trainer.
         etcd_port: etcd client port; 0 picks a free one.
         master_port: master gRPC port; 0 picks a free one.
-        progress: show a progress bar.
+        progress: show a progress bar. Without one, a progress line goes to the
+            launcher's log every ``progress_every_s`` seconds, and to stderr too
+            with ``progress_lines``.
+        progress_lines: without a bar, write the progress lines to stderr too
+            (stderr is a file or a pipe: the job's log).
+        progress_every_s: seconds between two progress lines, > 0.
         standby_masters: extra masters waiting on the master lock, >= 0.
         standby_ps: extra parameter servers waiting for a free slot, >= 0.
         max_restarts: restarts allowed per master, PS and etcd process, >= 0.
@@ -734,6 +739,8 @@ class JobConfig:
     etcd_port: int = 0
     master_port: int = 0
     progress: bool = True
+    progress_lines: bool = False
+    progress_every_s: float = 10.0
     standby_masters: int = 0
     standby_ps: int = 0
     max_restarts: int = 3

@@ -11,6 +11,14 @@ full to that file, and the handlers that write to the terminal print it
 without its traceback, ending in ``(traceback in FILE)`` instead. So a
 user's terminal shows what happened, one line each, and the traceback
 waits in the file for a bug report.
+
+``elasticps --log-format json`` (or ``ELASTICPS_LOG_FORMAT=json``, which the
+launchers pass to every role process, on every host) writes each record as
+one JSON object a line, on the terminal and in the files
+(:func:`use_json_logs`, through :mod:`pythonjsonlogger`): ``time`` (ISO 8601,
+UTC), ``level``, ``logger``, ``message``, and the process's ``role``,
+``index``, ``host`` and ``job``; a traceback is ``exc_info`` in the file, and
+``traceback_in`` (the file) on the terminal.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import io
 import logging
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -29,12 +38,19 @@ from typing import IO, Final
 __all__ = [
     "DEFAULT_FORMAT",
     "LOG_FILE_ENV",
+    "LOG_FORMATS",
+    "LOG_FORMAT_ENV",
+    "PROCESS_ENV",
+    "JsonLineFormatter",
     "NonBlockingStream",
     "OneLineFormatter",
     "active_log_file",
     "environment_log_file",
     "file_only",
+    "json_line",
     "log_to_file",
+    "process_fields",
+    "use_json_logs",
 ]
 
 LOG_FILE_ENV: Final = "ELASTICPS_LOG_FILE"
@@ -42,6 +58,83 @@ LOG_FILE_ENV: Final = "ELASTICPS_LOG_FILE"
 
 DEFAULT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """Record format when the process has no stderr handler to copy it from."""
+
+LOG_FORMAT_ENV: Final = "ELASTICPS_LOG_FORMAT"
+"""The environment variable of ``--log-format``: ``text`` or ``json``."""
+
+LOG_FORMATS: Final = ("text", "json")
+"""The choices of ``--log-format``."""
+
+_JSON_RENAMES: Final = {"levelname": "level", "name": "logger"}
+
+
+class JsonLineFormatter(logging.Formatter):
+    """Formats a record as one JSON object (:class:`pythonjsonlogger.json.JsonFormatter`).
+
+    Args:
+        fields: added to every record (``role``, ``index``, ``host``, ``job``).
+        log_file: the file holding the full records, for a terminal's
+            formatter: a traceback is left out and named by ``traceback_in``.
+            None: the traceback is kept, as ``exc_info``.
+    """
+
+    def __init__(self, fields: dict[str, object], log_file: Path | None = None) -> None:
+        super().__init__()
+        from pythonjsonlogger.json import JsonFormatter
+
+        self.fields = dict(fields)
+        self.log_file = log_file
+        self._json = JsonFormatter(
+            "{levelname}{name}{message}",
+            style="{",
+            timestamp="time",
+            rename_fields=_JSON_RENAMES,
+            static_fields=self.fields,
+        )
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        if self.log_file is None or not (record.exc_info or record.exc_text or record.stack_info):
+            return self._json.format(record)
+        bare = logging.makeLogRecord(record.__dict__)
+        bare.exc_info = bare.exc_text = bare.stack_info = None
+        bare.traceback_in = str(self.log_file)
+        return self._json.format(bare)
+
+
+def json_line(message: str, fields: dict[str, object], *, level: str = "INFO") -> str:
+    """``message`` as the JSON line a :class:`JsonLineFormatter` with ``fields`` writes
+    (the launcher's own terminal lines, and a role's lines that are not JSON)."""
+    record = logging.LogRecord(
+        "elasticps", logging.getLevelName(level), "", 0, "%s", (message,), None
+    )
+    return JsonLineFormatter(fields).format(record)
+
+
+PROCESS_ENV: Final = "ELASTICPS_PROCESS"
+"""The launcher's name of a role process (``ps-1``, ``trainer-7``), set in its environment."""
+
+
+def process_fields(role: str, job: str | None) -> dict[str, object]:
+    """The fields of every JSON log line of this process: ``role``, ``index`` (from the
+    launcher's name of it in ``ELASTICPS_PROCESS``, else None), ``host`` (this machine's
+    name) and ``job`` (``job``, else ``ELASTICPS_JOB``, else None)."""
+    name = os.environ.get(PROCESS_ENV, "")
+    suffix = name.rpartition("-")[2]
+    return {
+        "role": role,
+        "index": int(suffix) if suffix.isdigit() else None,
+        "host": socket.gethostname(),
+        "job": job or os.environ.get("ELASTICPS_JOB") or None,
+    }
+
+
+def use_json_logs(fields: dict[str, object]) -> None:
+    """Format this process's terminal handlers as JSON lines with ``fields`` (see the
+    module docstring); :func:`log_to_file` then writes its file as JSON too."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setFormatter(JsonLineFormatter(fields))
 
 
 class OneLineFormatter(logging.Formatter):
@@ -121,8 +214,17 @@ def log_to_file(path: Path) -> Path:
         for h in root.handlers
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
     ]
-    fmt = _format_of(streams[0]) if streams else DEFAULT_FORMAT
     handler = _LogFileHandler(path, encoding="utf-8")
+    json_fields = next(
+        (h.formatter.fields for h in streams if isinstance(h.formatter, JsonLineFormatter)), None
+    )
+    if json_fields is not None:
+        handler.setFormatter(JsonLineFormatter(json_fields))
+        root.addHandler(handler)
+        for stream in streams:
+            stream.setFormatter(JsonLineFormatter(json_fields, log_file=path))
+        return path
+    fmt = _format_of(streams[0]) if streams else DEFAULT_FORMAT
     handler.setFormatter(logging.Formatter(fmt))
     root.addHandler(handler)
     for stream in streams:

@@ -111,3 +111,32 @@ def test_a_report_needs_a_run_record(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="not a JSON object"):
         build_report(tmp_path)
+
+
+def test_json_log_lines_name_the_process_and_leave_tracebacks_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+    import sys
+
+    from elasticps.logs import PROCESS_ENV, JsonLineFormatter, json_line, process_fields
+
+    monkeypatch.setenv(PROCESS_ENV, "trainer-7")
+    monkeypatch.setenv("ELASTICPS_JOB", "j")
+    fields = process_fields("trainer", None)
+    assert fields["index"] == 7 and fields["job"] == "j" and fields["role"] == "trainer"
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord(
+            "x", logging.ERROR, "", 0, "failed %s", ("once",), sys.exc_info()
+        )
+    full = json.loads(JsonLineFormatter(fields).format(record))
+    short = json.loads(JsonLineFormatter(fields, log_file=tmp_path / "t.log").format(record))
+    assert full["message"] == short["message"] == "failed once"
+    assert "ValueError: boom" in full["exc_info"] and "exc_info" not in short
+    assert short["traceback_in"] == str(tmp_path / "t.log")
+    line = json.loads(json_line("plain", fields, level="WARNING"))
+    assert (line["level"], line["role"], line["index"]) == ("WARNING", "trainer", 7)

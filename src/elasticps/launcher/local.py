@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -64,7 +65,7 @@ import tenacity
 import torch
 from tqdm import tqdm
 
-from elasticps import metrics
+from elasticps import jobview, metrics
 from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
 from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
@@ -151,7 +152,14 @@ from elasticps.launcher.supervisor import (
 )
 from elasticps.launcher.tensorboard import JobScalars
 from elasticps.launcher.tensorboard import check_available as check_tensorboard
-from elasticps.logs import LOG_FILE_ENV, file_only, log_to_file
+from elasticps.logs import (
+    LOG_FILE_ENV,
+    LOG_FORMAT_ENV,
+    file_only,
+    json_line,
+    log_to_file,
+    process_fields,
+)
 from elasticps.master.client import MasterClient
 from elasticps.model_file import LazyModelError, ModelSpec, load_model_file
 from elasticps.netutil import RUNTIME_DIR_ENV, check_port_free
@@ -357,6 +365,10 @@ class LocalLauncher:
         self._targets_due = 0.0
         self._targets_text = ""
         self._metrics_address: str | None = None  # the launcher's own metrics (restarts)
+        # --log-format json: every terminal line one JSON object.
+        self._json_logs = os.environ.get(LOG_FORMAT_ENV) == "json"
+        self._json_fields = process_fields("launcher", config.job)
+        self._progress_due = 0.0
         self._scalars: JobScalars | None = None
         self._evaluator: PassEvaluator | None = None
         # The model constructor's keyword arguments: --model-args, or with
@@ -1253,14 +1265,32 @@ class LocalLauncher:
             self._child_line(child.role, line)
 
     def _child_line(self, role: str, line: str) -> None:
-        """Show a child's line, except its closing user error: the job reports that one."""
+        """Show a child's line, except its closing user error: the job reports that one.
+
+        With JSON logs, a child's JSON line is shown as it is (it names its
+        process), and any other line it prints becomes one in its name.
+        """
         if line.startswith(_USER_ERROR_PREFIX):
             file_only(logging.INFO, f"[{role}] {line}", name=__name__)
+            return
+        if self._json_logs:
+            if not _is_json_object(line):
+                kind, _, index = role.partition("-")
+                fields = {**self._json_fields, "role": kind}
+                fields["index"] = int(index) if index.isdigit() else None
+                line = json_line(line, fields)
+            self._show(line)
             return
         self._emit(f"[{role}] {line}")
 
     def _emit(self, line: str) -> None:
         file_only(logging.INFO, line, name=__name__)
+        if self._json_logs:
+            line = json_line(line.removeprefix("[launcher] "), self._json_fields)
+        self._show(line)
+
+    def _show(self, line: str) -> None:
+        """Write one line to the launcher's terminal (above the progress bar, if any)."""
         with self._out_lock:
             if self._bar is not None:
                 self._bar.write(line, file=self.out)
@@ -1547,6 +1577,8 @@ class LocalLauncher:
                             self._inject(event, store, elapsed, fraction)
                     if cfg.progress:
                         rate_t0, rate_s0 = self._update_bar(last, rate_t0, rate_s0)
+                    else:
+                        self._progress_line(last)
                     if last.finished:
                         break
                     if training_started is not None:
@@ -1580,6 +1612,8 @@ class LocalLauncher:
             self._update_bar(last, rate_t0, rate_s0)
             self._bar.close()
             self._bar = None
+        elif last is not None:
+            self._progress_line(last, final=True)
         return int(last.samples_done) if last is not None else 0
 
     def _while_supervising(self, work: Callable[[], _T]) -> _T:
@@ -1779,6 +1813,30 @@ class LocalLauncher:
         masters = [c for c in self.children if c.kind == "master" and c.proc.poll() is None]
         return masters[0].pid if masters else None
 
+    def _progress_line(self, status: master_pb2.JobStatus, *, final: bool = False) -> None:
+        """Without a bar: one progress line every ``progress_every_s`` seconds (and a last
+        one), to the launcher's log, and to stderr with ``progress_lines``."""
+        now = time.monotonic()
+        if not final and now < self._progress_due:
+            return
+        self._progress_due = now + self.config.progress_every_s
+        total = int(status.tasks_total * status.num_passes)
+        history = self.timeline[-30:]
+        rate = jobview.throughput(history[-2:]) if len(history) > 1 else []
+        eta = jobview.eta_s(history, total)
+        line = (
+            f"[launcher] progress: pass {min(status.pass_id + 1, status.num_passes)}/"
+            f"{status.num_passes}, tasks {status.tasks_done_all_passes}/{total}, "
+            f"{status.samples_done} samples"
+            + (f", {rate[-1][1]:.0f} samples/s" if rate else "")
+            + (f", loss {status.last_loss:.4f}" if math.isfinite(status.last_loss) else "")
+            + (f", ETA {eta:.0f} s" if eta is not None and not final else "")
+        )
+        if self.config.progress_lines:
+            self._emit(line)
+        else:
+            file_only(logging.INFO, line, name=__name__)
+
     def _update_bar(self, status: object, t0: float, s0: int) -> tuple[float, int]:
         total = int(status.tasks_total * status.num_passes)  # type: ignore[attr-defined]
         with self._out_lock:
@@ -1898,6 +1956,15 @@ class LocalLauncher:
         tmp = self.config.output / f"{name}.tmp"
         tmp.write_text(text)
         tmp.replace(self.config.output / name)
+
+
+def _is_json_object(line: str) -> bool:
+    if not line.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _lag_postfix(lag: object) -> dict[str, str]:

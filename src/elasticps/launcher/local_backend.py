@@ -103,7 +103,7 @@ class LocalBackend:
     ) -> None:
         self._spawner: Spawner = spawner or ExecSpawner()
         self._command = command
-        self._env = env or (lambda spec: child_env(spec.role.value, spec.env))
+        self._env = env or (lambda spec: child_env(spec.name, spec.env))
         self._on_output = on_output
         self._on_start = on_start
         self._capacity = capacity

@@ -363,6 +363,7 @@ def parse_submit(
         command="submit",
         backend="slurm",
         log_level="warning",
+        log_format=getattr(train, "log_format", "text"),
         slurm=own,
         train_args=list(train_args),
         train=train,
