@@ -42,6 +42,7 @@ __all__ = [
     "MASTER_TASKS",
     "MASTER_TASK_REPORTS",
     "METRICS_OFF_ENV",
+    "METRICS_PORT_ENV",
     "PS_CHECKPOINT_BYTES",
     "PS_CHECKPOINT_SECONDS",
     "PS_MODEL_VERSION",
@@ -243,8 +244,15 @@ _SERVED: dict[str, str] = {}
 _SERVED_LOCK: Final = threading.Lock()
 
 
+METRICS_PORT_ENV: Final = "ELASTICPS_METRICS_PORT"
+"""The port :func:`serve` binds when set (the Kubernetes backend's pods: a fixed port
+that their scrape annotations name); unset or 0, a free one."""
+
+
 def serve(host: str) -> str:
-    """Serve this process's metrics on a free port of ``host``; return ``host:port``.
+    """Serve this process's metrics on a port of ``host``; return ``host:port``.
+
+    The port is ``ELASTICPS_METRICS_PORT`` if set, else a free one.
 
     The server runs on a daemon thread for the life of the process; a second
     call for the same host returns the first one's address (a process that
@@ -255,7 +263,8 @@ def serve(host: str) -> str:
     """
     with _SERVED_LOCK:
         if host not in _SERVED:
-            server, _ = start_http_server(0, addr=host)
+            port = int(os.environ.get(METRICS_PORT_ENV) or 0)
+            server, _ = start_http_server(port, addr=host)
             netloc = f"[{host}]" if ":" in host else host
             _SERVED[host] = f"{netloc}:{int(server.server_port)}"
         return _SERVED[host]

@@ -27,8 +27,10 @@ from elasticps.launcher.backend import Role, WorkerSpec
 from elasticps.launcher.kubernetes import (
     MASTER_PORT,
     MAX_CONFIGMAP_BYTES,
+    METRICS_PORT,
     MODEL_PATH,
     PS_PORT,
+    SCRAPE_ANNOTATIONS,
     SECRET_DIR,
     JobRequest,
     OwnerRef,
@@ -160,6 +162,19 @@ def test_readiness_probes_master_grpc_health_ps_tcp_trainers_none() -> None:
     assert probes["ps"]["tcpSocket"] == {"port": PS_PORT}
     assert probes["etcd"]["httpGet"]["path"] == "/health"
     assert probes["trainer"] is None
+
+
+def test_every_role_pod_carries_the_prometheus_scrape_annotations_of_its_metrics_port() -> None:
+    for pod in all_pods():
+        role = pod["metadata"]["labels"]["elasticps/role"]
+        if role == "etcd":
+            continue
+        assert pod["metadata"]["annotations"] == SCRAPE_ANNOTATIONS, role
+        container = pod["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == METRICS_PORT == int(SCRAPE_ANNOTATIONS["prometheus.io/port"])
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["ELASTICPS_METRICS_PORT"] == str(METRICS_PORT), role
 
 
 def test_worker_pods_are_owned_by_the_master_deployment_and_never_restart_in_place() -> None:

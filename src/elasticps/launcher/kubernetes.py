@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from elasticps import metrics
 from elasticps.config import (
     KubernetesConfig,
     ManagerConfig,
@@ -136,6 +137,15 @@ MASTER_PORT = 50051
 """The master's gRPC port in its pod (and its Service)."""
 PS_PORT = 7000
 """A parameter server's tensor-plane port in its pod."""
+METRICS_PORT = 9400
+"""Every role's Prometheus metrics port in its pod (named in its scrape annotations)."""
+SCRAPE_ANNOTATIONS = {
+    "prometheus.io/scrape": "true",
+    "prometheus.io/port": str(METRICS_PORT),
+    "prometheus.io/path": "/metrics",
+}
+"""The annotations that the usual Prometheus ``kubernetes_sd_configs`` pod relabelling
+reads: every master, PS and trainer pod carries them."""
 ETCD_PORT = 2379
 """The job's etcd client port."""
 MODEL_DIR = "/etc/elasticps/model"
@@ -249,7 +259,11 @@ def _role_env(job: str, role: Role, index: int, extra: Mapping[str, str]) -> lis
         _field_env("ELASTICPS_POD_UID", "metadata.uid"),
         _field_env("ELASTICPS_NAMESPACE", "metadata.namespace"),
     ]
-    plain = {"ELASTICPS_ROLE": role.value, "ELASTICPS_JOB": job}
+    plain = {
+        "ELASTICPS_ROLE": role.value,
+        "ELASTICPS_JOB": job,
+        metrics.METRICS_PORT_ENV: str(METRICS_PORT),
+    }
     if role is Role.MASTER:
         plain["ELASTICPS_MASTER_PORT"] = str(MASTER_PORT)
     elif role is Role.PS:
@@ -301,10 +315,10 @@ def _container(job: str, spec: WorkerSpec, config: KubernetesConfig) -> Any:
     role = spec.role
     resources = {Role.MASTER: config.master, Role.PS: config.ps, Role.TRAINER: config.trainer}
     _, mounts = _volumes(job, config)
-    ports: list[Any] = []
+    ports: list[Any] = [client.V1ContainerPort(name="metrics", container_port=METRICS_PORT)]
     probe = None
     if role is Role.MASTER:
-        ports = [client.V1ContainerPort(name="grpc", container_port=MASTER_PORT)]
+        ports.insert(0, client.V1ContainerPort(name="grpc", container_port=MASTER_PORT))
         probe = client.V1Probe(
             grpc=client.V1GRPCAction(port=MASTER_PORT, service=""),
             initial_delay_seconds=2,
@@ -312,7 +326,7 @@ def _container(job: str, spec: WorkerSpec, config: KubernetesConfig) -> Any:
             failure_threshold=3,
         )
     elif role is Role.PS:
-        ports = [client.V1ContainerPort(name="tensor", container_port=PS_PORT)]
+        ports.insert(0, client.V1ContainerPort(name="tensor", container_port=PS_PORT))
         probe = client.V1Probe(
             tcp_socket=client.V1TCPSocketAction(port=PS_PORT),
             initial_delay_seconds=2,
@@ -365,6 +379,7 @@ def worker_pod(
             name=pod_name(job, spec.name),
             namespace=config.namespace,
             labels=job_labels(job, spec.role.value, spec.index),
+            annotations=dict(SCRAPE_ANNOTATIONS),
             owner_references=[owner.to_model()] if owner is not None else None,
         ),
         spec=client.V1PodSpec(
@@ -406,7 +421,7 @@ def master_deployment(
     labels = job_labels(job, Role.MASTER.value)
     volumes, _ = _volumes(job, config)
     template = client.V1PodTemplateSpec(
-        metadata=client.V1ObjectMeta(labels=labels),
+        metadata=client.V1ObjectMeta(labels=labels, annotations=dict(SCRAPE_ANNOTATIONS)),
         spec=client.V1PodSpec(
             containers=[_container(job, spec, config)],
             restart_policy="Always",
