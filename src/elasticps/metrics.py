@@ -68,6 +68,7 @@ __all__ = [
     "register",
     "serve",
     "shard_load",
+    "staleness_since",
     "stragglers",
     "targets_file",
 ]
@@ -332,7 +333,8 @@ def shard_load(text: str) -> dict[str, dict[str, float]]:
     Returns:
         By shard index: ``pushes`` (applied, duplicate and stale), ``push_bytes``
         (bytes), ``push_mean_s`` and ``pull_mean_s`` (mean seconds, 0.0 before
-        the first), ``staleness_mean`` (model versions), ``refused`` (requests
+        the first), ``staleness_mean`` (model versions; with its histogram's
+        ``staleness_sum`` and ``staleness_count``), ``refused`` (requests
         answered with ERROR), ``version`` (the shard's model version).
 
     Raises:
@@ -359,11 +361,33 @@ def shard_load(text: str) -> dict[str, dict[str, float]]:
             "push_mean_s": mean(shard, "push_seconds"),
             "pull_mean_s": mean(shard, "pull_seconds"),
             "staleness_mean": mean(shard, "staleness"),
+            "staleness_sum": sums.get((shard, "staleness_sum"), 0.0),
+            "staleness_count": sums.get((shard, "staleness_count"), 0.0),
             "refused": sums.get((shard, "requests_refused_total"), 0.0),
             "version": sums.get((shard, "model_version"), 0.0),
         }
         for shard in sorted({shard for shard, _ in sums}, key=int)
     }
+
+
+def staleness_since(
+    before: Mapping[str, Mapping[str, float]], now: Mapping[str, Mapping[str, float]]
+) -> float | None:
+    """The mean staleness of the pushes between two readings of every shard's load
+    (:func:`shard_load`), model versions; None when no push was counted. Pure.
+
+    A shard whose count went down (its server restarted and counts from 0) counts
+    from 0; a shard missing from ``before`` too.
+    """
+    total = count = 0.0
+    for shard, load in now.items():
+        old = before.get(shard, {})
+        d_count = load.get("staleness_count", 0.0) - old.get("staleness_count", 0.0)
+        d_sum = load.get("staleness_sum", 0.0) - old.get("staleness_sum", 0.0)
+        if d_count < 0:
+            d_count, d_sum = load.get("staleness_count", 0.0), load.get("staleness_sum", 0.0)
+        total, count = total + d_sum, count + d_count
+    return total / count if count > 0 else None
 
 
 def targets_file(records: Mapping[str, Any], job: str) -> str:

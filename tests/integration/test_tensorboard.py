@@ -26,7 +26,7 @@ def test_the_scalars_are_one_curve_each_across_a_master_and_a_ps_restart(
     args = [
         "--model", MLP, "--data", mnist_dir, "--output", out, "--trainers", "2", "--ps", "2",
         "--epochs", str(EPOCHS), "--records-per-task", "250", "--lease-ttl-s", "2",
-        "--eval-each-pass", "--tensorboard", logs,
+        "--eval-each-pass", "--tensorboard", logs, "--mode", "async",
         "--chaos", "kill:master@30%,kill:ps@60%",
     ]  # fmt: skip
     line, _ = run_train(args, pids_file=out / "pids.json", timeout_s=200)
@@ -39,7 +39,11 @@ def test_the_scalars_are_one_curve_each_across_a_master_and_a_ps_restart(
     events = EventAccumulator(str(logs))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/samples_per_s", "pass/records_trained", "test/accuracy"} <= tags
+    assert {"train/loss", "train/samples_per_s", "pass/records_trained", "test/accuracy",
+            "train/staleness"} <= tags  # fmt: skip
+    staleness = events.Scalars("train/staleness")
+    assert [e.step for e in staleness] == sorted(e.step for e in staleness)
+    assert all(e.value >= 0 for e in staleness)
 
     loss = events.Scalars("train/loss")
     steps = [e.step for e in loss]

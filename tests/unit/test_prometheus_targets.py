@@ -36,3 +36,17 @@ def test_the_mean_step_time_is_read_from_a_trainer_s_metrics() -> None:
     )
     assert mean_step_s(text) == 0.5
     assert mean_step_s("# TYPE x counter\nx_total 1.0\n") is None
+
+
+def test_staleness_since_counts_a_restarted_shard_from_zero() -> None:
+    from elasticps.metrics import staleness_since
+
+    def load(total: float, count: float) -> dict[str, float]:
+        return {"staleness_sum": total, "staleness_count": count}
+
+    before = {"0": load(10.0, 10.0), "1": load(4.0, 2.0)}
+    # Shard 0: 10 more pushes of staleness 3; shard 1 restarted: 2 pushes of 1.
+    now = {"0": load(40.0, 20.0), "1": load(2.0, 2.0)}
+    assert staleness_since(before, now) == (30.0 + 2.0) / 12
+    assert staleness_since(now, now) is None
+    assert staleness_since({}, {"2": load(6.0, 3.0)}) == 2.0

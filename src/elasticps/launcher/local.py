@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -68,7 +69,13 @@ from tqdm import tqdm
 from elasticps import jobview, metrics
 from elasticps.buffers import state_from_flat
 from elasticps.checkpoint import save_checkpoint
-from elasticps.config import JobConfig, ManagerConfig, model_args_text, parse_model_args
+from elasticps.config import (
+    JobConfig,
+    ManagerConfig,
+    UpdateMode,
+    model_args_text,
+    parse_model_args,
+)
 from elasticps.coord.etcd_auth import enable_auth
 from elasticps.coord.etcd_server import EtcdProcess
 from elasticps.coord.keys import Keys
@@ -98,6 +105,7 @@ from elasticps.errors import (
     ServiceUnavailableError,
 )
 from elasticps.evaluate import checkpoint_tables, evaluate
+from elasticps.jobs import metrics_targets
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
@@ -195,6 +203,8 @@ _T = TypeVar("_T")
 _POLL_S = 0.25
 # Seconds between reads of the parameter servers' checkpoint health records.
 _HEALTH_POLL_S = 1.0
+_STALENESS_EVERY_S = 1.0  # between two readings of the PS metrics for TensorBoard
+_SCRAPE_TIMEOUT_S = 0.5
 
 TARGETS_FILE = "prometheus-targets.json"
 """In the job's output: the roles' metrics targets, for Prometheus' ``file_sd_configs``."""
@@ -369,6 +379,8 @@ class LocalLauncher:
         self._json_logs = os.environ.get(LOG_FORMAT_ENV) == "json"
         self._json_fields = process_fields("launcher", config.job)
         self._progress_due = 0.0
+        self._staleness_due = 0.0
+        self._staleness_seen: dict[str, dict[str, float]] = {}
         self._scalars: JobScalars | None = None
         self._evaluator: PassEvaluator | None = None
         # The model constructor's keyword arguments: --model-args, or with
@@ -774,6 +786,7 @@ class LocalLauncher:
                     # Before the final snapshot: both freeze the servers.
                     self._pass_evaluations = evaluator.close()
                 if self._scalars is not None:
+                    self._record_staleness(self._scalars, now_or_never=True)
                     self._scalars.evaluations(self._pass_evaluations)
                     with contextlib.suppress(ElasticPSError):
                         self._scalars.passes(store.pass_summaries())
@@ -942,6 +955,32 @@ class LocalLauncher:
         scalars.passes(self._audits_seen)
         if self._evaluator is not None:
             scalars.evaluations(self._evaluator.results())
+        self._record_staleness(scalars)
+
+    def _record_staleness(self, scalars: JobScalars, *, now_or_never: bool = False) -> None:
+        """In async-SGD, the mean staleness since the last reading, every
+        ``_STALENESS_EVERY_S`` (or at once, with ``now_or_never``)."""
+        now = time.monotonic()
+        if self.config.mode is not UpdateMode.ASYNC or self.config.metrics != "on":
+            return
+        if now < self._staleness_due and not now_or_never:
+            return
+        self._staleness_due = now + _STALENESS_EVERY_S
+        loads = self._shard_loads()
+        mean = metrics.staleness_since(self._staleness_seen, loads)
+        self._staleness_seen = {**self._staleness_seen, **loads}
+        if mean is not None:
+            scalars.staleness(mean)
+
+    def _shard_loads(self) -> dict[str, dict[str, float]]:
+        """Each PS shard's load from its metrics, for the TensorBoard staleness."""
+        loads: dict[str, dict[str, float]] = {}
+        for _, address in metrics_targets(self.config.output, "ps"):
+            with contextlib.suppress(OSError, ValueError):
+                url = f"http://{address}/metrics"
+                with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as reply:
+                    loads.update(metrics.shard_load(reply.read().decode()))
+        return loads
 
     def _write_targets(self, store: JobStore) -> None:
         """Write ``OUTPUT/prometheus-targets.json`` from the roles' ``metrics/`` keys when

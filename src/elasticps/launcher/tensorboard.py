@@ -22,7 +22,9 @@ Scalars (tags):
   from each pass's audit;
 - ``test/<metric>`` (``test/accuracy``, ``test/loss``, ...): each pass's test
   evaluation;
-- ``stream/lag_records``: records behind the head of a Kafka stream.
+- ``stream/lag_records``: records behind the head of a Kafka stream;
+- ``train/staleness``: in async-SGD, the mean staleness of the pushes since the
+  last point (model versions), from the parameter servers' metrics, every second.
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ class JobScalars:
             self._rate_t, self._rate_step = now, self._step
         if lag is not None:
             self._writer.add_scalar("stream/lag_records", lag, self._step)
+
+    def staleness(self, mean: float) -> None:
+        """Record the mean staleness of the recent pushes, model versions."""
+        if math.isfinite(mean):
+            self._writer.add_scalar("train/staleness", mean, self._step)
 
     def passes(self, audits: Mapping[int, Mapping[str, Any]]) -> None:
         """Record each pass audit not recorded yet (``passes/<n>`` in etcd)."""
