@@ -376,15 +376,15 @@ def staleness_since(
     """The mean staleness of the pushes between two readings of every shard's load
     (:func:`shard_load`), model versions; None when no push was counted. Pure.
 
-    A shard whose count went down (its server restarted and counts from 0) counts
-    from 0; a shard missing from ``before`` too.
+    A shard whose count or sum went down (its server restarted and counts from 0)
+    counts from 0; a shard missing from ``before`` too.
     """
     total = count = 0.0
     for shard, load in now.items():
         old = before.get(shard, {})
         d_count = load.get("staleness_count", 0.0) - old.get("staleness_count", 0.0)
         d_sum = load.get("staleness_sum", 0.0) - old.get("staleness_sum", 0.0)
-        if d_count < 0:
+        if d_count < 0 or d_sum < 0:  # neither goes down but by a restart
             d_count, d_sum = load.get("staleness_count", 0.0), load.get("staleness_sum", 0.0)
         total, count = total + d_sum, count + d_count
     return total / count if count > 0 else None
