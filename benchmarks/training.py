@@ -46,7 +46,9 @@ the cases are:
 ``elasticps-sync-2ps-metricsoff`` / ``elasticps-async1-2ps-metricsoff``
     The same jobs with ``--metrics off``: no role serves or updates its
     Prometheus metrics. The summary's ``metrics`` ratios (on over off) give
-    what the metrics cost (scraped or not: a scrape is the reader's work).
+    what the metrics cost; with ``--scrape-every-s S``, every target of a job
+    with metrics on is scraped every S seconds while it runs, as Prometheus
+    would (the scrapes' own CPU, in this process, competes with the job).
 ``ddp``
     ``torchrun --standalone --nproc_per_node 2 benchmarks/ddp_worker.py``: torch
     DDP over gloo, ``torch.set_num_threads(1)`` per process.
@@ -147,6 +149,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -492,6 +495,35 @@ def _emit(obj: dict[str, Any]) -> None:
     print(json.dumps(obj), flush=True)
 
 
+class Scraper:
+    """Scrapes every target of ``OUTPUT/prometheus-targets.json`` every ``every_s``
+    seconds on a thread, as a Prometheus server would, until :meth:`stop`."""
+
+    def __init__(self, output: Path, every_s: float) -> None:
+        self.output = output
+        self.every_s = every_s
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from elasticps.jobs import metrics_targets
+
+        while not self._stop.wait(self.every_s):
+            for role in ("launcher", "master", "ps", "trainer"):
+                for _, address in metrics_targets(self.output, role):
+                    with contextlib.suppress(OSError):
+                        url = f"http://{address}/metrics"
+                        with urllib.request.urlopen(url, timeout=2) as reply:
+                            reply.read()
+                        self.scrapes += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class Runner:
     """Starts the benchmark's subprocesses, each in its own session, and stops them by PID.
 
@@ -512,8 +544,10 @@ class Runner:
         full_data: Path,
         test_rows: int | None = None,
         share_target: float | None = None,
+        scrape_every_s: float = 0.0,
     ) -> None:
         self.workdir = workdir
+        self.scrape_every_s = scrape_every_s
         self.full_data = full_data
         self.test_rows = test_rows
         self.share_target = share_target
@@ -701,14 +735,21 @@ class Runner:
             "--output", str(out / "job"),
             *extra,
         ]  # fmt: skip
+        scraper = None
+        if self.scrape_every_s > 0 and "--metrics" not in extra:
+            scraper = Scraper(out / "job", self.scrape_every_s)
         try:
             stdout, wall = self._run(
                 cmd, out / "job.log", env=env, pids_file=out / "job" / "pids.json"
             )
         finally:
+            if scraper is not None:
+                scraper.stop()
             self._reap(out / "job" / "pids.json", job)
         line = json.loads(stdout.strip().splitlines()[-1])
         line["cpu_samples"] = self.last_cpu.samples
+        if scraper is not None:
+            line["scrapes"] = scraper.scrapes
         record = json.loads((out / "job" / "run.json").read_text())
         line["training_s"] = training_seconds(out / "job" / "logs" / "master-0.log")
         self._remember(key, [line, record, wall])
@@ -1167,6 +1208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep every run's files here")
     parser.add_argument(
+        "--scrape-every-s",
+        type=float,
+        default=0.0,
+        help="scrape every metrics target of each elasticps job with metrics on every this "
+        "many seconds while it runs (default 0: none)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: small MLP on 512 rows, 1 epoch, one case of each kind, sgd64 only "
@@ -1243,7 +1291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         full = workdir / "mnist"
         prepare_mnist(full)  # what `elasticps data mnist` writes
-        runner = Runner(workdir, full, test_rows, share_target=target if args.smoke else None)
+        runner = Runner(
+            workdir,
+            full,
+            test_rows,
+            share_target=target if args.smoke else None,
+            scrape_every_s=args.scrape_every_s,
+        )
         runs: list[Run] = []
         for model in models:
             epochs = max(1, round(model.epochs * args.scale))
