@@ -893,7 +893,8 @@ def run_case(
             tc.name, model.name, case, rep, int(line["samples_trained"]), wall, rate, window,
             line.get("accuracy"),
             {"job_wall_s": line["wall_s"], "training_s": line["training_s"],
-             "loadavg_before": load, **_cpu_in(line["cpu_samples"], [points])},
+             "loadavg_before": load, **_cpu_in(line["cpu_samples"], [points]),
+             **({"scrapes": line["scrapes"]} if "scrapes" in line else {})},
         )  # fmt: skip
     if case == "compute-2x1":
         results, wall = runner.independent(model, tc, epochs=epochs)
