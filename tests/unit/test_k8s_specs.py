@@ -177,6 +177,17 @@ def test_every_role_pod_carries_the_prometheus_scrape_annotations_of_its_metrics
         assert env["ELASTICPS_METRICS_PORT"] == str(METRICS_PORT), role
 
 
+def test_the_network_policy_admits_only_the_jobs_pods_but_to_the_metrics_port() -> None:
+    objects = by_name(job_objects(REQUEST, CONFIG))
+    policy = objects[("NetworkPolicy", "j-network")]["spec"]
+    job = {"app": "elasticps", "elasticps/job": "j"}
+    assert policy["podSelector"] == {"matchLabels": job}
+    assert policy["policyTypes"] == ["Ingress"]
+    from_job, metrics_port = policy["ingress"]
+    assert from_job == {"from": [{"podSelector": {"matchLabels": job}}]}
+    assert metrics_port == {"ports": [{"port": METRICS_PORT, "protocol": "TCP"}]}
+
+
 def test_worker_pods_are_owned_by_the_master_deployment_and_never_restart_in_place() -> None:
     pod = round_trip(worker_pod("j", WorkerSpec(Role.TRAINER, 3), CONFIG, OWNER))
     meta = pod["metadata"]

@@ -656,9 +656,11 @@ def network_policy(job: str, config: KubernetesConfig) -> Any:
     """The NetworkPolicy ``<job>-network``: only the job's pods reach its pods (etcd, master, PS).
 
     It selects every pod labelled with the job and admits ingress only from
-    pods labelled with the job. It takes effect where the cluster's network
-    plugin enforces NetworkPolicies; the kubelet's probes come from the node,
-    which most plugins admit.
+    pods labelled with the job, but for the metrics port (:data:`METRICS_PORT`),
+    open to a Prometheus anywhere in the cluster: metrics carry counts and
+    timings, never parameters, records or credentials. It takes effect where
+    the cluster's network plugin enforces NetworkPolicies; the kubelet's probes
+    come from the node, which most plugins admit.
     """
     from kubernetes import client
 
@@ -679,7 +681,10 @@ def network_policy(job: str, config: KubernetesConfig) -> Any:
                             pod_selector=client.V1LabelSelector(match_labels=labels)
                         )
                     ]
-                )
+                ),
+                client.V1NetworkPolicyIngressRule(
+                    ports=[client.V1NetworkPolicyPort(port=METRICS_PORT, protocol="TCP")]
+                ),
             ],
         ),
     )
