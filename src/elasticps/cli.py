@@ -1797,7 +1797,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from elasticps.cli_jobs import cmd_report
 
-    return cmd_report(args)
+    return cmd_report(args, _core_api)
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:

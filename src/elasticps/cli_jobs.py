@@ -84,10 +84,14 @@ def add_job_commands(sub: Any, add_cluster: Callable[[argparse.ArgumentParser], 
     report = sub.add_parser(
         "report", help="write one self-contained HTML report of a finished or failed job"
     )
-    report.add_argument("output", type=Path, metavar="OUTPUT",
-                        help="the job's output directory")  # fmt: skip
+    report.add_argument("target", metavar="OUTPUT|JOB",
+                        help="the job's output directory; with --backend kubernetes, "
+                        "the job's name")  # fmt: skip
+    report.add_argument("--backend", choices=("local", "kubernetes"), default="local")
     report.add_argument("--to", type=Path, default=None, metavar="FILE",
-                        help="where to write it (default OUTPUT/report.html)")  # fmt: skip
+                        help="where to write it (default OUTPUT/report.html; for a "
+                        "Kubernetes job, JOB-report.html here)")  # fmt: skip
+    add_cluster(report)
 
     listing = sub.add_parser("list", help="list local runs (or a namespace's Kubernetes jobs)")
     listing.add_argument(
@@ -131,18 +135,46 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(args: argparse.Namespace, core_api: Callable[[argparse.Namespace], Any]) -> int:
     """``elasticps report``: write the HTML file and print its path.
 
     Raises:
-        ConfigError: OUTPUT holds no readable ``run.json``.
+        ConfigError: OUTPUT holds no readable ``run.json``, or flags of the other backend.
+        KubernetesError: the Kubernetes API failed.
         MissingExtraError: the ``dashboard`` extra is not installed.
         OSError: the file cannot be written.
     """
-    from elasticps.report import write_report
+    from elasticps.report import build_kubernetes_report, write_report
 
-    print(write_report(args.output, args.to))
+    if args.backend == "local":
+        _check_local(args)
+        print(write_report(Path(args.target), args.to))
+        return 0
+    from elasticps.launcher.kubernetes import job_logs, job_status, pod_name
+    from elasticps.pserver.atomic import write_atomic
+
+    api = core_api(args)
+    status = job_status(api, args.namespace, args.target)
+    logs: dict[str, str] = {}
+    worker = _failing_worker(status.get("decisions") or [])
+    if worker is not None:  # a PS's or a trainer's pod is named after it
+        role = worker.partition("-")[0]
+        for pod, text in job_logs(api, args.namespace, args.target, role, tail_lines=30):
+            if pod == pod_name(args.target, worker):
+                logs[f"pod {pod}"] = text
+    target = args.to if args.to is not None else Path(f"{args.target}-report.html")
+    write_atomic(target, build_kubernetes_report(status, logs).encode())
+    print(target.resolve())
     return 0
+
+
+def _failing_worker(decisions: list[Any]) -> str | None:
+    """The worker of the last decision that failed the job (see
+    :func:`elasticps.launcher.supervisor.failing_worker`), from ``run.json``-style dicts."""
+    for d in reversed(decisions):
+        if isinstance(d, dict) and str(d.get("decided", "")).startswith("fail"):
+            return str(d.get("worker"))
+    return None
 
 
 def _check_local(args: argparse.Namespace) -> None:

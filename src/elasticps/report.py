@@ -1,6 +1,7 @@
 """A job's report: ``elasticps report OUTPUT`` writes one self-contained HTML file.
 
-For a finished, stopped or failed job, from what its output directory holds:
+For a finished, stopped or failed job, from what its output directory holds
+(a Kubernetes job: from what the cluster holds, :func:`build_kubernetes_report`):
 ``run.json`` (the state, the progress timeline, the passes' audits, the
 evaluations, the supervision decisions and, for a failed job, the root
 cause), the event log ``events.jsonl`` and the logs. The plots are the
@@ -28,7 +29,7 @@ from elasticps.errors import ConfigError
 from elasticps.extras import require_extra
 from elasticps.launcher.job_events import read_events
 
-__all__ = ["REPORT_FILE", "build_report", "write_report"]
+__all__ = ["REPORT_FILE", "build_kubernetes_report", "build_report", "write_report"]
 
 REPORT_FILE: Final = "report.html"
 """The report's default name in the job's output directory."""
@@ -96,6 +97,12 @@ own (see the error above).</p>
 {% for f in faults %}<tr><td>{{ f.time }}</td><td>{{ f.worker }}</td><td>{{ f.what }}</td>
 <td>{{ f.then }}</td></tr>
 {% endfor %}</table>{% else %}<p class="empty">No fault.</p>{% endif %}
+
+{% if pods %}<h2>Pods</h2>
+<table id="pods"><tr><th>pod</th><th>role</th><th>phase</th><th>state</th><th>reason</th></tr>
+{% for p in pods %}<tr><td>{{ p.name }}</td><td>{{ p.role }}</td><td>{{ p.phase }}</td>
+<td>{{ p.state }}</td><td>{{ p.reason }}</td></tr>
+{% endfor %}</table>{% endif %}
 
 {% if log_tail %}<h2>The last lines of {{ log_name }}</h2>
 <pre id="log">{{ log_tail }}</pre>{% endif %}
@@ -180,10 +187,6 @@ def build_report(output: Path) -> str:
         MissingExtraError: the ``dashboard`` extra is not installed.
     """
     require_extra("dashboard", "elasticps report")
-    import jinja2
-    import markupsafe
-    import plotly.offline
-
     output = output.resolve()
     try:
         record = json.loads((output / "run.json").read_text(encoding="utf-8"))
@@ -194,17 +197,78 @@ def build_report(output: Path) -> str:
     if not isinstance(record, dict):
         raise ConfigError(f"{output / 'run.json'} is not a JSON object")
     events = read_events(output) or _events_of(record)
+    cause = record.get("root_cause") if isinstance(record.get("root_cause"), dict) else None
+    log_name, log_tail = _log_tail(output, str(cause["worker"])) if cause else ("", "")
+    return _render(record, events, source=str(output), log_name=log_name, log_tail=log_tail)
+
+
+def build_kubernetes_report(status: Mapping[str, Any], logs: Mapping[str, str]) -> str:
+    """The report of a Kubernetes job, from ``elasticps status --backend kubernetes``'s dict.
+
+    A Kubernetes job keeps no ``run.json``: its state record (the failure and
+    the supervision decisions that led to it) and its pods are what the
+    cluster holds, and the root cause is found in those decisions as for any
+    job (:func:`elasticps.launcher.supervisor.root_cause`).
+
+    Args:
+        status: :func:`elasticps.launcher.kubernetes.job_status`'s dict.
+        logs: the last lines of the failing worker's pod log, by pod name ({}: none).
+
+    Raises:
+        MissingExtraError: the ``dashboard`` extra is not installed.
+    """
+    from elasticps.launcher.supervisor import Decision, root_cause
+
+    require_extra("dashboard", "elasticps report")
+    decisions = [
+        d
+        for d in status.get("decisions") or []
+        if isinstance(d, dict) and isinstance(d.get("at"), int | float)
+    ]
+    record: dict[str, Any] = {
+        "job": status.get("job", "?"),
+        "state": status.get("state", "?"),
+        "error": status.get("failure") or None,
+        "exit_code": status.get("exit_code"),
+        "decisions": decisions,
+    }
+    if record["state"] == "failed":
+        fields = ("at", "role", "worker", "happened", "decided", "message")
+        parsed = [Decision(**{k: d[k] for k in fields if k in d}) for d in decisions]
+        cause, after = root_cause(parsed, None)
+        record["root_cause"] = cause.as_dict() if cause is not None else None
+        record["consequences"] = [d.as_dict() for d in after]
+    name, tail = next(iter(logs.items()), ("", ""))
+    source = f"namespace {status.get('namespace', '?')} (Kubernetes)"
+    pods = [p for p in status.get("pods") or [] if isinstance(p, dict)]
+    return _render(
+        record, _events_of(record), source=source, log_name=name, log_tail=tail, pods=pods
+    )
+
+
+def _render(
+    record: Mapping[str, Any],
+    events: Sequence[Mapping[str, Any]],
+    *,
+    source: str,
+    log_name: str,
+    log_tail: str,
+    pods: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    import jinja2
+    import markupsafe
+    import plotly.offline
+
     timeline = [p for p in record.get("timeline") or [] if isinstance(p, list) and len(p) == 3]
     state = str(record.get("state", "?"))
     cause = record.get("root_cause") if isinstance(record.get("root_cause"), dict) else None
-    log_name, log_tail = _log_tail(output, str(cause["worker"])) if cause else ("", "")
     passes = [p for p in record.get("passes") or [] if isinstance(p, dict)]
     summary = [
         (key, record[key])
-        for key in ("job", "state", "epochs", "samples", "wall_s", "exactly_once", "records_lost")
-        if key in record
-    ]
-    tests = jobview.test_rows(events)
+        for key in ("job", "state", "epochs", "samples", "wall_s", "exactly_once", "records_lost",
+                    "exit_code")
+        if record.get(key) is not None
+    ]  # fmt: skip
     template = jinja2.Environment(autoescape=True).from_string(_TEMPLATE)
     return template.render(
         job=record.get("job", "?"),
@@ -213,16 +277,17 @@ def build_report(output: Path) -> str:
         error=record.get("error"),
         cause=_with_time(cause) if cause else None,
         consequences=[_with_time(d) for d in record.get("consequences") or []],
-        tests=tests,
+        tests=jobview.test_rows(events),
         final=_metrics_line(record.get("evaluation")),
         passes=passes,
         pass_columns=_pass_columns(passes),
         faults=jobview.fault_rows(events),
+        pods=pods,
         log_name=log_name,
         log_tail=log_tail,
         figures=jobview.figures(timeline, events, {}),
         plotly_js=markupsafe.Markup(plotly.offline.get_plotlyjs()),
-        output=str(output),
+        output=source,
         written=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
 

@@ -45,9 +45,9 @@ from elasticps.launcher.kubernetes import (
     master_owner,
     set_wanted_trainers,
 )
-from elasticps.launcher.manager import WorkerManager
+from elasticps.launcher.manager import WorkerManager, policy_event
 from elasticps.launcher.pod_events import PodEventListener
-from elasticps.launcher.supervisor import FailJob
+from elasticps.launcher.supervisor import FailJob, decision_of
 from elasticps.master.main import serve_master
 from elasticps.netutil import LOOPBACK
 from elasticps.testing import wait_for
@@ -307,9 +307,14 @@ def test_a_job_the_policy_fails_reads_failed_in_status_and_list(
     master = master_pod(kube)
     backend = KubernetesBackend(NS, JOB, "registry.example/elasticps:1", api.api_client, None)
 
+    decisions: list[dict[str, object]] = []
+
     def on_decision(event: WorkerEvent, action: object) -> None:
+        decision = decision_of(time.time(), policy_event(event, False), action)  # type: ignore[arg-type]
+        if decision is not None:
+            decisions.append(decision.as_dict())
         if isinstance(action, FailJob):  # as the in-cluster manager's hook does
-            mark_job_failed(api, NS, JOB, action.message)
+            mark_job_failed(api, NS, JOB, action.message, exit_code=2, decisions=decisions)
 
     manager = build_manager(
         backend,
@@ -354,6 +359,16 @@ def test_a_job_the_policy_fails_reads_failed_in_status_and_list(
     kube.lose_node(NS, master)
     wait_for(lambda: running(kube, MASTERS) not in ([], [master]), "a new master pod")
     check_failed()
+    # The report names the trainer whose user error failed the job, with its pod's log.
+    kube.set_log(NS, victim, "elasticps: error: the model file raised ValueError\n")
+    report = tmp_path / "report.html"
+    assert main(["report", JOB, *cluster, "--to", str(report)]) == 0
+    assert capsys.readouterr().out.strip() == str(report.resolve())
+    html = report.read_text()
+    worker = victim.removeprefix(f"{JOB}-")
+    cause = html.split('id="root-cause"')[1].split("</div>")[0]
+    assert worker in cause and "exit 2" in cause, cause
+    assert "the model file raised ValueError" in html and 'id="pods"' in html
 
 
 @pytest.mark.parametrize("job", [("--etcd-replicas", "3")], indirect=True)
