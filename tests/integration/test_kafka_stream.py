@@ -118,6 +118,7 @@ def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
         audit_dir,
         tmp_path / "run",
         chaos="kill:trainer@1s,kill:ps@2.5s,kill:master@4s",
+        extra=("--tensorboard", str(tmp_path / "tb")),
     )
     producer.join(timeout=30)
     audit = check_run(tmp_path / "run", passes=1)
@@ -132,6 +133,14 @@ def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
     assert isinstance(chaos, list)
     killed = {r["target"] for r in chaos if r["action"] == "kill" and r["pid"] is not None}
     assert killed == {"trainer", "ps", "master"}, chaos
+    # The stream's lag is one TensorBoard curve across the PS and master restarts.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    lag = events.Scalars("stream/lag_records")
+    assert lag and [e.step for e in lag] == sorted(e.step for e in lag)
+    assert all(e.value >= 0 for e in lag)
 
 
 def test_a_stopped_stream_job_resumes_from_exactly_the_offsets_its_checkpoint_holds(

@@ -63,3 +63,19 @@ def test_a_request_for_another_module_is_refused(
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(request.encode())))
     assert remote.main() == 2
     assert "module must be one of elasticps, elasticps.coord.etcd_member" in capsys.readouterr().out
+
+
+def test_a_member_with_half_a_certificate_is_refused_not_served_plain(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from elasticps.coord import etcd_member
+
+    monkeypatch.setenv("ELASTICPS_HOST", "10.0.0.1")
+    monkeypatch.setenv(etcd_member.TLS_CACERT_ENV, str(tmp_path / "ca.pem"))
+    monkeypatch.setenv(etcd_member.TLS_CERT_ENV, str(tmp_path / "cert.pem"))
+    monkeypatch.delenv(etcd_member.TLS_KEY_ENV, raising=False)
+    argv = ["--name", "m0", "--data-dir", str(tmp_path / "d"), "--client-port", "2379",
+            "--peer-port", "2380", "--initial-cluster", "m0=https://10.0.0.1:2380"]  # fmt: skip
+    assert etcd_member.main(argv) == 2
+    assert f"{etcd_member.TLS_KEY_ENV} not set" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

@@ -100,7 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not address:
         print("elasticps: error: ELASTICPS_HOST is not set", file=sys.stderr, flush=True)
         return 2
-    files = [os.environ.get(name, "") for name in (TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV)]
+    names = (TLS_CACERT_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
+    files = [os.environ.get(name, "") for name in names]
+    if any(files) and not all(files):
+        # Some of a certificate, not all: serving plain would drop the security asked for.
+        missing = ", ".join(n for n, f in zip(names, files, strict=True) if not f)
+        print(f"elasticps: error: etcd member {args.name}: TLS is half set up: {missing} "
+              "not set", file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     tls = (Path(files[0]), Path(files[1]), Path(files[2])) if all(files) else None
     try:
         command = etcd_command(
