@@ -66,9 +66,12 @@ def status_json(output: Path, *, starting_ok: bool = False) -> dict[str, Any]:
 
 
 def text(browser: Any, element_id: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    return str(browser.find_element(By.ID, element_id).text)
+    text = browser.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : null",
+        element_id,
+    )
+    assert text is not None, f"no #{element_id} in the page"
+    return str(text)
 
 
 def number(browser: Any, element_id: str) -> int | None:
@@ -77,9 +80,20 @@ def number(browser: Any, element_id: str) -> int | None:
 
 
 def table_rows(browser: Any, body_id: str) -> list[str]:
-    from selenium.webdriver.common.by import By
+    """The text of each row of a table, read in one script: the page replaces the rows
+    at each update, so elements found by one call may be gone by the next."""
+    rows = browser.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]), r => r.innerText)",
+        f"#{body_id} tr",
+    )
+    return [str(row) for row in rows]
 
-    return [str(row.text) for row in browser.find_elements(By.CSS_SELECTOR, f"#{body_id} tr")]
+
+def page_state(browser: Any) -> str:
+    """What the page shows, for a failure's message."""
+    shown = {i: text(browser, i) for i in ("state", "updates", "tasks-done", "error", "updated")}
+    rows = {t: table_rows(browser, t) for t in ("faults", "trainers", "tests")}
+    return f"page: {shown} {rows}"
 
 
 def plotted(browser: Any, figure_id: str) -> bool:
@@ -117,70 +131,72 @@ def test_the_dashboard_follows_a_running_job_and_its_faults(
                 match = re.search(r"http://127\.0\.0\.1:\d+/", line)
                 assert match, (line, (tmp_path / "dashboard.log").read_text())
                 browser.get(match.group(0))
-                loaded_at = browser.execute_script("return window.dashboardLoadedAt")
-
-                # It updates without a reload, and its numbers follow the job's.
-                wait_for(lambda: (number(browser, "updates") or 0) >= 1, "a first update", 30)
-                first = number(browser, "tasks-done")
-                assert first is not None
-                wait_for(
-                    lambda: (
-                        (number(browser, "updates") or 0) >= 3
-                        and (number(browser, "tasks-done") or 0) > first
-                    ),
-                    "two more updates, with progress",
-                    timeout_s=60,
-                    interval_s=0.2,
-                )
-                assert browser.execute_script("return window.dashboardLoadedAt") == loaded_at
-                shown = number(browser, "tasks-done")
-                status = status_json(output)
-                assert shown is not None and shown <= status["tasks_done_all_passes"]
-                assert number(browser, "tasks-total") == status["tasks_all_passes"]
-                assert number(browser, "passes") == status["passes"]
-                assert number(browser, "wanted") == status["wanted_trainers"] == 3
-                assert text(browser, "state") == "running"
-
-                # The chaos kill on the fault timeline, with what the supervisor did.
-                def killed_and_restarted() -> bool:
-                    rows = table_rows(browser, "faults")
-                    return any("ps-0" in r and "kill" in r for r in rows) and any(
-                        "ps-0" in r and "signal 9" in r and "restart" in r for r in rows
-                    )
-
-                wait_for(killed_and_restarted, "the kill on the fault timeline", 90, 0.5)
-                # Per-shard load and latency, the trainers' step times, the test metrics.
-                wait_for(lambda: plotted(browser, "fig-ps_latency"), "the PS plots", 60, 0.5)
-                wait_for(
-                    lambda: len(table_rows(browser, "trainers")) == 3,
-                    "three trainers' step times",
-                    timeout_s=60,
-                    interval_s=0.5,
-                )
-                wait_for(lambda: table_rows(browser, "tests") != [], "a pass's test metrics", 90)
-                assert plotted(browser, "fig-throughput")
-                ARTIFACTS.mkdir(parents=True, exist_ok=True)
-                browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
-
-                # Stopped: the page ends on exactly what status --json says.
-                stop = run_elasticps(
-                    ["stop", "--output", output, "--timeout-s", "120"], timeout_s=180
-                )
-                assert stop.returncode == 0, stop.stderr
-                assert job.wait(timeout=60) == 0
-                wait_for(lambda: text(browser, "state") == "stopped", "the stopped state", 30)
-                status = status_json(output)
-                assert status["state"] == "stopped"
-                for key, element in (
-                    ("tasks_done_all_passes", "tasks-done"),
-                    ("tasks_all_passes", "tasks-total"),
-                    ("pass", "pass"),
-                    ("passes", "passes"),
-                    ("samples", "samples"),
-                ):
-                    assert number(browser, element) == status[key], (key, status)
+                try:
+                    check_the_live_page(browser, output, job)
+                except AssertionError as exc:
+                    log = (tmp_path / "dashboard.log").read_text()[-2000:]
+                    raise AssertionError(f"{exc}\n{page_state(browser)}\n{log}") from exc
     finally:
         kill_leftovers(output / "pids.json")
+
+
+def check_the_live_page(browser: Any, output: Path, job: subprocess.Popen[str]) -> None:
+    """The page of a running job: it updates, follows status --json, shows the chaos kill
+    and the plots; then, the job stopped, it ends on exactly what status --json says."""
+    loaded_at = browser.execute_script("return window.dashboardLoadedAt")
+    # It updates without a reload, and its numbers follow the job's.
+    wait_for(lambda: (number(browser, "updates") or 0) >= 1, "a first update", 30)
+    first = number(browser, "tasks-done")
+    assert first is not None
+    wait_for(
+        lambda: (
+            (number(browser, "updates") or 0) >= 3 and (number(browser, "tasks-done") or 0) > first
+        ),
+        "two more updates, with progress",
+        timeout_s=60,
+        interval_s=0.2,
+    )
+    assert browser.execute_script("return window.dashboardLoadedAt") == loaded_at
+    shown = number(browser, "tasks-done")
+    status = status_json(output)
+    assert shown is not None and shown <= status["tasks_done_all_passes"]
+    assert number(browser, "tasks-total") == status["tasks_all_passes"]
+    assert number(browser, "passes") == status["passes"]
+    assert number(browser, "wanted") == status["wanted_trainers"] == 3
+    assert text(browser, "state") == "running"
+
+    # The chaos kill on the fault timeline, with what the supervisor did.
+    def killed_and_restarted() -> bool:
+        rows = table_rows(browser, "faults")
+        return any("ps-0" in r and "kill" in r for r in rows) and any(
+            "ps-0" in r and "signal 9" in r and "restart" in r for r in rows
+        )
+
+    wait_for(killed_and_restarted, "the kill on the fault timeline", 90, 0.5)
+    # Per-shard load and latency, the trainers' step times, the test metrics.
+    wait_for(lambda: plotted(browser, "fig-ps_latency"), "the PS plots", 60, 0.5)
+    three = lambda: len(table_rows(browser, "trainers")) == 3  # noqa: E731
+    wait_for(three, "three trainers' step times", timeout_s=60, interval_s=0.5)
+    wait_for(lambda: table_rows(browser, "tests") != [], "a pass's test metrics", 90)
+    assert plotted(browser, "fig-throughput")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+
+    # Stopped: the page ends on exactly what status --json says.
+    stop = run_elasticps(["stop", "--output", output, "--timeout-s", "120"], timeout_s=180)
+    assert stop.returncode == 0, stop.stderr
+    assert job.wait(timeout=60) == 0
+    wait_for(lambda: text(browser, "state") == "stopped", "the stopped state", 30)
+    status = status_json(output)
+    assert status["state"] == "stopped"
+    for key, element in (
+        ("tasks_done_all_passes", "tasks-done"),
+        ("tasks_all_passes", "tasks-total"),
+        ("pass", "pass"),
+        ("passes", "passes"),
+        ("samples", "samples"),
+    ):
+        assert number(browser, element) == status[key], (key, status)
 
 
 def report_in_browser(browser: Any, output: Path, name: str) -> Path:

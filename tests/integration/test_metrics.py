@@ -154,6 +154,16 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
                   ("todo", "pending", "done", "failed")]  # fmt: skip
         assert sum(states) == tasks_per_pass, states
     assert total(master[-1], "elasticps_master_task_reports_total", outcome="succeeded") > 0
+    # The counts agree with the ledger: every task done in an earlier pass or this one
+    # was reported once (a scrape may fall between a task's update and its count's,
+    # once per trainer at most).
+    for samples in master:
+        done = total(samples, "elasticps_master_pass") * tasks_per_pass + total(
+            samples, "elasticps_master_tasks", state="done"
+        )
+        reported = total(samples, "elasticps_master_task_reports_total", outcome="succeeded")
+        assert 0 <= done - reported <= 2, (done, reported)
+    assert total(master[-1], "elasticps_master_pass") >= EPOCHS - 1
     passes = [total(s, "elasticps_master_pass") for s in master]
     assert passes == sorted(passes) and passes[-1] > passes[0], passes
     # The launcher counts the supervisor's decisions: the killed trainer was replaced.
