@@ -271,17 +271,28 @@ def serve(host: str) -> str:
         return _SERVED[host]
 
 
-def register(store: JobStore, lease: KeptLease, role: str, role_id: str, address: str) -> None:
+def register(store: JobStore, lease: KeptLease, role: str, role_id: str, address: str) -> bool:
     """Publish ``address`` as the metrics target of ``role`` ``role_id``, under ``lease``.
 
-    Raises:
-        CoordinationError: etcd refused the write.
+    A failed write is logged, not raised: a role runs on without its target
+    listed (its metrics are still served). If the write failed because the
+    lease is gone, the role's own lease watch ends it, as it would anyway.
+
+    Returns:
+        Whether the target was written.
     """
-    store.put_json(
-        store.keys.metrics(f"{role}-{role_id}"),
-        {"address": address, "role": role, "id": role_id},
-        lease,
-    )
+    from elasticps.errors import CoordinationError
+
+    try:
+        store.put_json(
+            store.keys.metrics(f"{role}-{role_id}"),
+            {"address": address, "role": role, "id": role_id},
+            lease,
+        )
+    except CoordinationError as exc:
+        log.warning("%s %s: metrics target %s not published: %s", role, role_id, address, exc)
+        return False
+    return True
 
 
 STRAGGLER_FACTOR: Final = 2.0

@@ -87,6 +87,7 @@ from elasticps.errors import (
     ModelContractError,
     ServiceUnavailableError,
     StaleTaskError,
+    UnknownTrainerError,
 )
 from elasticps.events import BeginIteration, EndIteration, TrainingEvent
 from elasticps.master.client import MasterClient
@@ -704,6 +705,18 @@ class Trainer:
             log.warning(
                 "trainer %s: report of task %d rejected: %s", self.name, report.task_id, exc
             )
+            return None
+        except UnknownTrainerError as exc:
+            # etcd expired our lease while the task ran (an etcd leader lost for
+            # longer than the TTL, say), and the master took the task back with
+            # our registration: as above, nothing of it is applied twice. The
+            # loop registers again.
+            if not self._lease_lost.wait(self.config.common.lease_ttl_s):
+                raise  # our registration is gone while our lease lives: a bug
+            log.warning(
+                "trainer %s: report of task %d refused after the lease was lost: %s",
+                self.name, report.task_id, exc,
+            )  # fmt: skip
             return None
 
     def _call_master(
