@@ -94,7 +94,8 @@ def fault_rows(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         ``{"at" (unix s), "time" ("HH:MM:SS", local), "worker", "what", "then"}`` each:
         a chaos fault (``what`` ``kill``, ``pause``, ``damage``...; ``then`` the pid),
         or a decision (``what`` ``signal 9``, ``exit 1``...; ``then`` ``restart 1/3``,
-        ``replace``, ``fail (exit 1): ...``).
+        ``replace``, ``fail (exit 1): ...``; ``worker`` names the host its process
+        ran on, where the event log has it).
     """
     rows = []
     for event in events:
@@ -105,8 +106,9 @@ def fault_rows(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             row = {"worker": event.get("target", "?"), "what": event.get("action", "?")}
             row["then"] = then + (" (random)" if event.get("random") else "")
         elif kind == "decision" and event.get("role") != "job":
+            host = event.get("host")
             row = {
-                "worker": event.get("worker", "?"),
+                "worker": f"{event.get('worker', '?')}" + (f" on {host}" if host else ""),
                 "what": event.get("happened", "?"),
                 "then": event.get("decided", ""),
             }

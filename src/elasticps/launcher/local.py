@@ -1423,7 +1423,7 @@ class LocalLauncher:
 
     def _on_decision(self, decision: Decision) -> None:
         """Each decision as it is recorded: into the event log and the launcher's metrics."""
-        self.events.append("decision", decision.as_dict())
+        self.events.append("decision", self._fault_record(decision))
         if decision.role != "job":
             action = decision.decided.split()[0].rstrip(":") if decision.decided else "ignore"
             metrics.LAUNCHER_DECISIONS.labels(decision.role, action).inc()
