@@ -170,3 +170,43 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
     launcher = scraper.scrapes["launcher-0"][-1]
     assert total(launcher, "elasticps_launcher_decisions_total", role="trainer",
                  action="replace") >= 1  # fmt: skip
+
+
+def test_a_sync_job_with_a_sparse_table_publishes_its_barrier_wait_and_table_rows(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    write_dataset(data, RECORDS)
+    slow = data / "slow_audit_model.py"
+    slow.write_text(
+        (data / "audit_model.py").read_text() + SLOW_MODEL.replace("Model)", "SparseModel)")
+    )
+    out = tmp_path / "run"
+    args = train_args(data, out, "sync", 3)
+    args[args.index("--model") + 1] = str(slow)
+    scraper = _Scraper(out)
+    line, _ = run_train(
+        [*args, "--model-class", "SlowModel", "--records-per-task", str(RECORDS_PER_TASK)],
+        pids_file=out / "pids.json",
+        timeout_s=180,
+    )
+    scraper.result()
+    assert line["exactly_once"] is True
+    servers = [s for name, s in scraper.scrapes.items() if name.startswith("ps-")]
+    assert len(servers) == 2, sorted(scraper.scrapes)
+    for scrapes in servers:
+        first, last = scrapes[0], scrapes[-1]
+        for samples in scrapes:
+            for (sample, labels), _ in samples.items():
+                if sample.startswith("elasticps_"):
+                    assert {k for k, _ in labels} <= ALLOWED_LABELS | {"table"}, labels
+        assert total(last, "elasticps_ps_sync_wait_seconds_count") > total(
+            first, "elasticps_ps_sync_wait_seconds_count"
+        )
+        tables = {dict(labels).get("table") for (name, labels) in last if "_table_" in name}
+        assert tables and None not in tables, tables
+        assert total(last, "elasticps_ps_table_rows") > 0
+        assert total(last, "elasticps_ps_table_admitted_rows_total") >= total(
+            last, "elasticps_ps_table_rows"
+        )
+        assert total(last, "elasticps_ps_table_bytes") > 0
