@@ -22,6 +22,7 @@ import pytest
 from elasticps.testing import kill_leftovers, run_elasticps, wait_for
 from elasticps.testing.audit import check_run, write_dataset
 from elasticps.testing.broker import Broker, create_topic, produce_json
+from elasticps.testing.scrape import MetricsScraper, total
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -112,6 +113,7 @@ def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
     audit_dir = tmp_path / "audit"
     write_dataset(audit_dir, RECORDS)
     producer = produce_audit_rows(broker, "audit-kills", tmp_path / "run", seconds=8.0)
+    scraper = MetricsScraper(tmp_path / "run")
     proc, record = run_stream_job(
         broker,
         "audit-kills",
@@ -121,6 +123,7 @@ def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
         extra=("--tensorboard", str(tmp_path / "tb")),
     )
     producer.join(timeout=30)
+    scraper.result()
     audit = check_run(tmp_path / "run", passes=1)
     assert audit.exactly_once, audit.as_dict()
     line = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -141,6 +144,11 @@ def test_every_offset_is_trained_once_across_trainer_ps_and_master_kills(
     lag = events.Scalars("stream/lag_records")
     assert lag and [e.step for e in lag] == sorted(e.step for e in lag)
     assert all(e.value >= 0 for e in lag)
+    # And a metric of the active master (of each master in turn).
+    masters = [s for name, s in scraper.scrapes.items() if name.startswith("master-")]
+    gauge = "elasticps_master_stream_lag_records"
+    assert any((gauge, ()) in samples for scrapes in masters for samples in scrapes), masters
+    assert any(total(samples, gauge) > 0 for scrapes in masters for samples in scrapes)
 
 
 def test_a_stopped_stream_job_resumes_from_exactly_the_offsets_its_checkpoint_holds(

@@ -4,17 +4,13 @@ launcher writes, parsed with ``prometheus_client``'s own text parser."""
 from __future__ import annotations
 
 import json
-import threading
-import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from elasticps.jobs import _trainer_steps
 from elasticps.testing import run_train
 from elasticps.testing.audit import check_run, train_args, write_dataset
+from elasticps.testing.scrape import MetricsScraper, total
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -34,69 +30,6 @@ class SlowModel(Model):
 # The labels a metric of the job may carry: bounded sets only (a histogram's `le`).
 ALLOWED_LABELS = {"shard", "result", "reason", "state", "outcome", "le", "role", "action"}
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-class _Scraper:
-    """On a thread: every 0.3 s, read the targets file and scrape every target."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.scrapes: dict[str, list[Samples]] = {}
-        self.targets: list[dict[str, object]] = []
-        self.steps: list[dict[str, object]] = []  # what `elasticps status` shows of them
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self.stop.wait(0.3):
-                try:
-                    groups = json.loads((self.out / "prometheus-targets.json").read_text())
-                except (OSError, ValueError):
-                    continue
-                self.targets = groups
-                steps = _trainer_steps(SimpleNamespace(output=self.out))  # type: ignore[arg-type]
-                if steps:
-                    self.steps.append(steps)
-                for group in groups:
-                    labels = group["labels"]
-                    name = f"{labels['role']}-{labels['id']}"
-                    try:
-                        samples = scrape(group["targets"][0])
-                    except OSError:
-                        continue  # it ended since the file was written
-                    self.scrapes.setdefault(name, []).append(samples)
-        except BaseException as exc:
-            self.error = exc
-
-    def result(self) -> None:
-        self.stop.set()
-        self._thread.join(timeout=10)
-        if self.error is not None:
-            raise self.error
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(
-        value
-        for (sample, got), value in samples.items()
-        if sample == name and set(labels.items()) <= set(got)
-    )
-
 
 def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -> None:
     data = tmp_path / "data"
@@ -106,7 +39,7 @@ def test_every_role_serves_metrics_that_move_as_the_job_trains(tmp_path: Path) -
     out = tmp_path / "run"
     args = train_args(data, out, "async", EPOCHS)
     args[args.index("--model") + 1] = str(slow)
-    scraper = _Scraper(out)
+    scraper = MetricsScraper(out)
     extra = ["--model-class", "SlowModel", "--records-per-task", str(RECORDS_PER_TASK)]
     line, _ = run_train(
         [*args, *extra, "--chaos", "kill:trainer@40%"],
@@ -184,7 +117,7 @@ def test_a_sync_job_with_a_sparse_table_publishes_its_barrier_wait_and_table_row
     out = tmp_path / "run"
     args = train_args(data, out, "sync", 3)
     args[args.index("--model") + 1] = str(slow)
-    scraper = _Scraper(out)
+    scraper = MetricsScraper(out)
     line, _ = run_train(
         [*args, "--model-class", "SlowModel", "--records-per-task", str(RECORDS_PER_TASK)],
         pids_file=out / "pids.json",
