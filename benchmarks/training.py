@@ -149,7 +149,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -508,16 +507,11 @@ class Scraper:
         self._thread.start()
 
     def _run(self) -> None:
-        from elasticps.jobs import metrics_targets
+        from elasticps.jobs import scrape_targets
 
         while not self._stop.wait(self.every_s):
             for role in ("launcher", "master", "ps", "trainer"):
-                for _, address in metrics_targets(self.output, role):
-                    with contextlib.suppress(OSError):
-                        url = f"http://{address}/metrics"
-                        with urllib.request.urlopen(url, timeout=2) as reply:
-                            reply.read()
-                        self.scrapes += 1
+                self.scrapes += sum(1 for _ in scrape_targets(self.output, role))
 
     def stop(self) -> None:
         self._stop.set()

@@ -151,12 +151,14 @@ def cmd_report(args: argparse.Namespace, core_api: Callable[[argparse.Namespace]
         print(write_report(Path(args.target), args.to))
         return 0
     from elasticps.launcher.kubernetes import job_logs, job_status, pod_name
+    from elasticps.launcher.supervisor import Decision, failing_worker
     from elasticps.pserver.atomic import write_atomic
 
     api = core_api(args)
     status = job_status(api, args.namespace, args.target)
     logs: dict[str, str] = {}
-    worker = _failing_worker(status.get("decisions") or [])
+    decisions = [d for d in map(Decision.from_dict, status.get("decisions") or []) if d]
+    worker = failing_worker(decisions)
     if worker is not None:  # a PS's or a trainer's pod is named after it
         role = worker.partition("-")[0]
         for pod, text in job_logs(api, args.namespace, args.target, role, tail_lines=30):
@@ -166,15 +168,6 @@ def cmd_report(args: argparse.Namespace, core_api: Callable[[argparse.Namespace]
     write_atomic(target, build_kubernetes_report(status, logs).encode())
     print(target.resolve())
     return 0
-
-
-def _failing_worker(decisions: list[Any]) -> str | None:
-    """The worker of the last decision that failed the job (see
-    :func:`elasticps.launcher.supervisor.failing_worker`), from ``run.json``-style dicts."""
-    for d in reversed(decisions):
-        if isinstance(d, dict) and str(d.get("decided", "")).startswith("fail"):
-            return str(d.get("worker"))
-    return None
 
 
 def _check_local(args: argparse.Namespace) -> None:

@@ -22,11 +22,9 @@ reach it, and takes no input but the URL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-import urllib.request
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Any, Final
 
 from elasticps import jobview
 from elasticps.extras import require_extra
-from elasticps.jobs import metrics_targets, read_run, run_status
+from elasticps.jobs import read_run, run_status, shard_loads
 from elasticps.launcher.job_events import read_events
 
 __all__ = ["DEFAULT_INTERVAL_S", "Dashboard", "serve"]
@@ -95,7 +93,10 @@ class Dashboard:
             if status["state"] == "running":
                 # A shard whose server is restarting keeps its last values.
                 self._shards = dict(
-                    sorted({**self._shards, **self._scrape_shards()}.items(), key=_by_index)
+                    sorted(
+                        {**self._shards, **shard_loads(self.output, _SCRAPE_TIMEOUT_S)}.items(),
+                        key=_by_index,
+                    )
                 )
         events = read_events(self.output)
         rate = jobview.throughput(history)
@@ -115,18 +116,6 @@ class Dashboard:
             "interval_s": self.interval_s,
         }
         return self.view
-
-    def _scrape_shards(self) -> dict[str, dict[str, float]]:
-        """Each shard's load, from the parameter servers' metrics ({} when none answers)."""
-        from elasticps import metrics
-
-        shards: dict[str, dict[str, float]] = {}
-        for _, address in metrics_targets(self.output, "ps"):
-            with contextlib.suppress(OSError, ValueError):
-                url = f"http://{address}/metrics"
-                with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as reply:
-                    shards.update(metrics.shard_load(reply.read().decode()))
-        return shards
 
 
 def _by_index(item: tuple[str, object]) -> int:

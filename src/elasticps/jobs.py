@@ -64,6 +64,8 @@ __all__ = [
     "request_stop",
     "run_status",
     "run_summary",
+    "scrape_targets",
+    "shard_loads",
     "state_dir",
 ]
 
@@ -361,20 +363,44 @@ def metrics_targets(output: Path, role: str) -> list[tuple[str, str]]:
     return found
 
 
+def scrape_targets(output: Path, role: str, timeout_s: float = 2.0) -> Iterator[tuple[str, str]]:
+    """``(id, Prometheus text)`` of each ``role`` target of ``metrics_targets`` that
+    answers within ``timeout_s`` seconds (one that ended since the file was written
+    is skipped)."""
+    import urllib.request
+
+    for role_id, address in metrics_targets(output, role):
+        try:
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as reply:
+                text = reply.read().decode()
+        except (OSError, ValueError):
+            continue
+        yield role_id, text
+
+
+def shard_loads(output: Path, timeout_s: float = 2.0) -> dict[str, dict[str, float]]:
+    """Each PS shard's load (:func:`elasticps.metrics.shard_load`) from the parameter
+    servers' metrics, by shard ({} when none answers)."""
+    from elasticps import metrics
+
+    loads: dict[str, dict[str, float]] = {}
+    for _, text in scrape_targets(output, "ps", timeout_s):
+        with contextlib.suppress(ValueError):
+            loads.update(metrics.shard_load(text))
+    return loads
+
+
 def _trainer_steps(run: LocalRun) -> dict[str, Any]:
     """Each live trainer's mean step time, scraped from its metrics (the targets the
     launcher lists in ``OUTPUT/prometheus-targets.json``), and the stragglers among them."""
-    import urllib.request
-
     from elasticps import metrics
 
     steps: dict[str, float] = {}
-    for role_id, address in metrics_targets(run.output, "trainer"):
+    for role_id, text in scrape_targets(run.output, "trainer"):
         try:
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as reply:
-                mean = metrics.mean_step_s(reply.read().decode())
-        except (OSError, ValueError):
-            continue  # it ended since the file was written
+            mean = metrics.mean_step_s(text)
+        except ValueError:
+            continue
         if mean is not None:
             steps[role_id] = round(mean, 4)
     if not steps:

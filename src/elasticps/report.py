@@ -220,11 +220,8 @@ def build_kubernetes_report(status: Mapping[str, Any], logs: Mapping[str, str]) 
     from elasticps.launcher.supervisor import Decision, root_cause
 
     require_extra("dashboard", "elasticps report")
-    decisions = [
-        d
-        for d in status.get("decisions") or []
-        if isinstance(d, dict) and isinstance(d.get("at"), int | float)
-    ]
+    decisions = [d for d in status.get("decisions") or [] if Decision.from_dict(d) is not None]
+    parsed = [d for d in map(Decision.from_dict, decisions) if d is not None]
     record: dict[str, Any] = {
         "job": status.get("job", "?"),
         "state": status.get("state", "?"),
@@ -233,8 +230,6 @@ def build_kubernetes_report(status: Mapping[str, Any], logs: Mapping[str, str]) 
         "decisions": decisions,
     }
     if record["state"] == "failed":
-        fields = ("at", "role", "worker", "happened", "decided", "message")
-        parsed = [Decision(**{k: d[k] for k in fields if k in d}) for d in decisions]
         cause, after = root_cause(parsed, None)
         record["root_cause"] = cause.as_dict() if cause is not None else None
         record["consequences"] = [d.as_dict() for d in after]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from elasticps.launcher.spawn import terminate, wait_or_kill
 from elasticps.testing import kill_leftovers, run_elasticps, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -45,13 +45,8 @@ def background(args: list[str | Path], log: Path) -> Iterator[subprocess.Popen[s
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate([proc])
+        wait_or_kill([proc], 30)
 
 
 def status_json(output: Path, *, starting_ok: bool = False) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from elasticps.launcher.spawn import terminate, wait_or_kill
 from elasticps.testing import pid_gone, run_elasticps, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -119,13 +120,8 @@ def running_job(mnist_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Po
     try:
         yield proc, output
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate([proc])
+        wait_or_kill([proc], 30)
         kill_leftovers(output)
 
 

@@ -50,3 +50,13 @@ def test_without_a_failing_worker_the_failing_decision_names_it_and_no_fault_giv
     ps = fault(5.0, "ps-0", "signal 9", "fail (exit 1): no restarts left")
     assert root_cause([ps], None)[0] is ps
     assert root_cause([Decision(1.0, "job", "job", "finished", "ignore: done")], None) == (None, [])
+
+
+def test_a_decision_reads_back_from_its_record_and_a_malformed_one_is_none() -> None:
+    decision = Decision(5.25, "ps", "ps-0", "signal 9", "restart 1/3", "boom")
+    assert Decision.from_dict(decision.as_dict()) == decision
+    assert Decision.from_dict({**fault(1.0, "ps-0", "exit 1").as_dict(), "host": "h"}) == fault(
+        1.0, "ps-0", "exit 1"
+    )
+    for bad in (None, [], {"at": "x"}, {**decision.as_dict(), "worker": 3}):
+        assert Decision.from_dict(bad) is None

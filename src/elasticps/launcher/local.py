@@ -55,7 +55,6 @@ import tempfile
 import threading
 import time
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -105,7 +104,7 @@ from elasticps.errors import (
     ServiceUnavailableError,
 )
 from elasticps.evaluate import checkpoint_tables, evaluate
-from elasticps.jobs import metrics_targets
+from elasticps.jobs import shard_loads
 from elasticps.launcher.backend import Role, WorkerEvent, WorkerSpec, WorkerState
 from elasticps.launcher.chaos import ChaosEvent, RandomChaos
 from elasticps.launcher.checkpoint_health import CheckpointHealthWatch
@@ -966,21 +965,11 @@ class LocalLauncher:
         if now < self._staleness_due and not now_or_never:
             return
         self._staleness_due = now + _STALENESS_EVERY_S
-        loads = self._shard_loads()
+        loads = shard_loads(self.config.output, _SCRAPE_TIMEOUT_S)
         mean = metrics.staleness_since(self._staleness_seen, loads)
         self._staleness_seen = {**self._staleness_seen, **loads}
         if mean is not None:
             scalars.staleness(mean)
-
-    def _shard_loads(self) -> dict[str, dict[str, float]]:
-        """Each PS shard's load from its metrics, for the TensorBoard staleness."""
-        loads: dict[str, dict[str, float]] = {}
-        for _, address in metrics_targets(self.config.output, "ps"):
-            with contextlib.suppress(OSError, ValueError):
-                url = f"http://{address}/metrics"
-                with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as reply:
-                    loads.update(metrics.shard_load(reply.read().decode()))
-        return loads
 
     def _write_targets(self, store: JobStore) -> None:
         """Write ``OUTPUT/prometheus-targets.json`` from the roles' ``metrics/`` keys when

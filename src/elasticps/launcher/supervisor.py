@@ -589,6 +589,19 @@ class Decision:
             record["message"] = self.message
         return record
 
+    @classmethod
+    def from_dict(cls, record: object) -> Decision | None:
+        """The decision :meth:`as_dict` wrote (``run.json``'s, a state record's), or None
+        for a record that is not one (missing or ill-typed fields). Pure."""
+        if not isinstance(record, dict) or not isinstance(record.get("at"), int | float):
+            return None
+        fields = [record.get(k) for k in ("role", "worker", "happened", "decided")]
+        message = record.get("message", "")
+        if not all(isinstance(f, str) for f in fields) or not isinstance(message, str):
+            return None
+        role, worker, happened, decided = (str(f) for f in fields)
+        return cls(float(record["at"]), role, worker, happened, decided, message)
+
 
 def decision_of(at: float, event: Event, action: Action) -> Decision | None:
     """The record of the policy's ``action`` on ``event``, or None for task progress.
