@@ -160,11 +160,14 @@ def check_the_live_page(browser: Any, output: Path, job: subprocess.Popen[str]) 
     assert number(browser, "wanted") == status["wanted_trainers"] == 3
     assert text(browser, "state") == "running"
 
-    # The chaos kill on the fault timeline, with what the supervisor did.
+    # The chaos kill on the fault timeline, with what the supervisor did. The kill
+    # names the slot (ps-0), the decision the process that held it: the launcher's
+    # ps-0 or ps-1, whichever claimed slot 0.
     def killed_and_restarted() -> bool:
-        rows = table_rows(browser, "faults")
-        return any("ps-0" in r and "kill" in r for r in rows) and any(
-            "ps-0" in r and "signal 9" in r and "restart" in r for r in rows
+        rows = [r.split("\t") for r in table_rows(browser, "faults")]
+        return any(r[1:3] == ["ps-0", "kill"] for r in rows) and any(
+            r[1].startswith("ps-") and r[2] == "signal 9" and r[3].startswith("restart")
+            for r in rows
         )
 
     wait_for(killed_and_restarted, "the kill on the fault timeline", 90, 0.5)
